@@ -1,0 +1,45 @@
+# sluice: the two commands are `make run` and `make test`; each sets itself up from a fresh clone.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PYTHON ?= python3
+# A local CPU build of torch, when the machine has one (these machines do), avoids a multi-GB CUDA
+# download. Elsewhere set TORCH_INDEX_URL to PyTorch's CPU wheel index, or install torch yourself.
+TORCH_WHEEL_DIR ?= /opt/wheels
+TORCH_INDEX_URL ?=
+TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-unit test-kernels lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PIP) install -q --upgrade pip
+	@wheel=$$(ls $(TORCH_WHEEL_DIR)/torch-*+cpu-cp3*.whl 2>/dev/null | sort | tail -n 1); \
+	if $(PY) -c "import torch" 2>/dev/null; then echo "torch: already installed"; \
+	elif [ -n "$$wheel" ]; then echo "torch: installing the local CPU build $$wheel"; $(PIP) install -q "$$wheel"; \
+	elif [ -n "$(TORCH_INDEX_URL)" ]; then $(PIP) install -q torch --index-url "$(TORCH_INDEX_URL)"; \
+	else echo "torch: no local CPU wheel in $(TORCH_WHEEL_DIR) and no TORCH_INDEX_URL; pip will choose"; fi
+	@$(PIP) install -q -e ".[dev]"
+	@touch $@
+
+run: install
+	$(VENV)/bin/sluice serve
+
+test: install
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+test-unit: install
+	$(VENV)/bin/pytest -m unit $(PYTEST_ARGS)
+
+test-kernels: install
+	$(VENV)/bin/pytest tests/kernels $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check sluice gateway workers kernels tests bench
+
+clean:
+	rm -rf $(VENV) var .pytest_cache

@@ -1,0 +1,1 @@
+"""Gateway persistence: SQLAlchemy 2 async models, sessions and Alembic migrations."""

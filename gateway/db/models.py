@@ -1,0 +1,100 @@
+"""Tables of the gateway: tenants, API keys, quotas, daily usage, audit log, admin token.
+
+The schema is created ONLY by Alembic (migrations/versions); a test checks this module and the
+migrated schema agree on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, Date, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from sluice.gateway.db.base import Base, UTCDateTime, utcnow
+
+QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "max_concurrent",
+                "max_queued", "max_prompt_tokens", "max_output_tokens")
+
+
+class Tenant(Base):
+    __tablename__ = "tenant"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    description: Mapped[str] = mapped_column(Text, default="")
+    priority_ceiling: Mapped[str] = mapped_column(String(16))  # interactive | standard | batch
+    default_class: Mapped[str] = mapped_column(String(16))
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    allowed_models: Mapped[list[str]] = mapped_column(JSON, default=list)  # empty = every model
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    quota: Mapped[Quota] = relationship(back_populates="tenant", uselist=False, lazy="joined")
+
+
+class ApiKey(Base):
+    __tablename__ = "api_key"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenant.id", ondelete="CASCADE"), index=True)
+    prefix: Mapped[str] = mapped_column(String(32))  # visible part, e.g. sk-slc-ab12cd
+    hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the whole key
+    name: Mapped[str] = mapped_column(String(100), default="")
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    last_used_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class Quota(Base):
+    """One row per tenant; NULL = unlimited."""
+
+    __tablename__ = "quota"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenant.id", ondelete="CASCADE"), primary_key=True)
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    tokens_per_day: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_queued: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_output_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="quota")
+
+    def limits(self) -> dict[str, int | None]:
+        return {name: getattr(self, name) for name in QUOTA_FIELDS}
+
+
+class UsageDaily(Base):
+    __tablename__ = "usage_daily"
+    __table_args__ = (UniqueConstraint("tenant_id", "model", "day"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenant.id", ondelete="CASCADE"))
+    model: Mapped[str] = mapped_column(String(200))
+    day: Mapped[dt.date] = mapped_column(Date)  # UTC
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class AuditLog(Base):
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(100))
+    action: Mapped[str] = mapped_column(String(100))
+    target: Mapped[str] = mapped_column(String(200))
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # never holds secrets
+
+
+class AdminToken(Base):
+    __tablename__ = "admin_token"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)

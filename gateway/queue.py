@@ -1,0 +1,302 @@
+"""Kafka for the gateway: class topics, the durable request log and its consumers.
+
+Every accepted request is written to `{prefix}.requests.{class}` (msgspec msgpack, keyed by
+tenant, acks=all) before the client hears "accepted". The gateway's own consumers read those
+topics back into the in-memory fair scheduler; an offset is committed only once the request is
+finished, tracked per partition by `PartitionWatermark` (commit the lowest unfinished offset), so
+a restarted gateway replays exactly the unfinished requests (and maybe a few finished ones whose
+commit had not gone out yet: callers de-duplicate by request id).
+
+One consumer (and consumer group) per class: a flood in the batch topic is paused on its own
+consumer and never delays fetching the interactive topic. Only the plain Kafka protocol is used
+so the embedded Tansu broker and Apache Kafka behave the same (see KAFKA-NOTES.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError
+
+from sluice.protocol import GenerateRequest, Priority
+from sluice.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(GenerateRequest)
+
+
+class QueueUnavailable(Exception):
+    """The broker did not take the request in time; the message says what happened."""
+
+
+def topic_name(settings: KafkaSettings, priority: Priority) -> str:
+    return f"{settings.topic_prefix}.requests.{priority.label}"
+
+
+def encode_request(request: GenerateRequest) -> bytes:
+    return _encoder.encode(request)
+
+
+def decode_request(data: bytes) -> GenerateRequest:
+    return _decoder.decode(data)
+
+
+async def ensure_topics(settings: KafkaSettings, timeout_s: float = 10.0) -> None:
+    """Create the class topics that are missing. Existing topics are left as they are.
+
+    Missing topics are found by listing, not by catching TopicAlreadyExists: Tansu answers
+    success for an existing topic.
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers,
+                                request_timeout_ms=int(timeout_s * 1000))
+    try:
+        await asyncio.wait_for(admin.start(), timeout_s)
+        existing = set(await asyncio.wait_for(admin.list_topics(), timeout_s))
+        wanted = [topic_name(settings, p) for p in Priority]
+        missing = [
+            NewTopic(name, num_partitions=settings.partitions,
+                     replication_factor=settings.replication_factor,
+                     topic_configs={"retention.ms": str(settings.retention_ms)})
+            for name in wanted if name not in existing
+        ]
+        if missing:
+            await asyncio.wait_for(admin.create_topics(missing), timeout_s)
+            log.info("created topics %s", ", ".join(t.name for t in missing))
+    except (TimeoutError, KafkaError, OSError) as exc:
+        raise QueueUnavailable(
+            f"cannot reach the Kafka broker at {settings.bootstrap_servers} to create topics ({exc!r})"
+        ) from exc
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.close()
+
+
+class RequestLog:
+    """The producer side: `append()` returns once the broker acknowledged the request (acks=all)."""
+
+    def __init__(self, settings: KafkaSettings, produce_timeout_s: float = 5.0) -> None:
+        self._settings = settings
+        self._timeout = produce_timeout_s
+        self._producer: AIOKafkaProducer | None = None
+
+    async def start(self) -> None:
+        s = self._settings
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=s.bootstrap_servers,
+            acks="all",
+            enable_idempotence=s.enable_idempotence,
+            max_request_size=s.max_request_bytes,
+            request_timeout_ms=int(self._timeout * 1000),
+            linger_ms=0,
+        )
+        try:
+            await asyncio.wait_for(self._producer.start(), self._timeout * 2)
+        except (TimeoutError, KafkaError, OSError) as exc:
+            with contextlib.suppress(Exception):
+                await self._producer.stop()
+            self._producer = None
+            raise QueueUnavailable(f"cannot connect to the Kafka broker at {s.bootstrap_servers} ({exc!r})") from exc
+
+    async def stop(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(producer.stop(), self._timeout)
+
+    async def append(self, request: GenerateRequest) -> None:
+        if self._producer is None:
+            raise QueueUnavailable("the request queue is not started")
+        topic = topic_name(self._settings, request.priority)
+        try:
+            # Bounded: with the broker gone, aiokafka would otherwise retry for a long time.
+            await asyncio.wait_for(
+                self._producer.send_and_wait(topic, encode_request(request),
+                                             key=request.tenant_id.encode()),
+                self._timeout,
+            )
+        except TimeoutError:
+            raise QueueUnavailable(
+                f"the request queue (Kafka at {self._settings.bootstrap_servers}) did not acknowledge "
+                f"within {self._timeout:g}s; try again later"
+            ) from None
+        except KafkaError as exc:
+            raise QueueUnavailable(f"the request queue rejected the request ({exc!r}); try again later") from exc
+
+
+class PartitionWatermark:
+    """Offsets of one partition: commit the lowest unfinished offset (all below it are finished)."""
+
+    def __init__(self) -> None:
+        self._unfinished: set[int] = set()
+        self._heap: list[int] = []  # min-heap of unfinished offsets, lazily cleaned
+        self._next = 0  # one past the highest offset seen
+        self.committable: int | None = None  # what should be committed (None = nothing seen)
+
+    def track(self, offset: int) -> None:
+        if offset in self._unfinished:
+            return
+        self._unfinished.add(offset)
+        heapq.heappush(self._heap, offset)
+        self._next = max(self._next, offset + 1)
+
+    def finish(self, offset: int) -> int | None:
+        """Marks `offset` finished; returns the new commit offset if it advanced."""
+        self._unfinished.discard(offset)
+        while self._heap and self._heap[0] not in self._unfinished:
+            heapq.heappop(self._heap)
+        low = self._heap[0] if self._heap else self._next
+        if self.committable is None or low > self.committable:
+            self.committable = low
+            return low
+        return None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._unfinished)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRef:
+    """Where a consumed request sits in Kafka; handed back to `ClassConsumer.finish`."""
+
+    priority: Priority
+    partition: TopicPartition
+    offset: int
+
+
+OnRequest = Callable[[GenerateRequest, RecordRef], Awaitable[None]]
+
+
+class ClassConsumer:
+    """Reads one class topic into `on_request`; commits finished offsets; pausable."""
+
+    def __init__(self, settings: KafkaSettings, priority: Priority, on_request: OnRequest,
+                 *, commit_interval_s: float = 0.05) -> None:
+        self.priority = priority
+        self._settings = settings
+        self._on_request = on_request
+        self._commit_interval = commit_interval_s
+        self._consumer: AIOKafkaConsumer | None = None
+        self._marks: dict[TopicPartition, PartitionWatermark] = {}
+        self._to_commit: dict[TopicPartition, int] = {}
+        self._commit_wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(m.num_unfinished for m in self._marks.values())
+
+    async def start(self) -> None:
+        s = self._settings
+        self._consumer = AIOKafkaConsumer(
+            topic_name(s, self.priority),
+            bootstrap_servers=s.bootstrap_servers,
+            group_id=f"{s.consumer_group}.{self.priority.label}",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_partition_fetch_bytes=s.max_request_bytes,
+            fetch_max_bytes=max(s.max_request_bytes, 50 * 2**20),
+        )
+        await self._consumer.start()
+        self._tasks = [asyncio.create_task(self._fetch_loop(), name=f"consume-{self.priority.label}"),
+                       asyncio.create_task(self._commit_loop(), name=f"commit-{self.priority.label}")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            with contextlib.suppress(Exception):
+                await self._flush_commits(consumer)
+            with contextlib.suppress(Exception):
+                await consumer.stop()
+
+    def pause(self) -> None:
+        if self._consumer is not None and not self._paused:
+            self._consumer.pause(*self._consumer.assignment())
+            self._paused = True
+
+    def resume(self) -> None:
+        if self._consumer is not None and self._paused:
+            self._consumer.resume(*self._consumer.assignment())
+            self._paused = False
+
+    def finish(self, ref: RecordRef) -> None:
+        """The request at `ref` is finished: its offset may be committed (once all below are)."""
+        mark = self._marks.get(ref.partition)
+        if mark is None:
+            return
+        new = mark.finish(ref.offset)
+        if new is not None:
+            self._to_commit[ref.partition] = new
+            self._commit_wakeup.set()
+
+    async def _fetch_loop(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None  # started; internal invariant
+        while True:
+            try:
+                batches = await consumer.getmany(timeout_ms=200, max_records=500)
+            except KafkaError as exc:
+                log.warning("fetching %s failed (%r); retrying", self.priority.label, exc)
+                await asyncio.sleep(0.5)
+                continue
+            if self._paused:
+                # A fetch already in flight when we paused: keep its records, they are cheap.
+                for tp in batches:
+                    consumer.pause(tp)
+            for tp, records in batches.items():
+                mark = self._marks.setdefault(tp, PartitionWatermark())
+                for record in records:
+                    mark.track(record.offset)
+                    ref = RecordRef(self.priority, tp, record.offset)
+                    try:
+                        request = decode_request(record.value)
+                    except msgspec.DecodeError as exc:
+                        log.error("skipping an undecodable record at %s:%d (%s)", tp, record.offset, exc)
+                        self.finish(ref)
+                        continue
+                    await self._on_request(request, ref)
+
+    async def _commit_loop(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None  # started; internal invariant
+        while True:
+            await self._commit_wakeup.wait()
+            self._commit_wakeup.clear()
+            try:
+                await self._flush_commits(consumer)
+            except KafkaError as exc:
+                log.warning("committing %s offsets failed (%r); will retry", self.priority.label, exc)
+            await asyncio.sleep(self._commit_interval)  # coalesce bursts of finishes
+
+    async def _flush_commits(self, consumer: AIOKafkaConsumer) -> None:
+        offsets, self._to_commit = self._to_commit, {}
+        if not offsets:
+            return
+        try:
+            await consumer.commit(offsets)
+        except Exception:
+            for tp, off in offsets.items():  # keep them for the next attempt
+                self._to_commit[tp] = max(off, self._to_commit.get(tp, off))
+            self._commit_wakeup.set()
+            raise

@@ -1,0 +1,210 @@
+"""Paged attention over a block-structured KV cache: metadata and the torch reference.
+
+Layout shared by every backend:
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  a token's cache slot = block_id * block_size + offset_in_block
+A batch is a flat list of query tokens (prefill chunks and decodes mixed). Sequence b owns
+query rows query_start_loc[b]:query_start_loc[b+1]; its context (cached prefix plus the new
+tokens, already written to the cache) has seq_lens[b] tokens, so its i-th query token sits at
+position seq_lens[b] - q_len_b + i and attends causally to positions 0..that position.
+
+Two torch implementations live here: `paged_attention_ref`, a per-sequence loop that is the
+ground truth every other implementation is tested against, and `paged_attention_torch`, the
+batched CPU hot path (padded gather + one masked softmax per group of sequences) that
+`Ops("torch")` uses. The Triton kernels live in `paged_decode.py` and `paged_prefill.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32: context length including the new tokens
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # Host-side copies so the torch path never synchronises with the device.
+    query_start_loc_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Torch reference: gather each sequence's K/V from its blocks and run causal attention."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc_host
+    for b, seq_len in enumerate(meta.seq_lens_host):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = meta.block_tables[b, :num_blocks].long()
+        # k, v: [seq_len, Hkv, D] gathered from the paged cache
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        qb = q[q_start:q_end].transpose(0, 1).float()  # [Hq, q_len, D]
+        scores = torch.matmul(qb, k.transpose(0, 1).transpose(1, 2).float()) * scale  # [Hq, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        causal = k_pos[None, :] > q_pos[:, None]
+        scores.masked_fill_(causal[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.matmul(probs, v.transpose(0, 1).float()).transpose(0, 1).to(q.dtype)
+    return out
+
+
+# Upper bound on the float32 elements one padded group may materialise (scores plus gathered
+# K and V): 2**25 elements = 128 MiB. Larger batches are split into several groups, and a chunk
+# too large on its own is split by query rows.
+_GROUP_ELEMENT_BUDGET = 1 << 25
+
+
+class _Piece(NamedTuple):
+    """Query rows token_start .. token_start + num_rows of sequence `seq`; the last row sits at
+    position context_len - 1 (so it sees keys 0 .. context_len - 1, earlier rows fewer)."""
+
+    seq: int
+    token_start: int
+    num_rows: int
+    context_len: int
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Batched torch implementation with the same semantics as `paged_attention_ref`.
+
+    Sequences are split into decodes (one query token) and chunks (several), and each kind is
+    cut into groups that fit `_GROUP_ELEMENT_BUDGET`; each group gathers its K/V into a padded
+    [G, L, Hkv, D] tensor and runs one masked softmax per KV head, so a decode batch costs a
+    handful of large matmuls instead of one small matmul chain per sequence.
+    """
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc_host
+    decodes: list[_Piece] = []
+    chunks: list[_Piece] = []
+    for b in range(meta.num_seqs):
+        q_len, seq_len = starts[b + 1] - starts[b], meta.seq_lens_host[b]
+        if q_len == 1:
+            decodes.append(_Piece(b, starts[b], 1, seq_len))
+            continue
+        # Rows per piece so that one piece alone fits the budget (at least one row).
+        kv_cost = 2 * seq_len * num_kv_heads * head_dim
+        rows = max(1, (_GROUP_ELEMENT_BUDGET - kv_cost) // max(num_q_heads * seq_len, 1))
+        for first in range(0, q_len, rows):
+            n = min(rows, q_len - first)
+            chunks.append(_Piece(b, starts[b] + first, n, seq_len - q_len + first + n))
+    for pieces in (decodes, chunks):
+        for group in _split_by_budget(pieces, num_q_heads, num_kv_heads, head_dim):
+            _attend_group(q, k_cache, v_cache, meta, scale, group, out)
+    return out
+
+
+def _split_by_budget(
+    pieces: Sequence[_Piece], num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> list[list[_Piece]]:
+    """Greedy split, in order, so each group's padded tensors stay under the element budget."""
+    groups: list[list[_Piece]] = []
+    current: list[_Piece] = []
+    max_q = max_l = 0
+    for piece in pieces:
+        new_q, new_l = max(max_q, piece.num_rows), max(max_l, piece.context_len)
+        per_piece = new_q * num_q_heads * new_l + 2 * new_l * num_kv_heads * head_dim
+        if current and per_piece * (len(current) + 1) > _GROUP_ELEMENT_BUDGET:
+            groups.append(current)
+            current, new_q, new_l = [], piece.num_rows, piece.context_len
+        current.append(piece)
+        max_q, max_l = new_q, new_l
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _attend_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    group: list[_Piece],
+    out: torch.Tensor,
+) -> None:
+    """Padded attention for the pieces in `group`; writes their rows of `out`."""
+    device = q.device
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group_size = num_q_heads // num_kv_heads
+    max_q = max(p.num_rows for p in group)
+    max_len = max(p.context_len for p in group)
+    num_pieces = len(group)
+
+    q_starts = torch.tensor([p.token_start for p in group], device=device)
+    q_lens = torch.tensor([p.num_rows for p in group], device=device)
+    ctx_lens = torch.tensor([p.context_len for p in group], device=device)
+    rows = torch.arange(max_q, device=device)
+    valid_rows = rows[None, :] < q_lens[:, None]  # [G, max_q]
+    token_idx = torch.where(valid_rows, q_starts[:, None] + rows[None, :], 0)  # [G, max_q]
+
+    # qh: [G, Hkv, max_q * group, D], rows ordered (query token, head in group); padded rows
+    # repeat token 0 and are dropped at the end.
+    qg = q[token_idx].float().view(num_pieces, max_q, num_kv_heads, group_size, head_dim)
+    qh = qg.permute(0, 2, 1, 3, 4).reshape(num_pieces, num_kv_heads, max_q * group_size, head_dim)
+
+    # k, v: [G, L, Hkv, D] gathered through the block tables; padded table entries are masked.
+    num_blocks = (max_len + block_size - 1) // block_size
+    index = torch.tensor([p.seq for p in group], device=meta.block_tables.device)
+    blocks = meta.block_tables[index, :num_blocks].to(device=device, dtype=torch.long).flatten()
+    k = k_cache.index_select(0, blocks).view(num_pieces, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    v = v_cache.index_select(0, blocks).view(num_pieces, -1, num_kv_heads, head_dim)[:, :max_len].float()
+
+    q_pos = (ctx_lens - q_lens)[:, None] + rows[None, :]  # [G, max_q]
+    k_pos = torch.arange(max_len, device=device)
+    # Key j is visible to row i when j <= pos(i) and j < context_len; a padded row (i >= rows)
+    # has pos >= context_len, so it still sees every real key and never yields NaN.
+    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
+    hidden = ~visible.repeat_interleave(group_size, dim=1)  # [G, max_q * group, L]
+
+    # One batched matmul pair per KV head: k[:, :, h] is a strided [G, L, D] view that bmm
+    # reads in place, where a single 5-D einsum would first copy K and V into a new layout.
+    attn = torch.empty(num_pieces, num_kv_heads, max_q * group_size, head_dim, device=device)
+    for h in range(num_kv_heads):
+        scores = torch.matmul(qh[:, h], k[:, :, h].transpose(1, 2)) * scale  # [G, max_q * group, L]
+        scores.masked_fill_(hidden, float("-inf"))
+        attn[:, h] = torch.matmul(torch.softmax(scores, dim=-1), v[:, :, h])
+    # attn -> [G, max_q, Hq, D]
+    attn = attn.view(num_pieces, num_kv_heads, max_q, group_size, head_dim).permute(0, 2, 1, 3, 4)
+    attn = attn.reshape(num_pieces, max_q, num_q_heads, head_dim)
+    out[token_idx[valid_rows]] = attn[valid_rows].to(out.dtype)

@@ -1,0 +1,134 @@
+"""The `sluice` command. Each area registers its own subcommands; this module only wires them.
+
+A subcommand parser sets `handler=fn` with `fn(args) -> int`. User errors (SluiceError, and
+ValueError raised while validating input) end as one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from sluice.errors import SluiceError
+
+# (module, function) pairs; each function takes the top-level subparsers action.
+_REGISTRARS: tuple[tuple[str, str], ...] = (
+    ("sluice.cli", "register_broker"),
+    ("sluice.cli", "register_config"),
+    ("sluice.workers.cli", "register"),
+    ("sluice.gateway.cli", "register"),
+)
+# (module, function) pairs that add subcommands under `sluice bench`.
+_BENCH_REGISTRARS: tuple[tuple[str, str], ...] = (
+    ("sluice.workers.cli", "register_bench"),
+    ("sluice.bench_cli", "register_bench"),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, then exit 2 (argparse prints usage too)
+        self.print_usage(sys.stderr)
+        self.exit(2, f"sluice: error: {message}\n")
+
+
+def _call(module_name: str, function: str, target: argparse._SubParsersAction) -> None:
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:  # that area is not installed in this build
+            return
+        raise
+    getattr(module, function)(target)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="sluice", description="Multi-tenant LLM serving: gateway, queues, workers.")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for module_name, function in _REGISTRARS:
+        _call(module_name, function, sub)
+    bench = sub.add_parser("bench", help="benchmarks and experiments (print numbers, write JSON)")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", parser_class=_Parser)
+    bench_sub.required = True
+    for module_name, function in _BENCH_REGISTRARS:
+        _call(module_name, function, bench_sub)
+    return parser
+
+
+def register_broker(sub: argparse._SubParsersAction) -> None:
+    broker = sub.add_parser("broker", help="run the embedded Kafka-compatible broker in the foreground")
+    broker.add_argument("--host", default="127.0.0.1")
+    broker.add_argument("--port", type=int, default=9092, help="0 picks a free port")
+    broker.add_argument("--storage", default="memory", help="memory (default) or s3://BUCKET")
+    broker.set_defaults(handler=_run_broker)
+
+
+def register_config(sub: argparse._SubParsersAction) -> None:
+    config = sub.add_parser("config", help="configuration utilities")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", parser_class=_Parser)
+    config_sub.required = True
+    check = config_sub.add_parser("check", help="validate the configuration directory and print a summary")
+    check.add_argument("--config", default=None, help="config directory (default: $SLUICE_CONFIG_DIR or ./config)")
+    check.set_defaults(handler=_check_config)
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    from sluice.settings import load_settings
+
+    settings = load_settings(args.config)
+    classes = {}
+    for tenant in settings.tenants:
+        classes[tenant.priority_ceiling] = classes.get(tenant.priority_ceiling, 0) + 1
+    kafka = settings.kafka.bootstrap_servers or "embedded broker"
+    print(f"config {settings.config_dir}: ok: gateway {settings.gateway.host}:{settings.gateway.port}, "
+          f"database {settings.database.url.split('://', 1)[0]}, kafka {kafka}, "
+          f"{len(settings.models)} model(s), {len(settings.tenants)} tenant(s) {classes}")
+    return 0
+
+
+def _run_broker(args: argparse.Namespace) -> int:
+    from sluice.broker import EmbeddedBroker
+
+    if not 0 <= args.port < 65536:
+        raise SluiceError(f"--port must be between 0 (any free port) and 65535, got {args.port}")
+    broker = EmbeddedBroker(host=args.host, port=args.port, storage=args.storage).start()
+    print(f"sluice broker: Kafka protocol on {broker.bootstrap_servers} (storage {args.storage}); Ctrl-C stops it",
+          flush=True)
+    stop = {"now": False}
+
+    def _stop(*_: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        while not stop["now"] and broker.running:
+            signal.pause() if hasattr(signal, "pause") else None
+    finally:
+        broker.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.handler(args) or 0)
+    except (SluiceError, ValueError) as exc:
+        print(f"sluice: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Replays timed arrivals into an in-process `LLMEngine` with real wall-clock steps.
+
+The engine-level experiments (policies, chunk sweep) need identical load across engine
+configurations: the same prompts arriving at the same offsets. Arrival times are the *scheduled*
+ones (start + offset), so a request that could only be added late because a long step was
+running is charged that wait in its TTFT, exactly as a client would see it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice.protocol import Priority, SamplingParams
+from sluice.telemetry import RequestRecord, records_from_results
+from sluice.workers.config import EngineConfig
+from sluice.workers.engine import GenerationResult, LLMEngine, accumulate
+
+
+@dataclass(frozen=True, slots=True)
+class TimedRequest:
+    request_id: str
+    offset_s: float  # arrival, seconds after the replay starts
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    role: str = "stream"  # free-form tag the experiment uses to group results
+    priority: Priority = Priority.STANDARD
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    records: list[RequestRecord]
+    token_times: dict[str, list[float]]  # request id -> engine time of each output token
+    roles: dict[str, str]  # request id -> role
+    wall_s: float
+    num_steps: int
+
+
+def build_engine(model_dir: Path, **overrides: object) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", seed=0, **overrides))
+
+
+def warm_up(engine: LLMEngine, prompt_len: int) -> None:
+    """One throwaway request so lazy initialisation (allocator, kernels) is not measured."""
+    sampling = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.generate([[5] * max(1, prompt_len)], sampling, request_ids=["warmup"])
+
+
+def replay(engine: LLMEngine, requests: Sequence[TimedRequest], *, model: str = "demo",
+           time_limit_s: float = 600.0) -> ReplayResult:
+    """Run `requests` to completion, adding each at its offset; steps back to back meanwhile."""
+    pending = sorted(requests, key=lambda r: r.offset_s)
+    results: dict[str, GenerationResult] = {}
+    roles = {r.request_id: r.role for r in pending}
+    start = time.time()
+    steps = 0
+    i = 0
+    while i < len(pending) or engine.has_work:
+        now = time.time()
+        if now - start > time_limit_s:
+            raise RuntimeError(f"the replay did not finish within {time_limit_s:.0f} s")
+        while i < len(pending) and pending[i].offset_s <= now - start:
+            req = pending[i]
+            sampling = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+            arrival = start + req.offset_s
+            engine.add_request(req.request_id, list(req.prompt_token_ids), sampling,
+                               priority=req.priority, arrival_time=arrival)
+            results[req.request_id] = GenerationResult(req.request_id, list(req.prompt_token_ids),
+                                                       arrival_time=arrival)
+            i += 1
+        if engine.has_work:
+            for delta in engine.step():
+                if delta.request_id in results:
+                    accumulate(results[delta.request_id], delta)
+            steps += 1
+        elif i < len(pending):
+            time.sleep(max(0.0, start + pending[i].offset_s - time.time()))
+    wall = time.time() - start
+    records = records_from_results(results.values(), model=model)
+    return ReplayResult(records=records, token_times={k: v.token_times for k, v in results.items()},
+                        roles=roles, wall_s=wall, num_steps=steps)
+
+
+def token_gaps(result: ReplayResult, role: str | None = None) -> list[float]:
+    """Every inter-token gap of the requests with `role` (all when None): ITL over tokens."""
+    gaps: list[float] = []
+    for rid, times in result.token_times.items():
+        if role is None or result.roles.get(rid) == role:
+            gaps.extend(b - a for a, b in itertools.pairwise(times))
+    return gaps

@@ -1,0 +1,217 @@
+"""Messages exchanged between the gateway and the workers (and written to Kafka).
+
+msgspec structs only: no torch, no pickle. The gateway converts HTTP bodies to these at the
+edge; the engine consumes `SamplingParams` directly. Wire format: msgpack, one length-prefixed
+frame per message (see `encode_frame` / `FrameDecoder`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+
+import msgspec
+
+
+class Priority(enum.IntEnum):
+    """Lower value = more urgent. Ordered so `min()` picks the most urgent class."""
+
+    INTERACTIVE = 0
+    STANDARD = 1
+    BATCH = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, value: str) -> Priority:
+        try:
+            return cls[value.upper()]
+        except KeyError:
+            raise ValueError(
+                f"unknown priority class {value!r}; expected interactive, standard or batch"
+            ) from None
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Per-request sampling settings. `validate()` raises ValueError with a message fit for a 400."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        def finite(name: str, value: float) -> None:
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            finite(name, getattr(self, name))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be between 0 and 2, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be between 0 and 1, got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be between -2 and 2, got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be between -2 and 2, got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if len(self.stop) > 16:
+            raise ValueError(f"at most 16 stop sequences are allowed, got {len(self.stop)}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop sequences must be non-empty strings")
+        if any(len(s) > 256 for s in self.stop):
+            raise ValueError("each stop sequence must be at most 256 characters")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
+    """One accepted request, as written to Kafka and sent to a worker."""
+
+    request_id: str
+    tenant_id: str
+    model: str
+    priority: Priority
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str  # per tenant: equal prompts of two tenants never share KV blocks
+    arrival_time: float  # unix seconds at the gateway
+    batch_id: str | None = None  # set for lines of a Batch API job
+    custom_id: str | None = None
+    # The tenant's fair-share weight at admission: the gateway's scheduler divides served tokens
+    # by it (a replayed request keeps the weight it was accepted with).
+    tenant_weight: float = 1.0
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
+    request_id: str
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class PositionLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    chosen: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
+class RequestDelta(msgspec.Struct, frozen=True, kw_only=True, tag="delta"):
+    """What one engine step produced for one request."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[PositionLogprobs, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    # Engine-side timestamps (unix seconds): TTFT and every ITL are computed from these.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: tuple[float, ...] = ()
+
+
+class WorkerCapacity(msgspec.Struct, frozen=True, kw_only=True, tag="capacity"):
+    """A worker's load, sent on registration, on every change and as a heartbeat."""
+
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    max_num_seqs: int
+    sent_at: float
+    # GenerateRequests the worker has received so far on this connection: the gateway subtracts
+    # it from what it sent to know how many are still in flight to the worker's waiting queue.
+    num_received: int = 0
+
+
+class WorkerRegister(msgspec.Struct, frozen=True, kw_only=True, tag="register"):
+    worker_id: str
+    models: tuple[str, ...]
+    device: str
+    pid: int
+    capacity: WorkerCapacity
+
+
+Message = GenerateRequest | AbortRequest | RequestDelta | WorkerCapacity | WorkerRegister
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_HEADER = struct.Struct("!I")
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)
+
+
+def encode_frame(message: Message) -> bytes:
+    body = _encoder.encode(message)
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Incrementally splits a byte stream into messages."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Message]:
+        self._buffer.extend(data)
+        messages: list[Message] = []
+        while len(self._buffer) >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(self._buffer)
+            if length > MAX_FRAME_BYTES:
+                raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+            end = _HEADER.size + length
+            if len(self._buffer) < end:
+                break
+            messages.append(_decoder.decode(bytes(self._buffer[_HEADER.size:end])))
+            del self._buffer[:end]
+        return messages

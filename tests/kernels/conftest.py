@@ -1,0 +1,52 @@
+"""Kernel tests: Triton's interpreter on CPU tensors when no GPU is present, CUDA when one is.
+
+TRITON_INTERPRET must be set before triton is first imported (it decides at @triton.jit time),
+hence at this module's import, before any test module imports sluice.kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from sluice.kernels.testing import poisoned_allocations
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+_DEVICE_PARAMS = [
+    pytest.param(
+        "cpu",
+        id="interp",
+        marks=pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need TRITON_INTERPRET=1"),
+    ),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA device (not interpreted)"
+            ),
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=_DEVICE_PARAMS)
+def device(request: pytest.FixtureRequest) -> str:
+    """Where the kernels run: 'cpu' under the interpreter, or 'cuda'."""
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _poison_allocations() -> Iterator[None]:
+    """Every floating torch.empty / empty_like is NaN-filled, so unwritten outputs fail."""
+    with poisoned_allocations():
+        yield

@@ -1,0 +1,39 @@
+"""bench/gpu_suite.py --dry-run runs every section at tiny sizes and reports passing checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.kernels, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_dry_run_completes_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "suite.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("OUT", None)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--dry-run", "--skip-hf", "--json", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "=== gpu_suite summary ===" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True
+    assert report["ceilings"]["copy_GBps"] > 0 and report["ceilings"]["matmul_TFLOPs"] > 0
+    checks = [r for r in report["rows"] if r["section"] == "check"]
+    assert len(checks) >= 8 and all(r["ok"] for r in checks)
+    timed = [r for r in report["rows"] if r["section"] == "kernel"]
+    assert timed and all(r["ms"] > 0 for r in timed)
+    assert any(r["section"] == "engine" for r in report["rows"])

@@ -1,0 +1,194 @@
+"""Offline commands of the engine: `sluice model make-demo`, `sluice generate`, `sluice bench engine`.
+
+`register(subparsers)` adds `model` and `generate`; `register_bench(bench_subparsers)` adds
+`engine` under `sluice bench`. Each handler takes the parsed args and returns an exit status;
+user errors raise `CLIError` (or ValueError) with a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from sluice.errors import CLIError
+from sluice.protocol import SamplingParams
+
+# JSONL fields copied into SamplingParams (anything else besides id/prompt is an error).
+_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    model = subparsers.add_parser("model", help="model utilities")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION")
+    model_sub.required = True
+    demo = model_sub.add_parser("make-demo", help="write the tiny random-weight demo model into DIR")
+    demo.add_argument("dir", type=Path)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(handler=_make_demo)
+
+    gen = subparsers.add_parser("generate", help="offline generation: prompts.jsonl in, results.jsonl out")
+    gen.add_argument("--model", required=True, help="local Hugging Face model directory")
+    gen.add_argument("--input", required=True, type=Path, help="JSONL: {id, prompt | prompt_token_ids, ...}")
+    gen.add_argument("--output", required=True, type=Path, help="JSONL results, one line per input line")
+    add_engine_arguments(gen)
+    gen.set_defaults(handler=_generate)
+
+
+def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
+    from sluice.workers.bench_engine import add_arguments, run_bench
+
+    bench = bench_subparsers.add_parser("engine", help="sluice policies vs HF static batching, one process")
+    add_arguments(bench)
+    add_engine_arguments(bench, with_policy=False)
+    bench.set_defaults(handler=run_bench)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, with_policy: bool = True) -> None:
+    if with_policy:
+        parser.add_argument("--policy", default="chunked", choices=("chunked", "prefill_first", "static"))
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-prefill-chunk", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kernel-backend", default="auto", choices=("auto", "torch", "triton"))
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+
+
+def engine_config(args: argparse.Namespace, model: str, policy: str | None = None):
+    from sluice.workers.config import EngineConfig
+
+    if not Path(model).is_dir():
+        raise CLIError(
+            f"model directory {model} does not exist (create one with `sluice model make-demo DIR`)"
+        )
+    return EngineConfig(
+        model=model, device=args.device, dtype=args.dtype, policy=policy or args.policy,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks, kernel_backend=args.kernel_backend,
+        enable_prefix_caching=not args.no_prefix_caching, use_cuda_graphs=not args.no_cuda_graphs,
+    )
+
+
+def _make_demo(args: argparse.Namespace) -> int:
+    from sluice.workers.demo import make_demo_model
+
+    if args.dir.exists() and not args.dir.is_dir():
+        raise CLIError(f"{args.dir} exists and is not a directory")
+    path = make_demo_model(args.dir, seed=args.seed)
+    print(f"demo model written to {path}")
+    return 0
+
+
+def parse_line(line: str, number: int) -> tuple[str, str | list[int], SamplingParams]:
+    """One JSONL input line -> (id, prompt, sampling); ValueError with a message on garbage."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"line {number}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"line {number}: expected a JSON object")
+    prompt: Any = obj.get("prompt")
+    token_ids = obj.get("prompt_token_ids")
+    if (prompt is None) == (token_ids is None):
+        raise ValueError("give exactly one of 'prompt' (string) and 'prompt_token_ids' (list of ints)")
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError("'prompt' must be a string")
+    if token_ids is not None:
+        if not isinstance(token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+        ):
+            raise ValueError("'prompt_token_ids' must be a list of integers")
+        prompt = token_ids
+    unknown = set(obj) - _SAMPLING_FIELDS - {"id", "prompt", "prompt_token_ids"}
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    fields = {k: v for k, v in obj.items() if k in _SAMPLING_FIELDS}
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    try:
+        sampling = msgspec.convert(fields, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad sampling field: {exc}") from None
+    sampling.validate()
+    return _line_id(obj, number), prompt, sampling
+
+
+def _line_id(obj: Any, number: int) -> str:
+    if isinstance(obj, dict) and isinstance(obj.get("id"), str | int) and not isinstance(obj.get("id"), bool):
+        return str(obj["id"])
+    return f"line-{number}"
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from sluice.workers.engine import GenerationResult, LLMEngine
+
+    if not args.input.is_file():
+        raise CLIError(f"input file {args.input} does not exist")
+    engine = LLMEngine(engine_config(args, args.model))
+    records: list[tuple[str, dict[str, Any] | None]] = []  # (id, error record or None)
+    results: dict[str, GenerationResult] = {}
+    lines = args.input.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            obj = None
+        rid = _line_id(obj, number)
+        key = f"{number}:{rid}"  # unique even when two lines share an id
+        try:
+            _, prompt, sampling = parse_line(line, number)
+            engine.add_request(key, prompt, sampling)
+            results[key] = GenerationResult(key, engine.tokenize(prompt), arrival_time=time.time())
+            records.append((key, None))
+        except ValueError as exc:
+            records.append((key, {"id": rid, "error": str(exc)}))
+    with tqdm(total=len(results), unit="req", disable=not sys.stderr.isatty()) as progress:
+        engine.run_to_completion(results, progress)
+    n_errors = 0
+    with args.output.open("w", encoding="utf-8") as out:
+        for key, error in records:
+            if error is not None:
+                n_errors += 1
+                out.write(json.dumps(error, ensure_ascii=False) + "\n")
+                continue
+            record = _result_record(key.split(":", 1)[1], results[key])
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    print(f"{len(records) - n_errors} completed, {n_errors} rejected -> {args.output}", file=sys.stderr)
+    return 0
+
+
+def _result_record(rid: str, r: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "id": rid,
+        "token_ids": r.token_ids,
+        "text": r.text,
+        "finish_reason": str(r.finish_reason) if r.finish_reason is not None else None,
+        "usage": {"prompt_tokens": len(r.prompt_token_ids), "completion_tokens": len(r.token_ids),
+                  "cached_tokens": r.num_cached_tokens},
+        "timing": {
+            "ttft_s": None if r.first_token_time is None else r.first_token_time - r.arrival_time,
+            "e2e_s": None if r.finished_time is None else r.finished_time - r.arrival_time,
+        },
+    }
+    if r.logprobs:
+        record["logprobs"] = [
+            {"token_id": p.chosen.token_id, "logprob": p.chosen.logprob,
+             "top": [{"token_id": t.token_id, "logprob": t.logprob} for t in p.top]}
+            for p in r.logprobs
+        ]
+    return record

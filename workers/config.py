@@ -1,0 +1,149 @@
+"""Typed configuration of one inference engine and of its scheduler.
+
+`EngineConfig` is what an operator sets (one per worker process). `SchedulerConfig` is the subset the
+pure-Python scheduler needs, built by the engine once the KV pool size and the model's context length
+are known. Both are frozen and validated on construction; no torch import here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+POLICIES = ("chunked", "prefill_first", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+MAX_BLOCK_SIZE = 256
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def _positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _optional_positive(name: str, value: int | None) -> None:
+    if value is not None:
+        _positive(name, value)
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _block_size(value: int) -> None:
+    # Kernels index a block with tl.arange(0, BLOCK_SIZE), which needs a power of two.
+    _positive("block_size", value)
+    if value > MAX_BLOCK_SIZE or value & (value - 1):
+        raise ValueError(f"block_size must be a power of two between 1 and {MAX_BLOCK_SIZE}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Settings of one engine (one model on one device)."""
+
+    model: str  # path to a local Hugging Face model directory
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size; else derived from the memory budget
+    kv_cache_bytes: int = 512 * 2**20  # CPU budget for the KV pool
+    gpu_memory_utilization: float = 0.90  # CUDA budget fraction
+    max_num_batched_tokens: int = 2048  # token budget per step
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    policy: str = "chunked"  # "chunked" | "prefill_first" | "static"
+    max_prefill_chunk: int | None = None  # cap on one request's prefill chunk per step; None = budget
+    enable_prefix_caching: bool = True
+    kernel_backend: str = "auto"  # "auto" = triton on cuda, torch on cpu
+    use_cuda_graphs: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError("model must be the path of a local model directory, got an empty value")
+        if not _DEVICE_RE.match(self.device):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _one_of("dtype", self.dtype, DTYPES)
+        _block_size(self.block_size)
+        _optional_positive("num_kv_blocks", self.num_kv_blocks)
+        _positive("kv_cache_bytes", self.kv_cache_bytes)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _optional_positive("max_model_len", self.max_model_len)
+        _one_of("policy", self.policy, POLICIES)
+        _optional_positive("max_prefill_chunk", self.max_prefill_chunk)
+        _one_of("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype name actually used: "auto" becomes float32 on CPU and bfloat16 on CUDA."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.is_cuda else "float32"
+
+    @property
+    def resolved_kernel_backend(self) -> str:
+        """"auto" becomes "triton" on CUDA and "torch" on CPU."""
+        if self.kernel_backend != "auto":
+            return self.kernel_backend
+        return "triton" if self.is_cuda else "torch"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """What the scheduler and block manager need; built once the pool size is known."""
+
+    policy: str
+    block_size: int
+    num_kv_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    max_prefill_chunk: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _one_of("policy", self.policy, POLICIES)
+        _block_size(self.block_size)
+        _positive("num_kv_blocks", self.num_kv_blocks)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_model_len", self.max_model_len)
+        _optional_positive("max_prefill_chunk", self.max_prefill_chunk)
+        # The pool may hold fewer tokens than max_model_len: prompts that do not fit are refused
+        # at add_request, and a request that outgrows the whole pool finishes with "length".
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Largest prefill chunk of one request in one step."""
+        if self.max_prefill_chunk is None:
+            return self.max_num_batched_tokens
+        return min(self.max_prefill_chunk, self.max_num_batched_tokens)
+
+    @classmethod
+    def from_engine_config(
+        cls, cfg: EngineConfig, num_kv_blocks: int, max_model_len: int
+    ) -> SchedulerConfig:
+        return cls(
+            policy=cfg.policy,
+            block_size=cfg.block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=max_model_len,
+            max_prefill_chunk=cfg.max_prefill_chunk,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+        )

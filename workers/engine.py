@@ -1,0 +1,273 @@
+"""LLMEngine: one model on one device, driven one step at a time.
+
+`step()` is three calls: `scheduler.schedule() -> SchedulerOutput`, `runner.execute(...) ->
+RunnerOutput`, `scheduler.update(...) -> requests that changed`; then each changed request's new
+tokens are detokenized (stop strings applied) into a `RequestDelta`. `generate()` drives
+`step()` to completion for offline use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sluice.protocol import (
+    FinishReason,
+    PositionLogprobs,
+    Priority,
+    RequestDelta,
+    SamplingParams,
+    WorkerCapacity,
+)
+from sluice.workers.config import EngineConfig, SchedulerConfig
+from sluice.workers.detokenizer import IncrementalDetokenizer
+from sluice.workers.model.config import ModelConfig, ModelLoadError
+from sluice.workers.request import Request, RequestStatus
+from sluice.workers.runner import ModelRunner
+from sluice.workers.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """A finished request, as `generate()` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+def load_tokenizer(model_dir: Path):  # -> transformers PreTrainedTokenizerBase
+    from transformers import AutoTokenizer
+
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer.model").is_file():
+        raise ModelLoadError(f"{model_dir}: missing tokenizer.json")
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # transformers raises many types for a broken tokenizer directory
+        raise ModelLoadError(
+            f"{model_dir}: cannot load the tokenizer ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _eos_token_ids(model_dir: Path, model_config: ModelConfig, tokenizer) -> frozenset[int]:
+    ids = set(model_config.eos_token_ids)
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            eos = json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            raise ModelLoadError(f"{gen_path}: not valid JSON ({exc})") from None
+        ids.update(eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        ModelConfig.from_dir(model_dir)  # fail fast on a broken config before loading a tokenizer
+        self._tokenizer = load_tokenizer(model_dir)
+        self.runner = ModelRunner(config)
+        self.eos_token_ids = _eos_token_ids(model_dir, self.runner.model_config, self._tokenizer)
+        self.scheduler = Scheduler(
+            SchedulerConfig.from_engine_config(config, self.runner.num_kv_blocks, self.runner.max_model_len)
+        )
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # the Rust tokenizer directly: far cheaper per call
+            self._decode = lambda ids: backend.decode(list(ids), skip_special_tokens=True)
+        else:
+            self._decode = lambda ids: self._tokenizer.decode(list(ids), skip_special_tokens=True)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._num_reported: dict[str, int] = {}
+        self._pending: list[RequestDelta] = []  # abort deltas, returned by the next step()
+        self._ids = itertools.count()
+
+    # ---- properties ----------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):  # -> transformers PreTrainedTokenizerBase
+        return self._tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.runner.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_work
+
+    def capacity(self, worker_id: str) -> WorkerCapacity:
+        return WorkerCapacity(
+            worker_id=worker_id,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            free_kv_blocks=self.scheduler.num_free_blocks,
+            total_kv_blocks=self.scheduler.num_total_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+            sent_at=time.time(),
+        )
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self._tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], sampling: SamplingParams,
+                    priority: int = Priority.STANDARD, cache_salt: str = "",
+                    arrival_time: float | None = None) -> None:
+        sampling.validate()
+        if request_id in self._detokenizers:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("the prompt is empty")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be between 0 and {vocab - 1}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; this model accepts at most "
+                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
+            )
+        request = Request(request_id, token_ids, sampling,
+                          arrival_time=time.time() if arrival_time is None else arrival_time,
+                          priority=priority, cache_salt=cache_salt, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add_request(request)
+        self._detokenizers[request_id] = IncrementalDetokenizer(self._decode, token_ids, sampling.stop)
+        self._num_reported[request_id] = 0
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a live request; its final delta (finish_reason abort) comes from the next step()."""
+        request = self.scheduler.abort(request_id)
+        if request is None or request_id not in self._detokenizers:
+            return False
+        self._pending.append(self._delta(request, (), "", (), FinishReason.ABORT))
+        self._forget(request_id)
+        return True
+
+    # ---- stepping ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        deltas, self._pending = self._pending, []
+        if not self.scheduler.has_work:
+            return deltas
+        scheduled = self.scheduler.schedule(time.time())
+        runner_output = self.runner.execute(scheduled)
+        changed = self.scheduler.update(scheduled, runner_output, time.time())
+        for request in changed:
+            deltas.append(self._process(request, runner_output.logprobs.get(request.request_id)))
+        return deltas
+
+    def _process(self, request: Request, logprob: PositionLogprobs | None) -> RequestDelta:
+        rid = request.request_id
+        detok = self._detokenizers[rid]
+        start = self._num_reported[rid]
+        new_ids = tuple(request.output_token_ids[start:])
+        self._num_reported[rid] = request.num_output_tokens
+        result = detok.add_tokens(new_ids)
+        text = result.text
+        finish: FinishReason | None = None
+        if result.stopped:
+            if not request.is_finished:
+                self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED)
+            finish = FinishReason.STOP
+        elif request.is_finished:
+            text += detok.flush()
+            finish = request.finish_reason
+        logprobs = (logprob,) if (logprob is not None and new_ids) else ()
+        delta = self._delta(request, new_ids, text, logprobs, finish,
+                            tuple(request.token_times[start:start + len(new_ids)]))
+        if finish is not None:
+            self._forget(rid)
+        return delta
+
+    def _delta(self, request: Request, token_ids: tuple[int, ...], text: str,
+               logprobs: tuple[PositionLogprobs, ...], finish: FinishReason | None,
+               token_times: tuple[float, ...] = ()) -> RequestDelta:
+        return RequestDelta(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=finish,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            token_times=token_times,
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._detokenizers.pop(request_id, None)
+        self._num_reported.pop(request_id, None)
+        self.runner.release(request_id)
+
+    # ---- offline -------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams],
+                 request_ids: Sequence[str] | None = None, progress=None) -> list[GenerationResult]:
+        """Runs every prompt to completion; results in input order. `progress`: tqdm-like or None."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling settings for {len(prompts)} prompts")
+        ids = list(request_ids) if request_ids is not None else [f"gen-{next(self._ids)}" for _ in prompts]
+        results: dict[str, GenerationResult] = {}
+        now = time.time()
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p, arrival_time=now)
+            results[rid] = GenerationResult(rid, self.tokenize(prompt), arrival_time=now)
+        self.run_to_completion(results, progress)
+        return [results[rid] for rid in ids]
+
+    def run_to_completion(self, results: dict[str, GenerationResult], progress=None) -> None:
+        """Steps until no work is left, folding every delta into `results[request_id]`."""
+        while self.has_work:
+            for delta in self.step():
+                result = results.get(delta.request_id)
+                if result is None:
+                    continue  # a request added by someone else; not ours to collect
+                accumulate(result, delta)
+                if delta.finish_reason is not None and progress is not None:
+                    progress.update(1)
+
+
+def accumulate(result: GenerationResult, delta: RequestDelta) -> None:
+    """Folds one step's delta into a request's result."""
+    result.token_ids.extend(delta.token_ids)
+    result.text += delta.text
+    result.logprobs.extend(delta.logprobs)
+    result.token_times.extend(delta.token_times)
+    result.num_cached_tokens = delta.num_cached_tokens
+    result.first_scheduled_time = delta.first_scheduled_time
+    result.first_token_time = delta.first_token_time
+    if delta.finish_reason is not None:
+        result.finish_reason = delta.finish_reason
+        result.finished_time = time.time()

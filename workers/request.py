@@ -1,0 +1,161 @@
+"""Engine-side state of one generation request (mutable, owned by the scheduler).
+
+No torch here: the scheduler and block manager work on these objects and are tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Sequence
+
+from sluice.protocol import FinishReason, GenerateRequest, Priority, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """One request inside the engine: its tokens, progress, KV blocks and timestamps.
+
+    `num_computed_tokens` counts the tokens of `all_token_ids` whose KV is in the cache; it catches
+    up to `num_tokens` chunk by chunk. `block_ids` is the request's block table (owned by the block
+    manager). `block_hashes` caches the chained hashes of its full blocks (filled lazily).
+    """
+
+    __slots__ = (
+        "_all_token_ids",
+        "arrival_seq",
+        "arrival_time",
+        "block_hashes",
+        "block_ids",
+        "cache_salt",
+        "eos_token_ids",
+        "first_scheduled_time",
+        "first_token_time",
+        "num_cached_tokens",
+        "num_committed_blocks",
+        "num_computed_tokens",
+        "num_preemptions",
+        "output_token_ids",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "sampling",
+        "status",
+        "token_times",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        arrival_time: float,
+        priority: int = Priority.STANDARD,
+        cache_salt: str = "",
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        if not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {request_id}: the prompt must contain at least one token")
+        if isinstance(priority, bool) or int(priority) < 0:
+            raise ValueError(f"request {request_id}: priority must be a non-negative integer")
+        if not math.isfinite(arrival_time):
+            raise ValueError(f"request {request_id}: arrival_time must be a finite number")
+        sampling.validate()
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling = sampling
+        self.priority = int(priority)
+        self.arrival_time = arrival_time
+        self.arrival_seq = 0  # set by the scheduler: ties between equal arrival times
+        self.cache_salt = cache_salt
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_committed_blocks = 0  # leading blocks already offered to the prefix cache
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []
+
+    @classmethod
+    def from_generate(cls, message: GenerateRequest, eos_token_ids: Iterable[int] = ()) -> Request:
+        """Build the engine-side request from the wire message."""
+        return cls(
+            message.request_id,
+            message.prompt_token_ids,
+            message.sampling,
+            arrival_time=message.arrival_time,
+            priority=int(message.priority),
+            cache_salt=message.cache_salt,
+            eos_token_ids=eos_token_ids,
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by the generated tokens. The list is shared: read it, never mutate it."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def append_output(self, token_id: int, now: float) -> None:
+        self._all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prio={self.priority}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_ids)})"
+        )

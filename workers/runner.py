@@ -1,0 +1,183 @@
+"""ModelRunner: all tensor work of one engine step.
+
+`execute(SchedulerOutput) -> RunnerOutput`: flattens the scheduled chunks into one batch
+(token ids, positions, cache slots, AttentionMetadata), runs the model, computes logits only
+for the rows that sample, and samples. Owns the model, the paged KV pool (one (k, v) pair per
+layer, each [num_blocks + 1, block_size, num_kv_heads, head_dim]; the extra last block is a
+scratch block for CUDA-graph padding rows and is never handed to the scheduler) and the
+per-request random generators.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sluice.kernels.attention import AttentionMetadata
+from sluice.kernels.ops import Ops
+from sluice.protocol import PositionLogprobs
+from sluice.workers.config import EngineConfig
+from sluice.workers.model.config import ModelConfig
+from sluice.workers.model.cuda_graphs import DecodeGraphRunner
+from sluice.workers.model.llama import LlamaForCausalLM
+from sluice.workers.model.loader import load_model
+from sluice.workers.sampler import SampleRow, sample
+from sluice.workers.scheduler import RunnerOutput, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Activation headroom kept free on CUDA besides the weights and the KV pool.
+_CUDA_RESERVE_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+        self.dtype = _DTYPES[config.resolved_dtype]
+        backend = config.resolved_kernel_backend
+        if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "kernel_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 for tests); "
+                "use 'torch' on the CPU"
+            )
+        self.ops = Ops(backend)  # type: ignore[arg-type]
+        log.info("engine: kernel backend %s on %s (%s)", backend, self.device, config.resolved_dtype)
+
+        model_cfg = ModelConfig.from_dir(Path(config.model))
+        max_len = config.max_model_len or model_cfg.max_position_embeddings
+        if max_len > model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's context of "
+                f"{model_cfg.max_position_embeddings} tokens"
+            )
+        self.max_model_len = max_len
+        self.model: LlamaForCausalLM
+        self.model, self.model_config = load_model(Path(config.model), self.ops, self.dtype, self.device,
+                                                   max_position=max_len)
+        self.block_size = config.block_size
+        self.num_kv_blocks = self._pool_size()
+        shape = (self.num_kv_blocks + 1, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(model_cfg.num_layers)]
+        self.scratch_block = self.num_kv_blocks
+        self._generators: dict[str, torch.Generator] = {}
+        self._seed_source = random.Random(config.seed)
+        self._graphs: DecodeGraphRunner | None = None
+        if self.device.type == "cuda" and config.use_cuda_graphs:
+            self._graphs = DecodeGraphRunner(self.model, self.kv_caches, self.device,
+                                             max_batch=config.max_num_seqs, block_size=self.block_size,
+                                             max_model_len=max_len, scratch_block=self.scratch_block)
+
+    def _bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _pool_size(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self._bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - _CUDA_RESERVE_BYTES
+        else:
+            budget = self.config.kv_cache_bytes
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes")
+        return int(blocks)
+
+    # ---- per-request state ---------------------------------------------------------------------
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's generator."""
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+        gen = self._generators.get(request_id)
+        if gen is None:
+            # CPU generators on every device: one uniform per sampled token is drawn on the host,
+            # so the sampler never synchronises with the GPU per request.
+            gen = torch.Generator()
+            gen.manual_seed(seed if seed is not None else self._seed_source.getrandbits(63))
+            self._generators[request_id] = gen
+        return gen
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        chunks = scheduled.chunks
+        if not chunks:
+            return RunnerOutput(sampled_token_ids={})
+        ids, positions, meta = self._prepare(scheduled)
+        if self._graphs is not None and meta.is_decode_only and self._graphs.can_run(meta.num_seqs):
+            hidden = self._graphs.run(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, self.kv_caches, meta)  # [T, H]
+        sample_chunks = [(b, c) for b, c in enumerate(chunks) if c.sample]
+        if not sample_chunks:
+            return RunnerOutput(sampled_token_ids={})
+        # Row of each sampling chunk's last token: query_start_loc[b + 1] - 1.
+        last_rows = [meta.query_start_loc_host[b + 1] - 1 for b, _ in sample_chunks]
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])  # [N, V]
+        rows = []
+        for _, c in sample_chunks:
+            req = c.request
+            gen = None if req.sampling.greedy else self._generator(req.request_id, req.sampling.seed)
+            rows.append(SampleRow(req.sampling, req.prompt_token_ids, req.output_token_ids, gen))
+        out = sample(logits, rows)
+        sampled = {c.request.request_id: t for (_, c), t in zip(sample_chunks, out.token_ids, strict=True)}
+        logprobs: dict[str, PositionLogprobs] = {
+            c.request.request_id: lp
+            for (_, c), lp in zip(sample_chunks, out.logprobs, strict=True) if lp is not None
+        }
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _prepare(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat inputs for the chunks: ids/positions/slots [T], block tables [B, max_blocks]."""
+        bs = self.block_size
+        chunks = scheduled.chunks
+        token_ids: list[int] = []
+        q_lens = np.empty(len(chunks), dtype=np.int64)
+        seq_lens = np.empty(len(chunks), dtype=np.int64)
+        for b, c in enumerate(chunks):
+            token_ids.extend(c.request.all_token_ids[c.start:c.start + c.num_tokens])
+            q_lens[b] = c.num_tokens
+            seq_lens[b] = c.start + c.num_tokens
+        max_blocks = int((seq_lens.max() + bs - 1) // bs)
+        tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
+        for b, c in enumerate(chunks):
+            n = int((seq_lens[b] + bs - 1) // bs)
+            if len(c.block_ids) < n:
+                raise RuntimeError(f"request {c.request.request_id}: {len(c.block_ids)} blocks for "
+                                   f"{seq_lens[b]} tokens")
+            tables[b, :n] = c.block_ids[:n]
+        starts = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        seq_index = np.repeat(np.arange(len(chunks)), q_lens)  # [T]: chunk of each token
+        positions = np.arange(starts[-1]) - starts[:-1][seq_index] + (seq_lens - q_lens)[seq_index]
+        slots = tables[seq_index, positions // bs] * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev, non_blocking=True),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_host=tuple(starts.tolist()),
+            seq_lens_host=tuple(seq_lens.tolist()),
+        )
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        return ids, torch.from_numpy(positions).to(dev, non_blocking=True), meta

@@ -1,0 +1,173 @@
+"""Turns the logits of the rows that sample into tokens (and optional logprobs).
+
+Order of processing, vectorised over rows [N, V]:
+  1. penalties: repetition (HF: over prompt + output; positive logits divided, negative
+     multiplied), then presence/frequency (OpenAI: over output only,
+     logit -= presence * [count > 0] + frequency * count);
+  2. greedy rows (temperature 0 or top_k 1): argmax of the penalised logits, which is exactly
+     argmax of the raw logits when no penalty is set;
+  3. other rows: divide by temperature, then top-k, top-p and min-p truncate the distribution,
+     and one token is drawn by inverse CDF with a uniform number from the request's own
+     torch.Generator, so a seeded request gets the same tokens whatever else is in the batch.
+Logprobs (when asked) are the log-softmax of the logits after penalties and temperature
+(temperature 1 for greedy rows) but before top-k/top-p/min-p truncation, so top_logprobs never
+report -inf for tokens that truncation removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sluice.protocol import PositionLogprobs, SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRow:
+    """One request that samples a token this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None  # required unless params.greedy
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]  # None where the request did not ask for logprobs
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> ids [N, L] int64 padded with 0 and a float mask [N, L] (1 = real token)."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
+            mask[i, : len(r)] = 1.0
+    return ids.to(device), mask.to(device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """logits: [N, V] float32 -> penalised copy (rows without penalties unchanged)."""
+    device = logits.device
+    vocab = logits.shape[1]
+    logits = logits.clone()
+    idx = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+    if not idx:
+        return logits
+    sub = logits[idx]  # [n, V]
+    n = len(idx)
+    rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=device)[:, None]
+    if bool((rep != 1.0).any()):
+        seen_ids = [[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in idx]
+        ids, mask = _pad(seen_ids, device)
+        seen = torch.zeros(n, vocab, device=device).scatter_add_(1, ids, mask) > 0
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+    presence = torch.tensor([rows[i].params.presence_penalty for i in idx], device=device)[:, None]
+    frequency = torch.tensor([rows[i].params.frequency_penalty for i in idx], device=device)[:, None]
+    if bool((presence != 0).any() or (frequency != 0).any()):
+        ids, mask = _pad([rows[i].output_token_ids for i in idx], device)
+        counts = torch.zeros(n, vocab, device=device).scatter_add_(1, ids, mask)  # [n, V]
+        sub = sub - presence * (counts > 0).float() - frequency * counts
+    logits[idx] = sub
+    return logits
+
+
+def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              min_p: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] (already temperature-scaled); top_k [n] int (0 = off), top_p/min_p [n] -> masked."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, V]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))[:, None]
+    remove = ranks >= k
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    # top-p: drop a token once the mass strictly before it already reaches top_p (keeps >= 1).
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= top_p[:, None]
+    # min-p: drop tokens below min_p times the most likely token's probability.
+    remove |= probs < min_p[:, None] * probs[:, :1]
+    remove[:, 0] = False
+    masked_sorted = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, masked_sorted)
+
+
+def _logprobs(logprobs: torch.Tensor, chosen: list[int], rows: Sequence[SampleRow],
+              ) -> list[PositionLogprobs | None]:
+    out: list[PositionLogprobs | None] = []
+    max_top = max((r.params.top_logprobs for r in rows if r.params.logprobs), default=0)
+    top_vals: list[list[float]] | None = None
+    top_ids: list[list[int]] | None = None
+    if max_top:
+        values, indices = logprobs.topk(max_top, dim=-1)
+        top_vals, top_ids = values.tolist(), indices.tolist()
+    chosen_lp = logprobs.gather(1, torch.tensor(chosen, device=logprobs.device)[:, None])[:, 0].tolist()
+    for i, r in enumerate(rows):
+        if not r.params.logprobs:
+            out.append(None)
+            continue
+        top: tuple[TokenLogprob, ...] = ()
+        if r.params.top_logprobs and top_ids is not None and top_vals is not None:
+            top = tuple(TokenLogprob(int(t), float(v))
+                        for t, v in zip(top_ids[i][: r.params.top_logprobs],
+                                        top_vals[i][: r.params.top_logprobs], strict=True))
+        out.append(PositionLogprobs(chosen=TokenLogprob(chosen[i], float(chosen_lp[i])), top=top))
+    return out
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
+    """logits: [N, V] float32, row i belonging to rows[i]."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"got {logits.shape[0]} logit rows for {len(rows)} requests")
+    device = logits.device
+    want_logprobs = any(r.params.logprobs for r in rows)
+    if not want_logprobs and all(r.params.greedy and not _has_penalty(r.params) for r in rows):
+        return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+    logits = apply_penalties(logits, rows)
+    greedy = [r.params.greedy for r in rows]
+    # Greedy rows keep temperature 1 so their logprobs are those of the penalised logits.
+    temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=True)],
+                         device=device)[:, None]
+    scaled = logits / temps
+    chosen = scaled.argmax(dim=-1)  # [N]; final for greedy rows
+    random_idx = [i for i, g in enumerate(greedy) if not g]
+    if random_idx:
+        sub_rows = [rows[i] for i in random_idx]
+        truncated = _truncate(
+            scaled[random_idx],
+            torch.tensor([r.params.top_k for r in sub_rows], device=device),
+            torch.tensor([r.params.top_p for r in sub_rows], device=device),
+            torch.tensor([r.params.min_p for r in sub_rows], device=device),
+        )
+        probs = truncated.softmax(dim=-1)  # [n, V]
+        uniforms = []
+        for r in sub_rows:
+            if r.generator is None:
+                raise ValueError("a sampling (non-greedy) request needs a torch.Generator")
+            uniforms.append(torch.rand((), generator=r.generator).item())  # CPU generator
+        u = torch.tensor(uniforms, device=device, dtype=probs.dtype)[:, None]
+        cdf = probs.cumsum(dim=-1)
+        # Inverse CDF: the first token whose cumulative mass exceeds u * total (clamped in range).
+        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+        picked = picked.clamp(max=probs.shape[1] - 1)
+        # Guard against landing on a zero-probability token at the tail after rounding.
+        zero = probs.gather(1, picked[:, None])[:, 0] <= 0
+        if bool(zero.any()):
+            picked = torch.where(zero, probs.argmax(dim=-1), picked)
+        chosen[random_idx] = picked
+    token_ids = chosen.tolist()
+    logprob_rows: list[PositionLogprobs | None] = [None] * len(rows)
+    if want_logprobs:
+        logprob_rows = _logprobs(scaled.log_softmax(dim=-1), token_ids, rows)
+    return SamplerOutput(token_ids, logprob_rows)

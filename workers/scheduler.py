@@ -1,0 +1,414 @@
+"""Token-budget scheduler: decides which tokens of which requests the runner computes each step.
+
+Pure Python (no torch). One engine step is `schedule() -> SchedulerOutput`, the runner's
+`execute(SchedulerOutput) -> RunnerOutput`, then `update(SchedulerOutput, RunnerOutput)`. Three
+policies share one mechanism so their trade-offs can be measured on identical load:
+
+- chunked: decode-first, stall-free. Running decodes, then prefill chunks of running requests,
+  then chunks of newly admitted requests fill what is left of the budget.
+- prefill_first: if the head of the waiting queue can be admitted, the step prefills whole prompts
+  only (no decodes); otherwise it decodes every running request (vLLM v0 / TGI without chunking).
+- static: a batch is admitted only when nothing runs; it then decodes until every member finishes.
+
+Ranks: a request's rank is (priority, arrival_time, arrival_seq); smaller is served first and
+preempted last. Running requests are kept sorted by rank, so the preemption victim is always the
+tail of the list (lowest priority, latest arrival). Preemption is by recompute: the victim's blocks
+are freed and it returns to the waiting queue with its original rank.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left, insort
+from collections.abc import Callable
+from itertools import pairwise
+
+from sluice.workers.block_manager import BlockManager
+from sluice.workers.config import SchedulerConfig
+from sluice.workers.request import Request, RequestStatus
+from sluice.workers.scheduler_output import (
+    RunnerOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+    SchedulerStats,
+    StepBuilder,
+)
+
+__all__ = ["RunnerOutput", "ScheduledChunk", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+
+
+def _rank(request: Request) -> tuple[int, float, int]:
+    return (request.priority, request.arrival_time, request.arrival_seq)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.stats = SchedulerStats()
+        self._requests: dict[str, Request] = {}  # every live (waiting or running) request
+        # Waiting queue: a heap of (priority, arrival_time, arrival_seq, request). Aborted entries
+        # are left in place and skipped when they reach the top (lazy deletion).
+        self._waiting: list[tuple[int, float, int, Request]] = []
+        self._num_waiting = 0
+        self._running: list[Request] = []  # sorted by rank, most urgent first
+        self._next_seq = 0
+        self._finished_in_schedule: list[Request] = []  # ended by schedule(), reported by update()
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        cfg = self.config
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request {rid} is already in the engine")
+        if request.status != RequestStatus.WAITING or request.block_ids or request.output_token_ids:
+            raise ValueError(f"request {rid} was already scheduled once; submit a fresh request")
+        if request.num_prompt_tokens >= cfg.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens but this model accepts at most "
+                f"{cfg.max_model_len - 1} prompt tokens (context length {cfg.max_model_len}, "
+                "including at least one generated token)"
+            )
+        blocks = -(-request.num_prompt_tokens // cfg.block_size)
+        if blocks > cfg.num_kv_blocks:
+            raise ValueError(
+                f"the prompt needs {blocks} KV blocks but the pool has only {cfg.num_kv_blocks}"
+            )
+        request.arrival_seq = self._next_seq
+        self._next_seq += 1
+        self._requests[rid] = request
+        self._push_waiting(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request in any state; its blocks are free when this returns."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self._retire(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        """End a request early (the engine matched a stop string). No-op if it already left."""
+        if not status.is_finished:
+            raise ValueError(f"finish() needs a finished status, got {status.name}")
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self._retire(request, status)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        # The rule: each request has num_computed_tokens catching up to num_tokens. A step gives a
+        # request the chunk all_token_ids[num_computed_tokens : num_computed_tokens + n]; the sum of
+        # n over the step is at most max_num_batched_tokens, at most max_num_seqs requests run,
+        # and every computed token has a KV block. A decode is simply a chunk with n == 1 that
+        # ends at num_tokens; a prefill is a longer chunk; a prefix-cache hit advances
+        # num_computed_tokens at admission without spending budget. The chunk that reaches
+        # num_tokens samples one new token. The policy only decides who gets budget first (the
+        # non-chunked ones run a prompt longer than the whole budget alone, so it is not stuck).
+        # A running request short of blocks preempts the lowest-ranked running request (maybe
+        # itself); a waiting one may preempt only strictly lower priorities, and only if that
+        # makes enough room.
+        step = StepBuilder(self.config.max_num_batched_tokens)
+        policy = self.config.policy
+        if policy == "chunked":
+            self._schedule_running(step, now, self._decode)
+            self._schedule_running(step, now, self._prefill_chunk)
+            if not step.resource_preempted:
+                self._admit(step, now, whole=False)
+        elif policy == "prefill_first":
+            if not self._admit(step, now, whole=True):
+                self._schedule_running(step, now, self._whole)
+        else:  # static
+            if self._running:
+                self._schedule_running(step, now, self._whole)
+            else:
+                self._admit(step, now, whole=True)
+        self.stats.num_steps += 1
+        return step.build()
+
+    def update(self, output: SchedulerOutput, runner_output: RunnerOutput, now: float) -> list[Request]:
+        """Apply a step's results; return the requests that got a token or finished this step."""
+        changed, self._finished_in_schedule = self._finished_in_schedule, []
+        for chunk in output.chunks:
+            request = chunk.request
+            if not self._is_running(request):
+                continue  # aborted or finished between schedule() and update()
+            if request.num_computed_tokens != chunk.start:
+                raise RuntimeError(
+                    f"update() for request {request.request_id} does not match the last schedule()"
+                )
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.block_manager.cache_computed_blocks(request)
+            if not chunk.sample:
+                continue
+            token_id = runner_output.sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                raise ValueError(f"the runner output has no sampled token for request {request.request_id}")
+            request.append_output(token_id, now)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                del self._requests[request.request_id]
+                self._retire(request, status)
+            changed.append(request)
+        return changed
+
+    # ---- policy building blocks ----------------------------------------------------------------
+
+    @staticmethod
+    def _decode(request: Request, step: StepBuilder) -> int:
+        """chunked, first pass: one token for requests that only lack their last token."""
+        return 1 if request.num_tokens - request.num_computed_tokens == 1 else 0
+
+    def _prefill_chunk(self, request: Request, step: StepBuilder) -> int:
+        """chunked, second pass: the next prefill chunk, capped by the budget and the chunk size."""
+        left = request.num_tokens - request.num_computed_tokens
+        return min(left, step.budget, self.config.prefill_chunk) if left > 1 else 0
+
+    @staticmethod
+    def _whole(request: Request, step: StepBuilder) -> int:
+        """Non-chunked policies compute everything left, alone if it exceeds the budget."""
+        left = request.num_tokens - request.num_computed_tokens
+        return left if left <= step.budget or step.num_scheduled == 0 else 0
+
+    def _schedule_running(
+        self, step: StepBuilder, now: float, want: Callable[[Request, StepBuilder], int]
+    ) -> None:
+        """Give running requests, most urgent first, the chunk `want` asks for."""
+        running = self._running
+        i = 0
+        while i < len(running) and step.budget > 0:
+            request = running[i]
+            n = 0 if step.has(request) else want(request, step)
+            if n > 0:
+                if not self._allocate_or_preempt(step, request, request.num_computed_tokens + n):
+                    return  # the request preempted itself: it was the tail, nothing follows it
+                step.add(request, n, now)
+            i += 1
+
+    def _allocate_or_preempt(self, step: StepBuilder, request: Request, num_tokens: int) -> bool:
+        """Blocks for a running request: preempt the tail (lowest, latest) until they fit.
+
+        False when `request` itself had to go (preempted, or finished because it outgrew the pool).
+        """
+        while not self.block_manager.allocate(request, num_tokens):
+            victim = self._running[-1]
+            if victim is request and len(self._running) == 1:
+                # Alone and still short: the pool can never hold this context. End it ("length");
+                # the next update() reports it.
+                self._end_in_schedule(request)
+                return False
+            self._preempt(victim, step)
+            step.resource_preempted = True
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, step: StepBuilder, now: float, *, whole: bool) -> int:
+        """Move waiting requests to running in rank order while budget, slots and blocks allow.
+
+        Stops at the first request that does not fit (strict priority: nobody overtakes it).
+        Returns the number admitted.
+        """
+        cfg = self.config
+        bm = self.block_manager
+        admitted = 0
+        while step.budget > 0:
+            request = self._peek_waiting()
+            if request is None or request.request_id in step.preempted:
+                break
+            hits = bm.find_cached_prefix(request)
+            num_cached = len(hits) * cfg.block_size
+            left = request.num_tokens - num_cached
+            if whole:
+                if left > step.budget and step.num_scheduled > 0:
+                    break
+                n = left
+            else:
+                n = min(left, step.budget, cfg.prefill_chunk)
+            needed = -(-(num_cached + n) // cfg.block_size) - len(hits)
+            if needed + len(hits) > bm.num_blocks:
+                # A preempted request whose context has outgrown the whole pool: it can never run
+                # again. End it ("length") instead of blocking the queue; update() reports it.
+                self._end_in_schedule(request)  # its heap entry goes stale and is skipped
+                continue
+            if not self._make_room(step, request, needed, hits):
+                break
+            self._pop_waiting()
+            if not bm.allocate(request, num_cached + n, hits):
+                raise RuntimeError("block accounting error: admission checked room it did not get")
+            request.num_computed_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.num_cached_tokens = num_cached
+            if cfg.enable_prefix_caching:
+                self.stats.prefix_queried_tokens += request.num_tokens
+                self.stats.prefix_hit_tokens += num_cached
+            request.status = RequestStatus.RUNNING
+            insort(self._running, request, key=_rank)
+            step.add(request, n, now)
+            admitted += 1
+        return admitted
+
+    def _make_room(self, step: StepBuilder, request: Request, needed: int, hits: list[int]) -> bool:
+        """Ensure a seq slot and `needed` new blocks for the waiting `request`.
+
+        If short, preempt running requests of strictly lower priority (lowest, latest first), but
+        only when that suffices: never preempt for nothing, never for equal priority.
+        """
+        bm = self.block_manager
+        slots_short = len(self._running) + 1 - self.config.max_num_seqs
+        blocks_short = needed - bm.num_allocatable(hits)
+        if slots_short <= 0 and blocks_short <= 0:
+            return True
+        victims: list[Request] = []
+        enough = False
+        for candidate in reversed(self._running):
+            if candidate.priority <= request.priority:
+                break
+            victims.append(candidate)
+            if len(victims) >= slots_short and (
+                blocks_short <= 0 or bm.num_reclaimable(victims, hits) >= blocks_short
+            ):
+                enough = True
+                break
+        if not enough:
+            return False
+        for victim in victims:
+            self._preempt(victim, step)
+            self.stats.num_priority_preemptions += 1
+        return True
+
+    def _end_in_schedule(self, request: Request) -> None:
+        del self._requests[request.request_id]
+        self._retire(request, RequestStatus.FINISHED_LENGTH)
+        self._finished_in_schedule.append(request)
+
+    def _preempt(self, victim: Request, step: StepBuilder) -> None:
+        """Recompute-preemption: drop its KV, keep its tokens and its original rank."""
+        step.withdraw(victim)
+        self._remove_running(victim)
+        self.block_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        step.preempted[victim.request_id] = None
+        self._push_waiting(victim)
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        sampling = request.sampling
+        if token_id in sampling.stop_token_ids or (
+            not sampling.ignore_eos and token_id in request.eos_token_ids
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= sampling.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- queues --------------------------------------------------------------------------------
+
+    def _is_running(self, request: Request) -> bool:
+        return (
+            request.status == RequestStatus.RUNNING
+            and self._requests.get(request.request_id) is request
+        )
+
+    def _retire(self, request: Request, status: RequestStatus) -> None:
+        """Take a live request (already removed from `_requests`) out of its queue, free its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self._remove_running(request)
+        elif request.status == RequestStatus.WAITING:
+            self._num_waiting -= 1  # its heap entry is now stale
+            self._compact_waiting()
+        self.block_manager.free(request)
+        request.status = status
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self._waiting, (request.priority, request.arrival_time, request.arrival_seq, request))
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Request | None:
+        waiting = self._waiting
+        while waiting:
+            request = waiting[0][3]
+            if request.status == RequestStatus.WAITING:
+                return request
+            heapq.heappop(waiting)  # aborted while waiting
+        return None
+
+    def _pop_waiting(self) -> Request:
+        request = heapq.heappop(self._waiting)[3]
+        self._num_waiting -= 1
+        return request
+
+    def _compact_waiting(self) -> None:
+        # Bound the stale entries left by aborts: rebuild once they outnumber the live ones.
+        if len(self._waiting) > 64 and len(self._waiting) > 2 * self._num_waiting:
+            self._waiting = [e for e in self._waiting if e[3].status == RequestStatus.WAITING]
+            heapq.heapify(self._waiting)
+
+    def _remove_running(self, request: Request) -> None:
+        running = self._running
+        if running and running[-1] is request:  # the usual case: preempting the tail
+            running.pop()
+            return
+        i = bisect_left(running, _rank(request), key=_rank)
+        if i == len(running) or running[i] is not request:
+            raise RuntimeError(f"request {request.request_id} is not in the running list")
+        del running[i]
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if the scheduler's or block manager's bookkeeping is inconsistent."""
+        running = self._running
+        if len(running) > self.config.max_num_seqs:
+            raise RuntimeError(f"{len(running)} running requests exceed max_num_seqs")
+        if any(_rank(a) >= _rank(b) for a, b in pairwise(running)):
+            raise RuntimeError("the running list is not sorted by rank")
+        waiting = [e[3] for e in self._waiting if e[3].status == RequestStatus.WAITING]
+        if len(waiting) != self._num_waiting or len({id(r) for r in waiting}) != len(waiting):
+            raise RuntimeError("the waiting count disagrees with the waiting queue")
+        if len(waiting) + len(running) != len(self._requests):
+            raise RuntimeError("live requests are neither waiting nor running")
+        for request in running:
+            if not self._is_running(request):
+                raise RuntimeError(f"request {request.request_id} is in the running list but not running")
+            if not 0 <= request.num_computed_tokens <= request.num_tokens:
+                raise RuntimeError(f"request {request.request_id} computed more tokens than it has")
+            if len(request.block_ids) * self.config.block_size < request.num_computed_tokens:
+                raise RuntimeError(f"request {request.request_id} has computed tokens without blocks")
+        for request in waiting:
+            if request.block_ids or request.num_computed_tokens:
+                raise RuntimeError(f"waiting request {request.request_id} still holds KV state")
+        self.block_manager.check_invariants(running)

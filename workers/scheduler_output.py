@@ -1,0 +1,102 @@
+"""Records exchanged at the scheduler's boundary, and the builder of one step's schedule.
+
+`SchedulerOutput` goes to the runner, which answers with `RunnerOutput`; both are plain frozen
+records (no torch). `StepBuilder` is the scheduler's scratch space while it builds one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sluice.protocol import PositionLogprobs
+from sluice.workers.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # == request.num_computed_tokens before this step: position of the first token computed
+    num_tokens: int  # compute request.all_token_ids[start:start + num_tokens] this step
+    block_ids: tuple[int, ...]  # the request's whole block table after allocation
+    sample: bool  # start + num_tokens == request.num_tokens: the runner samples a new token
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.sample
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]  # decodes first, then prefill chunks
+    preempted_ids: tuple[str, ...]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """Built by the runner from the chunks with sample=True."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0  # total, resource and priority preemptions together
+    num_priority_preemptions: int = 0  # of those, on behalf of a waiting higher-priority request
+    prefix_queried_tokens: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_hit_tokens: int = 0  # of those, tokens served from cached blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+
+class StepBuilder:
+    """Chunks of the step being built. A chunk can be withdrawn when its request is preempted."""
+
+    __slots__ = ("budget", "decodes", "preempted", "prefills", "resource_preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        # request_id -> (request, start, num_tokens); dicts keep scheduling order.
+        self.decodes: dict[str, tuple[Request, int, int]] = {}
+        self.prefills: dict[str, tuple[Request, int, int]] = {}
+        self.preempted: dict[str, None] = {}
+        self.resource_preempted = False  # a running request lacked blocks: admit nobody this step
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self.decodes) + len(self.prefills)
+
+    def has(self, request: Request) -> bool:
+        return request.request_id in self.decodes or request.request_id in self.prefills
+
+    def add(self, request: Request, num_tokens: int, now: float) -> None:
+        start = request.num_computed_tokens
+        entry = (request, start, num_tokens)
+        if num_tokens == 1 and start + 1 == request.num_tokens:
+            self.decodes[request.request_id] = entry
+        else:
+            self.prefills[request.request_id] = entry
+        self.budget -= num_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+
+    def withdraw(self, request: Request) -> None:
+        entry = self.decodes.pop(request.request_id, None) or self.prefills.pop(request.request_id, None)
+        if entry is not None:
+            self.budget += entry[2]
+
+    def build(self) -> SchedulerOutput:
+        chunks = tuple(
+            ScheduledChunk(r, start, n, tuple(r.block_ids), start + n == r.num_tokens)
+            for entries in (self.decodes, self.prefills)
+            for r, start, n in entries.values()
+        )
+        return SchedulerOutput(chunks, tuple(self.preempted), sum(c.num_tokens for c in chunks))
