@@ -99,6 +99,21 @@ VARIANTS = [
         4,
         2,
     ),
+    # Shapes bench/gpu_suite.py sweeps.
+    (
+        _paged_prefill_kernel,
+        _PAGED_TYPES,
+        {"PAGE_SIZE": 16, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128, "SKIP_DECODES": False, **_BF16_DOT},
+        8,
+        3,
+    ),
+    (
+        _paged_decode_kernel,
+        _PAGED_TYPES,
+        {"PAGE_SIZE": 16, "BLOCK_G": 16, "BLOCK_N": 128, "BLOCK_D": 128, "SPLIT": True, **_BF16_DOT},
+        4,
+        2,
+    ),
 ]
 
 

@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -153,6 +154,7 @@ def time_kernels(report: Report, device: str, dry: bool) -> None:
     import torch
 
     from sluice.kernels.activation import silu_and_mul_triton
+    from sluice.kernels.paged_common import TileConfig
     from sluice.kernels.paged_decode import paged_decode_triton
     from sluice.kernels.paged_prefill import paged_prefill_triton
     from sluice.kernels.rmsnorm import rms_norm_triton
@@ -201,23 +203,34 @@ def time_kernels(report: Report, device: str, dry: bool) -> None:
 
     scale = d**-0.5
     kv_per_token = 2 * hkv * d * elem  # K and V of one layer
+    default = TileConfig(block_m=16, block_n=16) if dry else TileConfig()
+    # Launch shapes tried besides the default, each timed once: pick the best in a later change.
+    decode_sweep = [TileConfig(block_n=32)] if dry else [TileConfig(block_n=32), TileConfig(block_n=128)]
+    prefill_sweep = (
+        [TileConfig(block_m=32, block_n=16)]
+        if dry
+        else [
+            TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+            TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+            TileConfig(block_m=128, block_n=32, num_warps=4, num_stages=3),
+        ]
+    )
     decode_cases = [(1, 64), (4, 32)] if dry else [(b, c) for c in (1024, 4096) for b in (1, 8, 64, 256)]
     for batch, ctx in decode_cases:
         pb = make_paged_batch([(1, ctx)] * batch, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                               dtype=dtype, device=device)  # fmt: skip
         out = torch.empty_like(pb.q)
         nbytes = batch * ctx * kv_per_token + 2 * pb.q.numel() * elem
-        memory_row(
-            f"decode B={batch} ctx={ctx}",
-            lambda pb=pb, out=out: paged_decode_triton(pb.q, pb.k_cache, pb.v_cache, pb.meta, scale, out=out),
-            nbytes,
-        )
+        variants: list[tuple[str, TileConfig, int | None]] = [("", default, None)]
         if batch == 1:  # what split-KV buys: the same call forced to one partition
-            whole = -(-ctx // 64) * 64 if on_cuda else -(-ctx // 16) * 16
+            variants.append((" no split", default, -(-ctx // default.block_n) * default.block_n))
+        if ctx == max(c for _, c in decode_cases) and batch in (1, 64):
+            variants += [(f" block_n={t.block_n}", t, None) for t in decode_sweep]
+        for label, tiles, part in variants:
             memory_row(
-                f"decode B=1 ctx={ctx} no split",
-                lambda pb=pb, out=out, whole=whole: paged_decode_triton(
-                    pb.q, pb.k_cache, pb.v_cache, pb.meta, scale, out=out, partition_size=whole
+                f"decode B={batch} ctx={ctx}{label}",
+                lambda pb=pb, out=out, tiles=tiles, part=part: paged_decode_triton(
+                    pb.q, pb.k_cache, pb.v_cache, pb.meta, scale, out=out, partition_size=part, tiles=tiles
                 ),
                 nbytes,
             )
@@ -231,14 +244,22 @@ def time_kernels(report: Report, device: str, dry: bool) -> None:
         # Row i sees (seq_len - q_len + i + 1) keys; QK^T and PV cost 2 * D FLOPs each per key.
         visible = q_len * (seq_len - q_len) + q_len * (q_len + 1) // 2
         flops = 4 * hq * d * visible
-        ms = bench_ms(
-            lambda pb=pb, out=out: paged_prefill_triton(
-                pb.q, pb.k_cache, pb.v_cache, pb.meta, scale, out=out
-            ),
-            on_cuda,
-        )
-        rate = flops / (ms * 1e-3)
-        report.add(Row("kernel", f"prefill q={q_len} ctx={seq_len}", ms, rate / 1e12, "TFLOP/s", rate / peak))
+        sweep = prefill_sweep if q_len == seq_len == max(n for n, _ in prefill_cases) else []
+        for tiles in [default, *sweep]:
+            label = (
+                ""
+                if tiles is default
+                else f" tiles={tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}"
+            )
+            ms = bench_ms(
+                lambda pb=pb, out=out, tiles=tiles: paged_prefill_triton(
+                    pb.q, pb.k_cache, pb.v_cache, pb.meta, scale, out=out, tiles=tiles
+                ),
+                on_cuda,
+            )
+            rate = flops / (ms * 1e-3)
+            name = f"prefill q={q_len} ctx={seq_len}{label}"
+            report.add(Row("kernel", name, ms, rate / 1e12, "TFLOP/s", rate / peak))
         del pb, out
 
 
@@ -261,6 +282,16 @@ def print_table(report: Report) -> None:
         print(f"{r.section:8} {r.name[:44]:44} {ms:>10} {ach:>16} {frac:>8} {chk:>14} {r.note}".rstrip())
     failed = [r.name for r in report.rows if r.ok is False]
     print(f"checks: {'all passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
+
+
+def _guarded(report: Report, section: str, fn, *args, **kwargs) -> None:
+    """Runs one section; an exception becomes a failed row (with its traceback on stderr) so
+    the other sections and the table still come out of a single device call."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        traceback.print_exc()
+        report.add(Row(section, "section crashed", ok=False, note=f"{type(exc).__name__}: {exc}"[:300]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,17 +328,21 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     with torch.inference_mode():
-        measure_ceilings(report, device, args.dry_run)
-        check_kernels(report, device, args.dry_run)
-        time_kernels(report, device, args.dry_run)
-    if args.skip_engine:
-        report.add(Row("engine", "skipped", note="--skip-engine"))
+        _guarded(report, "ceiling", measure_ceilings, report, device, args.dry_run)
+        if report.ceilings:
+            _guarded(report, "check", check_kernels, report, device, args.dry_run)
+            _guarded(report, "kernel", time_kernels, report, device, args.dry_run)
+    if args.skip_engine or not report.ceilings:
+        report.add(Row("engine", "skipped", note="--skip-engine" if args.skip_engine else "no ceilings"))
     else:
         from gpu_suite_engine import run_engine_section
 
         if device == "cuda":
             torch.cuda.empty_cache()  # section 3's tensors are gone; give the engine the memory
-        run_engine_section(
+        _guarded(
+            report,
+            "engine",
+            run_engine_section,
             report,
             device,
             args.dry_run,

@@ -164,13 +164,22 @@ class _EngineThread:
         request: GenerateRequest = arg
         try:
             self.engine.add_request(
-                request.request_id, list(request.prompt_token_ids), request.sampling,
-                priority=int(request.priority), cache_salt=request.cache_salt,
+                request.request_id,
+                list(request.prompt_token_ids),
+                request.sampling,
+                priority=int(request.priority),
+                cache_salt=request.cache_salt,
                 arrival_time=request.arrival_time,
             )
         except ValueError as exc:  # the gateway validates first; this is a last line of defence
-            out.append(RequestDelta(request_id=request.request_id, finish_reason=FinishReason.ERROR,
-                                    error=str(exc), num_prompt_tokens=len(request.prompt_token_ids)))
+            out.append(
+                RequestDelta(
+                    request_id=request.request_id,
+                    finish_reason=FinishReason.ERROR,
+                    error=str(exc),
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                )
+            )
 
     def _run(self) -> None:
         assert self._loop is not None
@@ -200,16 +209,24 @@ class _EngineThread:
         failed = []
         for request_id in list(self._subs):
             self.engine.abort(request_id)
-            failed.append(RequestDelta(request_id=request_id, finish_reason=FinishReason.ERROR,
-                                       error=f"engine error: {message}"))
+            failed.append(
+                RequestDelta(
+                    request_id=request_id, finish_reason=FinishReason.ERROR, error=f"engine error: {message}"
+                )
+            )
         return failed
 
 
 class LocalEngineBackend:
     """In-process engines, one per model, each stepped by its own thread. No durability."""
 
-    def __init__(self, models: Mapping[str, str | Path], engine_options: Mapping[str, Any] | None = None,
-                 *, worker_id: str = "local") -> None:
+    def __init__(
+        self,
+        models: Mapping[str, str | Path],
+        engine_options: Mapping[str, Any] | None = None,
+        *,
+        worker_id: str = "local",
+    ) -> None:
         if not models:
             raise ValueError("LocalEngineBackend needs at least one model (name -> directory)")
         self._paths = {name: str(path) for name, path in models.items()}
@@ -241,8 +258,10 @@ class LocalEngineBackend:
         self._started = False
 
     def served_models(self) -> list[ServedModel]:
-        return [ServedModel(name=name, path=self._paths[name], max_model_len=runner.engine.max_model_len)
-                for name, runner in self._runners.items()]
+        return [
+            ServedModel(name=name, path=self._paths[name], max_model_len=runner.engine.max_model_len)
+            for name, runner in self._runners.items()
+        ]
 
     def tokenizer(self, model: str) -> Any:
         """The loaded engine's tokenizer (saves the gateway loading it a second time)."""
@@ -261,19 +280,27 @@ class LocalEngineBackend:
         workers = []
         for name, runner in self._runners.items():
             cap = runner.last_capacity
-            workers.append({
-                "worker_id": runner.worker_id, "models": [name], "alive": runner.alive,
-                "num_running": cap.num_running, "num_waiting": cap.num_waiting,
-                "free_kv_blocks": cap.free_kv_blocks, "total_kv_blocks": cap.total_kv_blocks,
-                "max_num_seqs": cap.max_num_seqs, "steps": runner.steps,
-            })
+            workers.append(
+                {
+                    "worker_id": runner.worker_id,
+                    "models": [name],
+                    "alive": runner.alive,
+                    "num_running": cap.num_running,
+                    "num_waiting": cap.num_waiting,
+                    "free_kv_blocks": cap.free_kv_blocks,
+                    "total_kv_blocks": cap.total_kv_blocks,
+                    "max_num_seqs": cap.max_num_seqs,
+                    "steps": runner.steps,
+                }
+            )
         return {
             "queues": {"backend": "local", "in_flight": sum(r.live_requests for r in self._runners.values())},
             "workers": workers,
         }
 
 
-def local_backend_from_specs(specs: Sequence[Any], engine_options: Mapping[str, Any] | None = None
-                             ) -> LocalEngineBackend:
+def local_backend_from_specs(
+    specs: Sequence[Any], engine_options: Mapping[str, Any] | None = None
+) -> LocalEngineBackend:
     """Builds a LocalEngineBackend from settings.models (`ModelSpec`s with name and path)."""
     return LocalEngineBackend({spec.name: spec.path for spec in specs}, engine_options)

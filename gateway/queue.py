@@ -105,13 +105,24 @@ class RequestLog:
             with contextlib.suppress(Exception):
                 await self._producer.stop()
             self._producer = None
-            raise QueueUnavailable(f"cannot connect to the Kafka broker at {s.bootstrap_servers} ({exc!r})") from exc
+            raise QueueUnavailable(
+                f"cannot connect to the Kafka broker at {s.bootstrap_servers} ({exc!r})") from exc
 
     async def stop(self) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(producer.stop(), self._timeout)
+
+    async def ping(self, timeout_s: float = 1.0) -> bool:
+        """Whether the broker answers a metadata request now (for readiness)."""
+        if self._producer is None:
+            return False
+        try:
+            await asyncio.wait_for(self._producer.client.fetch_all_metadata(), timeout_s)
+        except (TimeoutError, KafkaError, OSError):
+            return False
+        return True
 
     async def append(self, request: GenerateRequest) -> None:
         if self._producer is None:
@@ -130,7 +141,8 @@ class RequestLog:
                 f"within {self._timeout:g}s; try again later"
             ) from None
         except KafkaError as exc:
-            raise QueueUnavailable(f"the request queue rejected the request ({exc!r}); try again later") from exc
+            raise QueueUnavailable(
+                f"the request queue rejected the request ({exc!r}); try again later") from exc
 
 
 class PartitionWatermark:
@@ -140,11 +152,13 @@ class PartitionWatermark:
         self._unfinished: set[int] = set()
         self._heap: list[int] = []  # min-heap of unfinished offsets, lazily cleaned
         self._next = 0  # one past the highest offset seen
-        self.committable: int | None = None  # what should be committed (None = nothing seen)
+        self.committable: int | None = None  # the commit position (None = nothing seen yet)
 
     def track(self, offset: int) -> None:
         if offset in self._unfinished:
             return
+        if self.committable is None:  # the first offset seen is where the group already stands
+            self.committable = offset
         self._unfinished.add(offset)
         heapq.heappush(self._heap, offset)
         self._next = max(self._next, offset + 1)
@@ -181,11 +195,12 @@ class ClassConsumer:
     """Reads one class topic into `on_request`; commits finished offsets; pausable."""
 
     def __init__(self, settings: KafkaSettings, priority: Priority, on_request: OnRequest,
-                 *, commit_interval_s: float = 0.05) -> None:
+                 *, commit_interval_s: float = 0.05, max_records: int = 500) -> None:
         self.priority = priority
         self._settings = settings
         self._on_request = on_request
         self._commit_interval = commit_interval_s
+        self._max_records = max_records  # per fetch: how far a fetch can overshoot a pause
         self._consumer: AIOKafkaConsumer | None = None
         self._marks: dict[TopicPartition, PartitionWatermark] = {}
         self._to_commit: dict[TopicPartition, int] = {}
@@ -203,8 +218,8 @@ class ClassConsumer:
 
     async def start(self) -> None:
         s = self._settings
+        topic = topic_name(s, self.priority)
         self._consumer = AIOKafkaConsumer(
-            topic_name(s, self.priority),
             bootstrap_servers=s.bootstrap_servers,
             group_id=f"{s.consumer_group}.{self.priority.label}",
             enable_auto_commit=False,
@@ -213,6 +228,22 @@ class ClassConsumer:
             fetch_max_bytes=max(s.max_request_bytes, 50 * 2**20),
         )
         await self._consumer.start()
+        # Manual assignment of every partition, with the group used only for committed offsets:
+        # one gateway owns the queue, and this avoids the group join (seconds on Tansu, more
+        # after a restart while the dead member's session lingers). Several gateway replicas
+        # would subscribe with a rebalance listener instead.
+        partitions = self._consumer.partitions_for_topic(topic)
+        for _ in range(50):
+            if partitions:
+                break
+            await self._consumer._client.force_metadata_update()
+            partitions = self._consumer.partitions_for_topic(topic)
+            if not partitions:
+                await asyncio.sleep(0.1)
+        if not partitions:
+            await self._consumer.stop()
+            raise QueueUnavailable(f"topic {topic} has no partitions; was it created?")
+        self._consumer.assign([TopicPartition(topic, p) for p in sorted(partitions)])
         self._tasks = [asyncio.create_task(self._fetch_loop(), name=f"consume-{self.priority.label}"),
                        asyncio.create_task(self._commit_loop(), name=f"commit-{self.priority.label}")]
 
@@ -255,7 +286,7 @@ class ClassConsumer:
         assert consumer is not None  # started; internal invariant
         while True:
             try:
-                batches = await consumer.getmany(timeout_ms=200, max_records=500)
+                batches = await consumer.getmany(timeout_ms=200, max_records=self._max_records)
             except KafkaError as exc:
                 log.warning("fetching %s failed (%r); retrying", self.priority.label, exc)
                 await asyncio.sleep(0.5)

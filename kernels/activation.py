@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sluice.kernels.launch import check_device
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -37,6 +39,7 @@ def silu_and_mul_triton(x: torch.Tensor, block_i: int = 1024) -> torch.Tensor:
         raise ValueError(f"silu_and_mul expects x of shape [tokens, 2 * intermediate], got {tuple(x.shape)}")
     if x.stride(-1) != 1:
         raise ValueError("silu_and_mul x must be contiguous in its last dimension")
+    check_device("silu_and_mul", x)
     num_tokens, intermediate_size = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, intermediate_size, dtype=x.dtype, device=x.device)
     if num_tokens == 0 or intermediate_size == 0:

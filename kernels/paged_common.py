@@ -11,12 +11,14 @@ units, which the split-KV reduce relies on.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from sluice.kernels.attention import AttentionMetadata
+from sluice.kernels.launch import check_device
 
 LOG2E = math.log2(math.e)
 MAX_HEAD_DIM = 256
@@ -155,10 +157,38 @@ def check_paged_inputs(
     ):
         if t.dtype != torch.int32:
             raise ValueError(f"{op}: meta.{name} must be int32, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{op}: meta.{name} is on {t.device} but q is on {q.device}")
+    check_device(op, q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables)
     if meta.block_tables.stride(1) != 1:
         raise ValueError(f"{op}: block_tables rows must be contiguous")
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """Launch shape of the paged attention kernels. block_m: query rows per program (prefill;
+    decode packs the GQA group instead); block_n: KV tokens per inner-loop step."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TileConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 6:
+            raise ValueError(f"TileConfig.num_stages must be between 1 and 6, got {self.num_stages}")
+
+
+# Under the CPU interpreter every lane costs time, so tiles stay at the 16-wide minimum.
+INTERPRETER_TILES = TileConfig(block_m=16, block_n=16)
+
+
+def default_tiles(q: torch.Tensor) -> TileConfig:
+    return TileConfig() if q.is_cuda else INTERPRETER_TILES
 
 
 def head_block(head_dim: int) -> int:

@@ -19,10 +19,13 @@ import triton
 import triton.language as tl
 
 from sluice.kernels.attention import AttentionMetadata
+from sluice.kernels.launch import num_multiprocessors
 from sluice.kernels.paged_common import (
     LOG2E,
+    TileConfig,
     attend_kv_range,
     check_paged_inputs,
+    default_tiles,
     dot_flags,
     head_block,
 )
@@ -180,15 +183,17 @@ def _paged_decode_reduce_kernel(
 def _default_partition_size(q: torch.Tensor, num_programs: int, max_seq_len: int, block_n: int) -> int:
     """Split the context until the grid has about two programs per multiprocessor.
 
-    Partitions are powers of two of at least 256 tokens, so the reduce stays cheap and the
-    kernels compile for a handful of shapes only; on CPU (interpreter) nothing is split.
+    Partitions are powers of two of at least 256 tokens (and at least one tile), so a partition
+    amortises its partial-result write and the reduce stays small; on CPU nothing is split.
+    Under CUDA graphs max_seq_len is the captured maximum, so short contexts split less.
     """
     if not q.is_cuda:
         return triton.cdiv(max_seq_len, block_n) * block_n
-    target = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count
+    target = 2 * num_multiprocessors(
+        q.device.index if q.device.index is not None else torch.cuda.current_device()
+    )
     splits = max(1, target // max(num_programs, 1))
-    size = max(256, triton.next_power_of_2(triton.cdiv(max_seq_len, splits)))
-    return size
+    return max(256, block_n, triton.next_power_of_2(triton.cdiv(max_seq_len, splits)))
 
 
 def paged_decode_triton(
@@ -199,8 +204,14 @@ def paged_decode_triton(
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D]; rows of non-decode sequences are left as they are
     partition_size: int | None = None,
+    tiles: TileConfig | None = None,
 ) -> torch.Tensor:
-    """Attention of every single-token sequence in the batch over its paged context."""
+    """Attention of every single-token sequence in the batch over its paged context.
+
+    partition_size: context tokens per split-KV partition (a multiple of tiles.block_n); by
+    default chosen so the grid has about two programs per multiprocessor (never split on CPU).
+    tiles: launch shape (block_m is unused: the rows of a tile are the GQA group's heads).
+    """
     check_paged_inputs("paged_decode", q, k_cache, v_cache, meta)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -214,7 +225,8 @@ def paged_decode_triton(
     num_seqs = meta.num_seqs
     if num_seqs == 0:
         return out
-    block_n = 64 if q.is_cuda else 16
+    tiles = tiles or default_tiles(q)
+    block_n = tiles.block_n
     if partition_size is None:
         partition_size = _default_partition_size(q, num_seqs * num_kv_heads, meta.max_seq_len, block_n)
     if partition_size <= 0 or partition_size % block_n != 0:
@@ -246,7 +258,8 @@ def paged_decode_triton(
         BLOCK_D=block_d,
         SPLIT=split,
         **dot_flags(q),
-        num_warps=4,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )  # fmt: skip
     if split:
         _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](

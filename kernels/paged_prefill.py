@@ -20,8 +20,10 @@ import triton.language as tl
 from sluice.kernels.attention import AttentionMetadata
 from sluice.kernels.paged_common import (
     LOG2E,
+    TileConfig,
     attend_kv_range,
     check_paged_inputs,
+    default_tiles,
     dot_flags,
     head_block,
 )
@@ -119,10 +121,12 @@ def paged_prefill_triton(
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D]
     skip_decodes: bool = False,
+    tiles: TileConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context.
 
     skip_decodes=True leaves the rows of single-token sequences untouched (for the decode kernel).
+    tiles: launch shape; by default 64x64 tiles on CUDA, 16x16 under the interpreter.
     """
     check_paged_inputs("paged_prefill", q, k_cache, v_cache, meta)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -135,9 +139,8 @@ def paged_prefill_triton(
         )
     if meta.num_seqs == 0 or num_tokens == 0:
         return out
-    # 64x64 tiles on the GPU; tiny ones under the CPU interpreter, where every lane costs time.
-    block_m, block_n = (64, 64) if q.is_cuda else (16, 16)
-    grid = (triton.cdiv(meta.max_query_len, block_m), meta.num_seqs, num_q_heads)
+    tiles = tiles or default_tiles(q)
+    grid = (triton.cdiv(meta.max_query_len, tiles.block_m), meta.num_seqs, num_q_heads)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, out,
         q.stride(0), q.stride(1),
@@ -146,12 +149,12 @@ def paged_prefill_triton(
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E, head_dim, num_q_heads // num_kv_heads,
         PAGE_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
         BLOCK_D=head_block(head_dim),
         SKIP_DECODES=skip_decodes,
         **dot_flags(q),
-        num_warps=4,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )  # fmt: skip
     return out

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.launch import check_device
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -66,8 +68,7 @@ def rms_norm_triton(
             raise ValueError("rms_norm residual must be contiguous in its last dimension")
     if x.stride(-1) != 1 or weight.stride(0) != 1:
         raise ValueError("rms_norm x and weight must be contiguous in their last dimension")
-    if x.device != weight.device:
-        raise ValueError(f"rms_norm x is on {x.device} but weight is on {weight.device}")
+    check_device("rms_norm", x, weight, *([] if residual is None else [residual]))
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     new_residual = torch.empty_like(x) if residual is not None else x
     if num_tokens == 0:

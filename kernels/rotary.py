@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sluice.kernels.launch import check_device
+
 
 @triton.jit
 def _rotate_heads(
@@ -163,6 +165,7 @@ def rotary_store_kv_triton(
             )
         if cache.stride(3) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
             raise ValueError(f"rotary_store_kv: {name} must have contiguous blocks and rows")
+    check_device("rotary_store_kv", q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:

@@ -7,6 +7,7 @@ The URL comes from the Config attribute `sqlalchemy.url` (set by sluice.gateway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 from alembic import context
@@ -16,10 +17,9 @@ from sluice.gateway.db import models as _models  # noqa: F401  (registers the ta
 from sluice.gateway.db.base import Base
 from sluice.gateway.db.session import make_engine
 
-try:  # the Batch API's tables live on the same Base when that package is present
+# The Batch API's tables live on the same Base when that package is present.
+with contextlib.suppress(ModuleNotFoundError):
     from sluice.gateway.batches import models as _batch_models  # noqa: F401
-except ModuleNotFoundError:
-    pass
 
 config = context.config
 target_metadata = Base.metadata
@@ -34,8 +34,12 @@ def _url() -> str:
 
 
 def _do_run(connection: Connection) -> None:
-    context.configure(connection=connection, target_metadata=target_metadata,
-                      render_as_batch=connection.dialect.name == "sqlite", compare_type=True)
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=connection.dialect.name == "sqlite",
+        compare_type=True,
+    )
     with context.begin_transaction():
         context.run_migrations()
 

@@ -165,6 +165,7 @@ class WorkerCapacity(msgspec.Struct, frozen=True, kw_only=True, tag="capacity"):
     # GenerateRequests the worker has received so far on this connection: the gateway subtracts
     # it from what it sent to know how many are still in flight to the worker's waiting queue.
     num_received: int = 0
+    num_preemptions: int = 0  # engine preemptions since the worker started (cumulative)
 
 
 class WorkerRegister(msgspec.Struct, frozen=True, kw_only=True, tag="register"):

@@ -56,6 +56,7 @@ class KafkaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     retention_ms: int = 7 * 24 * 3600 * 1000
     consumer_group: str = "sluice-gateway"
     max_request_bytes: int = 4 * 2**20
+    produce_timeout_s: float = 5.0  # a request the broker has not acknowledged by then gets a 503
 
 
 class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -70,6 +71,9 @@ class SchedulerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     aging_s: float = 30.0
     min_share_standard: float = 0.05
     min_share_batch: float = 0.02
+    priority_enabled: bool = True  # False: one lane for all classes (isolation experiment control arm)
+    # In-memory backlog per class; above it the class topic's consumer is paused (Kafka holds the rest).
+    max_backlog_per_class: int = 2000
 
 
 class DispatchSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -87,12 +87,15 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     itl_max_s: float | None  # worst stall between two tokens of this stream
     e2e_s: float  # arrival -> finish
     finish_reason: str  # stop | length | abort | error
-    # Worker-side view: dispatch (or worker receipt) -> first token produced by the engine. The
-    # difference ttft_s - engine_ttft_s is what the gateway, the queues and the network add.
+    # Worker-side view: the worker's receipt of the request (else its dispatch, else the engine's
+    # first scheduling of it) -> the engine's first token. ttft_s - engine_ttft_s is what the
+    # gateway, the queues and the network add.
     engine_ttft_s: float | None = None
     prefill_s: float | None = None  # engine: first scheduled -> first token
     decode_s: float | None = None  # first token -> finish
     batch_id: str | None = None
+    engine_first_scheduled: float | None = None  # raw engine timestamps (unix s), for joins
+    engine_first_token: float | None = None
 
 
 def _gap_summary(token_times: Sequence[float]) -> tuple[float | None, ...]:
@@ -119,12 +122,14 @@ def make_record(*, request_id: str, tenant: str, model: str, priority_class: str
     `token_times` are the times each completion token became available (engine-side in the
     worker, or client-side in the gateway); ITL statistics are computed over their gaps.
     `engine_arrival` is when the worker received the request; when absent, `dispatch_time`
-    stands in for it in the worker-side TTFT.
+    stands in for it in the worker-side TTFT, and without either the engine's first scheduling
+    (so the worker's own short waiting queue then counts as overhead, not as worker time).
     """
     if finish_time < arrival:
         raise ValueError(f"record {request_id}: finish_time {finish_time} precedes arrival {arrival}")
     itl_mean, itl_p50, itl_p95, itl_max = _gap_summary(token_times)
-    worker_start = engine_arrival if engine_arrival is not None else dispatch_time
+    worker_start = next((t for t in (engine_arrival, dispatch_time, engine_first_scheduled)
+                         if t is not None), None)
     return RequestRecord(
         request_id=request_id, tenant=tenant, model=model, priority_class=priority_class,
         worker=worker, arrival=arrival, queue_wait_s=_since(dispatch_time, arrival),
@@ -136,6 +141,7 @@ def make_record(*, request_id: str, tenant: str, model: str, priority_class: str
         engine_ttft_s=_since(engine_first_token, worker_start),
         prefill_s=_since(engine_first_token, engine_first_scheduled),
         decode_s=_since(finish_time, first_token_time), batch_id=batch_id,
+        engine_first_scheduled=engine_first_scheduled, engine_first_token=engine_first_token,
     )
 
 

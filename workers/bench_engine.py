@@ -63,14 +63,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist.parse("uniform:16:256"))
-    parser.add_argument("--output-len", type=LengthDist.parse, default=LengthDist.parse("uniform:16:128"))
+    # Defaults shaped like chat traffic: modest prompts, answers of widely varying length (the
+    # variance static batching pays for in padding and idle rows).
+    parser.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist.parse("uniform:8:128"))
+    parser.add_argument("--output-len", type=LengthDist.parse, default=LengthDist.parse("uniform:16:256"))
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true", help="run sluice only")
     parser.add_argument("--scheduler-sizes", default="16,64,256",
                         help="running-request counts for the scheduler CPU-time measurement")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    # One thread by default: on a shared host, intra-op threads waiting for each other dominate the
+    # small ops of a small model and make both sides' numbers swing tenfold between runs.
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads for both HF and sluice (default 1; 0 = all cores)")
 
 
 def make_requests(num: int, seed: int, prompt_len: LengthDist, output_len: LengthDist,
@@ -177,6 +182,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise CLIError("--scheduler-sizes must be comma-separated integers") from None
     if not Path(args.model).is_dir():
         raise CLIError(f"model directory {args.model} does not exist")
+    if args.threads < 0:
+        raise CLIError("--threads must be 0 (all cores) or positive")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     vocab = ModelConfig.from_dir(Path(args.model)).vocab_size
     requests = make_requests(args.num_requests, args.seed, args.prompt_len, args.output_len, vocab)
@@ -184,7 +191,9 @@ def run_bench(args: argparse.Namespace) -> int:
         "config": {"num_requests": args.num_requests, "seed": args.seed, "device": args.device,
                    "threads": torch.get_num_threads(), "prompt_tokens": sum(len(p) for p, _ in requests),
                    "output_tokens": sum(o for _, o in requests), "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens},
+                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                   # Shared machines: a high load average marks the numbers as noisy.
+                   "load_average_at_start": os.getloadavg()[0]},
         "sluice": {},
     }
     if not args.skip_hf:
@@ -203,6 +212,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report["scheduler_cpu_ms_per_step"] = {str(n): scheduler_step_cpu_ms(n) for n in sizes}
     for n, ms in report["scheduler_cpu_ms_per_step"].items():
         print(f"scheduler step with {n:>4} running: {ms:.3f} ms CPU")
+    report["config"]["load_average_at_end"] = os.getloadavg()[0]
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 0

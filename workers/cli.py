@@ -37,6 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--input", required=True, type=Path, help="JSONL: {id, prompt | prompt_token_ids, ...}")
     gen.add_argument("--output", required=True, type=Path, help="JSONL results, one line per input line")
     add_engine_arguments(gen)
+    gen.add_argument("--threads", type=int, default=None,
+                     help="torch intra-op threads (default: torch's choice; 1 suits small models "
+                          "on shared hosts)")
     gen.set_defaults(handler=_generate)
 
 
@@ -137,6 +140,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     if not args.input.is_file():
         raise CLIError(f"input file {args.input} does not exist")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CLIError("--threads must be a positive integer")
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine = LLMEngine(engine_config(args, args.model))
     records: list[tuple[str, dict[str, Any] | None]] = []  # (id, error record or None)
     results: dict[str, GenerationResult] = {}

@@ -40,8 +40,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+            torch.cuda.set_device(self.device)  # Triton launches on the current device
         self.dtype = _DTYPES[config.resolved_dtype]
         backend = config.resolved_kernel_backend
         if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -121,9 +123,10 @@ class ModelRunner:
         if not chunks:
             return RunnerOutput(sampled_token_ids={})
         ids, positions, meta = self._prepare(scheduled)
+        hidden: torch.Tensor | None = None
         if self._graphs is not None and meta.is_decode_only and self._graphs.can_run(meta.num_seqs):
-            hidden = self._graphs.run(ids, positions, meta)
-        else:
+            hidden = self._graphs.run(ids, positions, meta)  # None if capture failed: run eagerly
+        if hidden is None:
             hidden = self.model(ids, positions, self.kv_caches, meta)  # [T, H]
         sample_chunks = [(b, c) for b, c in enumerate(chunks) if c.sample]
         if not sample_chunks:

@@ -9,13 +9,31 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Date, Float, ForeignKey, Integer, String, Text, UniqueConstraint
-from sqlalchemy.orm import Mapped, mapped_column, relationship
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Date,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column
 
 from sluice.gateway.db.base import Base, UTCDateTime, utcnow
 
-QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "max_concurrent",
-                "max_queued", "max_prompt_tokens", "max_output_tokens")
+QUOTA_FIELDS = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "tokens_per_day",
+    "max_concurrent",
+    "max_queued",
+    "max_prompt_tokens",
+    "max_output_tokens",
+)
 
 
 class Tenant(Base):
@@ -30,8 +48,6 @@ class Tenant(Base):
     allowed_models: Mapped[list[str]] = mapped_column(JSON, default=list)  # empty = every model
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
-
-    quota: Mapped[Quota] = relationship(back_populates="tenant", uselist=False, lazy="joined")
 
 
 class ApiKey(Base):
@@ -61,8 +77,6 @@ class Quota(Base):
     max_queued: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_output_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
-
-    tenant: Mapped[Tenant] = relationship(back_populates="quota")
 
     def limits(self) -> dict[str, int | None]:
         return {name: getattr(self, name) for name in QUOTA_FIELDS}

@@ -28,6 +28,7 @@ def make_engine(url: str, *, echo: bool = False) -> AsyncEngine:
         kwargs.update(pool_pre_ping=True, pool_size=10, max_overflow=10)
     engine = create_async_engine(url, **kwargs)
     if url.startswith("sqlite"):
+
         @event.listens_for(engine.sync_engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
             # WAL lets readers proceed during a write; busy_timeout waits instead of failing.
@@ -36,6 +37,7 @@ def make_engine(url: str, *, echo: bool = False) -> AsyncEngine:
             cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
+
     return engine
 
 

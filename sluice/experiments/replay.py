@@ -39,8 +39,16 @@ class ReplayResult:
     num_steps: int
 
 
-def build_engine(model_dir: Path, **overrides: object) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", seed=0, **overrides))
+def build_engine(model_dir: Path, *, cpu_threads: int = 1, **overrides: object) -> LLMEngine:
+    """An engine for an experiment. On CPU, torch's intra-op threads are pinned to `cpu_threads`:
+    on a shared machine, spinning worker threads that wait for busy cores slow a step down by
+    an order of magnitude and make every timing noise (1 thread is the reproducible choice)."""
+    settings: dict[str, object] = {"device": "cpu", "seed": 0, **overrides}
+    if settings["device"] == "cpu":
+        import torch
+
+        torch.set_num_threads(cpu_threads)
+    return LLMEngine(EngineConfig(model=str(model_dir), **settings))
 
 
 def warm_up(engine: LLMEngine, prompt_len: int) -> None:

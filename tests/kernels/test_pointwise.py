@@ -110,3 +110,11 @@ def test_validation_errors_are_user_readable() -> None:
         rotary_store_kv_triton(
             q, k, k, positions, torch.randn(8, 64), cache[:, :, :1], cache, meta.slot_mapping
         )
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        rms_norm_triton(torch.randn(2, 8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        Ops("triton").silu_and_mul(torch.randn(2, 8))

@@ -2,7 +2,8 @@
 
 Parsed from the JSON directly (not through AutoConfig) so every problem can be reported as a
 `ModelLoadError` naming the file and the field. Supports Llama 2/3 (GQA, llama3/linear rope
-scaling, tied or untied embeddings), Mistral and Qwen2/2.5 (bias on q/k/v).
+scaling, tied or untied embeddings), Mistral, Qwen2/2.5 (bias on q/k/v) and Qwen3 (RMSNorm on
+each head of q and k).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -41,7 +43,7 @@ class RopeConfig:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str
-    family: str  # "llama" | "mistral" | "qwen2"
+    family: str  # "llama" | "mistral" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,8 +55,9 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2 always; Llama when attention_bias
-    o_bias: bool  # Llama attention_bias also biases o_proj
+    qkv_bias: bool  # Qwen2 always; Llama and Qwen3 when attention_bias
+    o_bias: bool  # Llama/Qwen3 attention_bias also biases o_proj
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before rotary
     mlp_bias: bool
     torch_dtype: str  # dtype the checkpoint was saved in ("float32", "bfloat16", ...)
     eos_token_ids: tuple[int, ...]  # from config.json; generation_config.json may add more
@@ -133,8 +136,8 @@ class ModelConfig:
         if family == "mistral" and isinstance(sliding, int) and sliding > 0:
             # We run full attention; within the window it equals sliding-window attention.
             max_pos = min(max_pos, sliding)
-        if family == "qwen2" and raw.get("use_sliding_window"):
-            raise ModelLoadError(f"{source}: Qwen2 with use_sliding_window=true is not supported")
+        if family in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+            raise ModelLoadError(f"{source}: Qwen with use_sliding_window=true is not supported")
         return cls(
             architecture=arch,
             family=family,
@@ -150,7 +153,8 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or attention_bias,
-            o_bias=family == "llama" and attention_bias,
+            o_bias=family in ("llama", "qwen3") and attention_bias,
+            qk_norm=family == "qwen3",
             mlp_bias=bool(raw.get("mlp_bias", False)),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=tuple(int(e) for e in eos_ids),

@@ -10,12 +10,15 @@ sequence lengths, which a graph would freeze. Never constructed on the CPU.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from sluice.kernels.attention import AttentionMetadata
 from sluice.workers.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -85,12 +88,19 @@ class DecodeGraphRunner:
         self.seq_lens[start:end] = 1
         self.block_tables[start:end] = self.scratch_block
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """ids, positions: [n]; meta: decode-only -> hidden [n, H]."""
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """ids, positions: [n]; meta: decode-only -> hidden [n, H], or None when capture failed
+        (graphs are then switched off for good, with a warning, and the caller runs eagerly)."""
         n = meta.num_seqs
         bucket = next(b for b in self.buckets if b >= n)
         if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket)
+            try:
+                self.graphs[bucket] = self._capture(bucket)
+            except RuntimeError as exc:
+                log.warning("CUDA graph capture failed for batch %d (%s); decoding without graphs",
+                            bucket, exc)
+                self.enabled = False
+                return None
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(meta.slot_mapping)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 The forward pass works on a flat batch: T tokens from any mix of prefill chunks and decodes,
 described by `AttentionMetadata`. Per layer: fused qkv projection -> `ops.rotary_store_kv`
@@ -64,6 +64,12 @@ def build_cos_sin_cache(rope: RopeConfig, head_dim: int, max_position: int,
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
 
 
+class RMSNormWeight(nn.Module):
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device), requires_grad=False)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -73,6 +79,9 @@ class Attention(nn.Module):
         # qkv_proj rows: [q (Hq*D) | k (Hkv*D) | v (Hkv*D)]
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, dtype, device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
+        self.eps = cfg.rms_norm_eps
+        self.q_norm = RMSNormWeight(cfg.head_dim, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNormWeight(cfg.head_dim, dtype, device) if cfg.qk_norm else None
 
     def forward(self, ops: Ops, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -81,6 +90,10 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3: per-head RMSNorm, run as rows of [T * H, D] through the same fused op.
+            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.eps)[0].view_as(q)
+            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.eps)[0].view_as(k)
         q, _ = ops.rotary_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -95,12 +108,6 @@ class MLP(nn.Module):
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
-
-
-class RMSNormWeight(nn.Module):
-    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device), requires_grad=False)
 
 
 class DecoderLayer(nn.Module):

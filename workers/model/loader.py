@@ -28,6 +28,8 @@ _LAYER_PARAMS: dict[str, tuple[str, int | None]] = {
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "self_attn.o_proj": ("self_attn.o_proj", None),
+    "self_attn.q_norm": ("self_attn.q_norm", None),
+    "self_attn.k_norm": ("self_attn.k_norm", None),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.down_proj": ("mlp.down_proj", None),

@@ -9,12 +9,23 @@ comes from tests/conftest.py.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    """These models are tiny: intra-op threads only add waiting, and on a loaded shared machine
+    threads that wait for each other make a test tens of times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _tiny_common() -> dict:
@@ -67,3 +78,18 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: P
     torch.manual_seed(3)
     config = MistralConfig(**_tiny_common(), tie_word_embeddings=False, sliding_window=200)
     return _save_tiny(MistralForCausalLM(config), tmp_path_factory.mktemp("tiny-mistral"), demo_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Path:
+    """Qwen3: RMSNorm on each q/k head, explicit head_dim (here wider than hidden / heads)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(4)
+    config = Qwen3Config(**_tiny_common(), head_dim=32, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # HF initialises norm weights to 1; make the q/k norms matter
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return _save_tiny(model, tmp_path_factory.mktemp("tiny-qwen3"), demo_model_dir)

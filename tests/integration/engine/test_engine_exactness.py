@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 MAX_NEW_TOKENS = 12
 POLICIES = ("chunked", "prefill_first", "static")
-MODELS = ("demo_model_dir", "tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir")
+MODELS = ("demo_model_dir", "tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir", "tiny_qwen3_dir")
 
 
 def _prompts() -> list[list[int]]:

@@ -47,7 +47,7 @@ def test_generate_jsonl_with_garbage_lines(tmp_path: Path, demo_model_dir: Path)
     proc = subprocess.run(
         [sys.executable, "-m", "sluice.cli", "generate", "--model", str(demo_model_dir),
          "--input", str(inp), "--output", str(out),
-         "--max-model-len", "256", "--num-kv-blocks", "64", "--max-prefill-chunk", "24"],
+         "--max-model-len", "256", "--num-kv-blocks", "64", "--max-prefill-chunk", "24", "--threads", "1"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr

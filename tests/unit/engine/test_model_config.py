@@ -33,11 +33,13 @@ def test_transformers_5_rope_parameters_layout() -> None:
     assert ModelConfig.from_dict(raw).rope.theta == 1234.0
 
 
-def test_qwen2_has_qkv_bias_and_mistral_caps_context_at_window() -> None:
+def test_family_specifics_qwen2_bias_mistral_window_qwen3_qk_norm() -> None:
     qwen = ModelConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True})
     assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
     mistral = ModelConfig.from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 128})
     assert mistral.max_position_embeddings == 128 and not mistral.qkv_bias
+    qwen3 = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 32 and not qwen.qk_norm
 
 
 def test_rope_inv_freq_matches_transformers() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -11,10 +13,8 @@ from sluice.gateway.db.base import Base
 from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.session import make_engine
 
-try:
+with contextlib.suppress(ModuleNotFoundError):
     from sluice.gateway.batches import models as _batch_models  # noqa: F401
-except ModuleNotFoundError:
-    pass
 
 pytestmark = pytest.mark.integration
 
@@ -25,6 +25,7 @@ async def test_migrations_match_models(database_url: str) -> None:
     engine = make_engine(database_url)
     try:
         async with engine.connect() as conn:
+
             def diff(sync_conn):  # type: ignore[no-untyped-def]
                 ctx = MigrationContext.configure(sync_conn, opts={"compare_type": True})
                 return compare_metadata(ctx, Base.metadata)

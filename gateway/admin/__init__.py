@@ -1,0 +1,1 @@
+"""Admin API: tenants, keys, quotas, usage, live queues/workers and the audit log."""

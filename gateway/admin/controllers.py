@@ -1,0 +1,178 @@
+"""Admin API controllers (`Authorization: Bearer <admin token>`); logic lives in AdminService."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any
+
+from litestar import Controller, Request, delete, get, patch, post
+from litestar.openapi import ResponseSpec
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
+
+from sluice.gateway.admin.schemas import (
+    AuditList,
+    KeyCreate,
+    KeyCreated,
+    KeyList,
+    KeyOut,
+    Quotas,
+    QuotasPatch,
+    TenantCreate,
+    TenantDeleted,
+    TenantList,
+    TenantOut,
+    TenantPatch,
+    UsageList,
+    UsageOut,
+)
+from sluice.gateway.admin.service import AdminService
+from sluice.gateway.auth import admin_guard
+from sluice.gateway.errors import ErrorResponse
+from sluice.gateway.usage import UsageService
+
+_ERRORS = {
+    code: ResponseSpec(data_container=ErrorResponse, description=text)
+    for code, text in (
+        (400, "Invalid request"),
+        (401, "Missing or invalid admin token"),
+        (403, "Tenant key used on an admin route"),
+        (404, "Unknown tenant or key"),
+        (409, "Name already taken"),
+    )
+}
+
+
+def _service(request: Request[Any, Any, Any]) -> AdminService:
+    return request.app.state.admin
+
+
+class AdminController(Controller):
+    path = "/admin"
+    tags = ["Admin"]  # noqa: RUF012
+    guards = [admin_guard]  # noqa: RUF012
+
+    @post("/tenants", status_code=201, summary="Create a tenant (with its quotas)", responses=_ERRORS)
+    async def create_tenant(self, request: Request[Any, Any, Any], data: JSONBody[TenantCreate]) -> TenantOut:
+        return await _service(request).create_tenant(data)
+
+    @get("/tenants", summary="List tenants", responses=_ERRORS)
+    async def list_tenants(self, request: Request[Any, Any, Any]) -> TenantList:
+        return TenantList(data=await _service(request).list_tenants())
+
+    @get("/tenants/{tenant_id:str}", summary="Get a tenant", responses=_ERRORS)
+    async def get_tenant(self, request: Request[Any, Any, Any], tenant_id: FromPath[str]) -> TenantOut:
+        return await _service(request).get_tenant(tenant_id)
+
+    @patch(
+        "/tenants/{tenant_id:str}", summary="Change a tenant (and optionally its quotas)", responses=_ERRORS
+    )
+    async def update_tenant(
+        self, request: Request[Any, Any, Any], tenant_id: FromPath[str], data: JSONBody[TenantPatch]
+    ) -> TenantOut:
+        return await _service(request).update_tenant(tenant_id, data)
+
+    @delete(
+        "/tenants/{tenant_id:str}",
+        status_code=200,
+        responses=_ERRORS,
+        summary="Delete a tenant; one with usage history is disabled instead (the answer says which)",
+    )
+    async def delete_tenant(self, request: Request[Any, Any, Any], tenant_id: FromPath[str]) -> TenantDeleted:
+        return await _service(request).delete_tenant(tenant_id)
+
+    @post(
+        "/tenants/{tenant_id:str}/keys",
+        status_code=201,
+        responses=_ERRORS,
+        summary="Create an API key; the only answer that shows the key",
+    )
+    async def create_key(
+        self, request: Request[Any, Any, Any], tenant_id: FromPath[str], data: JSONBody[KeyCreate]
+    ) -> KeyCreated:
+        return await _service(request).create_key(tenant_id, data)
+
+    @get("/tenants/{tenant_id:str}/keys", summary="List a tenant's keys (no secrets)", responses=_ERRORS)
+    async def list_keys(self, request: Request[Any, Any, Any], tenant_id: FromPath[str]) -> KeyList:
+        return KeyList(data=await _service(request).list_keys(tenant_id))
+
+    @delete(
+        "/tenants/{tenant_id:str}/keys/{key_id:str}",
+        status_code=200,
+        summary="Revoke a key",
+        responses=_ERRORS,
+    )
+    async def revoke_key(
+        self, request: Request[Any, Any, Any], tenant_id: FromPath[str], key_id: FromPath[str]
+    ) -> KeyOut:
+        return await _service(request).revoke_key(tenant_id, key_id)
+
+    @post(
+        "/tenants/{tenant_id:str}/keys/{key_id:str}/rotate",
+        status_code=201,
+        responses=_ERRORS,
+        summary="Rotate a key: a new key is returned, the old one is revoked",
+    )
+    async def rotate_key(
+        self, request: Request[Any, Any, Any], tenant_id: FromPath[str], key_id: FromPath[str]
+    ) -> KeyCreated:
+        return await _service(request).rotate_key(tenant_id, key_id)
+
+    @get("/tenants/{tenant_id:str}/quotas", summary="A tenant's quotas (null = unlimited)", responses=_ERRORS)
+    async def get_quotas(self, request: Request[Any, Any, Any], tenant_id: FromPath[str]) -> Quotas:
+        return await _service(request).get_quotas(tenant_id)
+
+    @patch(
+        "/tenants/{tenant_id:str}/quotas",
+        responses=_ERRORS,
+        summary="Change quotas; applies to the next request (null = unlimited)",
+    )
+    async def update_quotas(
+        self, request: Request[Any, Any, Any], tenant_id: FromPath[str], data: JSONBody[QuotasPatch]
+    ) -> Quotas:
+        return await _service(request).update_quotas(tenant_id, data)
+
+    @get("/usage", summary="Token usage per tenant, model and UTC day", responses=_ERRORS)
+    async def usage(
+        self,
+        request: Request[Any, Any, Any],
+        tenant_id: FromQuery[str | None] = None,
+        start: FromQuery[dt.date | None] = None,
+        end: FromQuery[dt.date | None] = None,
+    ) -> UsageList:
+        usage: UsageService = request.app.state.usage
+        rows = await usage.query(tenant_id, start, end)
+        return UsageList(
+            start=start,
+            end=end,
+            data=[
+                UsageOut(
+                    tenant_id=r.tenant_id,
+                    model=r.model,
+                    day=r.day,
+                    prompt_tokens=r.prompt_tokens,
+                    completion_tokens=r.completion_tokens,
+                    total_tokens=r.total_tokens,
+                    requests=r.requests,
+                )
+                for r in rows
+            ],
+        )
+
+    @get("/queues", summary="Live queue view (from the generation backend)", responses=_ERRORS)
+    async def queues(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+        snapshot = request.app.state.backend.snapshot()
+        return {"queues": snapshot.get("queues", {})}
+
+    @get("/workers", summary="Live worker view (from the generation backend)", responses=_ERRORS)
+    async def workers(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+        snapshot = request.app.state.backend.snapshot()
+        return {"workers": snapshot.get("workers", [])}
+
+    @get("/audit", summary="Audit log of admin mutations, newest first", responses=_ERRORS)
+    async def audit(
+        self,
+        request: Request[Any, Any, Any],
+        limit: Annotated[int, QueryParameter(ge=1, le=1000)] = 100,
+        target: FromQuery[str | None] = None,
+    ) -> AuditList:
+        return AuditList(data=await _service(request).audit(limit, target))

@@ -1,0 +1,397 @@
+"""From an OpenAI request body to an accepted `GenerateRequest`, and the bookkeeping at its end.
+
+Order of checks: model exists (404) → tenant may use it (403) → body fields (400) → prompt fits
+the context (400) → per-request caps and rate/budget quotas (400/429) → submit (503 when no
+backend can take it). `Flight` then follows the request until it ends: it settles the quota
+reservation to the tokens actually produced, records usage, and emits the telemetry record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice import telemetry
+from sluice.gateway.auth import TenantContext
+from sluice.gateway.backend import BackendUnavailable, GenerationBackend, Submission
+from sluice.gateway.errors import OpenAIError, bad_request
+from sluice.gateway.quotas import QuotaExceeded, QuotaService, Reservation
+from sluice.gateway.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
+from sluice.gateway.usage import UsageService
+from sluice.protocol import GenerateRequest, Priority, RequestDelta, SamplingParams
+
+log = logging.getLogger(__name__)
+
+TIER_TO_CLASS = {
+    "priority": Priority.INTERACTIVE,
+    "default": Priority.STANDARD,
+    "auto": Priority.STANDARD,
+    "flex": Priority.BATCH,
+}
+CLASS_TO_TIER = {Priority.INTERACTIVE: "priority", Priority.STANDARD: "default", Priority.BATCH: "flex"}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+MAX_SEED = 2**63 - 1
+
+
+def resolve_priority(tenant: TenantContext, service_tier: str | None) -> Priority:
+    """min(requested, ceiling): asking above the ceiling gets the ceiling (no error)."""
+    if service_tier is None:
+        requested = tenant.default_class
+    else:
+        requested = TIER_TO_CLASS.get(service_tier)  # type: ignore[assignment]
+        if requested is None:
+            raise bad_request(
+                f"Invalid service_tier {service_tier!r}: expected auto, default, flex or priority.",
+                "service_tier",
+            )
+    # Priority: lower value = more urgent, so the ceiling is the numeric maximum.
+    return Priority(max(int(requested), int(tenant.priority_ceiling)))
+
+
+def _param_of(message: str) -> str | None:
+    first = message.split(" ", 1)[0]
+    return first if first.replace("_", "").isalpha() and first.islower() else None
+
+
+def _check_number(name: str, value: float | None) -> None:
+    if value is not None and not math.isfinite(value):
+        raise bad_request(f"{name} must be a finite number.", name)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated request, ready for admission."""
+
+    request: GenerateRequest
+    tokenizer: ModelTokenizer
+    tier: str  # echoed service_tier: the class actually used
+    stream: bool
+    include_usage: bool
+    echo_prompt: str = ""
+
+
+@dataclass(slots=True)
+class Flight:
+    """One accepted request on its way; `finish()` runs exactly once, however it ends."""
+
+    service: GenerationService
+    prepared: Prepared
+    tenant: TenantContext
+    reservation: Reservation
+    submission: Submission
+    created: int = field(default_factory=lambda: int(time.time()))
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_time: float | None = None
+    engine_first_token: float | None = None
+    engine_first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    finished: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.prepared.request.request_id
+
+    def observe(self, delta: RequestDelta) -> None:
+        """Bookkeeping for one delta: a few attribute writes, nothing per token."""
+        if delta.token_ids and self.first_token_time is None:
+            self.first_token_time = time.time()
+            self.engine_first_token = delta.first_token_time
+            self.engine_first_scheduled = delta.first_scheduled_time
+            self.service.quotas.mark_running(self.reservation)
+        if delta.token_times:
+            self.token_times.extend(delta.token_times)
+        self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
+        self.completion_tokens = max(self.completion_tokens, delta.num_output_tokens)
+        self.cached_tokens = delta.num_cached_tokens or self.cached_tokens
+        if delta.finish_reason is not None:
+            self.finish_reason = str(delta.finish_reason)
+            self.error = delta.error
+
+    def finish(self, *, aborted: bool = False) -> None:
+        """Settle the reservation now; abort (when asked), usage and telemetry in the background."""
+        if self.finished:
+            return
+        self.finished = True
+        prompt = self.prompt_tokens or len(self.prepared.request.prompt_token_ids)
+        if aborted and self.finish_reason is None:
+            self.finish_reason = "abort"
+        self.service.quotas.settle(self.reservation, prompt, self.completion_tokens)
+        self.service.spawn(self._after(prompt, aborted))
+
+    async def _after(self, prompt: int, aborted: bool) -> None:
+        if aborted:
+            try:
+                await self.submission.abort()
+            except Exception:
+                log.warning("abort of %s failed", self.request_id, exc_info=True)
+        request = self.prepared.request
+        try:
+            await self.service.usage.record(self.tenant.id, request.model, prompt, self.completion_tokens)
+        except Exception:
+            log.error("could not record usage of %s", self.request_id, exc_info=True)
+        if self.service.emit_records:
+            try:
+                record = telemetry.make_record(
+                    request_id=request.request_id,
+                    tenant=self.tenant.name,
+                    model=request.model,
+                    priority_class=request.priority.label,
+                    worker=getattr(self.submission, "worker", ""),
+                    arrival=request.arrival_time,
+                    dispatch_time=getattr(self.submission, "dispatch_time", None),
+                    first_token_time=self.first_token_time,
+                    finish_time=time.time(),
+                    token_times=self.token_times,
+                    prompt_tokens=prompt,
+                    completion_tokens=self.completion_tokens,
+                    cached_tokens=self.cached_tokens,
+                    finish_reason=self.finish_reason or "abort",
+                    engine_first_scheduled=self.engine_first_scheduled,
+                    engine_first_token=self.engine_first_token,
+                )
+                telemetry.emit_record(record, self.token_times)
+            except Exception:
+                log.warning("could not emit the record of %s", self.request_id, exc_info=True)
+
+
+class GenerationService:
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        tokenizers: TokenizerRegistry,
+        quotas: QuotaService,
+        usage: UsageService,
+    ) -> None:
+        self.backend = backend
+        self.tokenizers = tokenizers
+        self.quotas = quotas
+        self.usage = usage
+        # A backend that emits per-request records itself (e.g. the dispatch stream hub) sets this.
+        self.emit_records = not getattr(backend, "emits_records", False)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # ---- preparation ---------------------------------------------------------------------------
+
+    def _model(self, tenant: TenantContext, model: str) -> ModelTokenizer:
+        tokenizer = self.tokenizers.get(model)
+        if not tenant.allows_model(model):
+            raise OpenAIError(
+                403,
+                f"Your tenant may not use the model `{model}`.",
+                type="permission_error",
+                param="model",
+                code="model_not_allowed",
+            )
+        return tokenizer
+
+    def prepare_chat(self, tenant: TenantContext, body: ChatCompletionRequest) -> Prepared:
+        tokenizer = self._model(tenant, body.model)
+        if not body.messages:
+            raise bad_request("messages must contain at least one message.", "messages")
+        messages: list[dict[str, str]] = []
+        for i, message in enumerate(body.messages):
+            content = message.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.type != "text" or part.text is None:
+                        raise bad_request(
+                            f"messages[{i}]: only text content parts are supported.", f"messages[{i}].content"
+                        )
+                    parts.append(part.text)
+                content = "".join(parts)
+            messages.append({"role": message.role, "content": content or ""})
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+        prompt_ids = tokenizer.apply_chat(messages)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return self._finish_prepare(
+            tenant,
+            body,
+            tokenizer,
+            prompt_ids,
+            max_tokens,
+            default_max=None,
+            logprobs=bool(body.logprobs),
+            top_logprobs=body.top_logprobs or 0,
+            prompt_param="messages",
+        )
+
+    def prepare_completion(self, tenant: TenantContext, body: CompletionRequest) -> Prepared:
+        tokenizer = self._model(tenant, body.model)
+        if body.best_of is not None and body.best_of != 1:
+            raise bad_request("best_of > 1 is not supported.", "best_of")
+        if body.echo:
+            raise bad_request("echo is not supported.", "echo")
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("prompt must not be empty.", "prompt")
+            prompt_ids = tokenizer.encode(prompt)
+        elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt_ids = [int(t) for t in prompt]
+            if any(t < 0 or t >= tokenizer.vocab_size for t in prompt_ids):
+                raise bad_request(
+                    f"prompt token ids must be between 0 and {tokenizer.vocab_size - 1}.", "prompt"
+                )
+        elif prompt and all(isinstance(p, (str, list)) for p in prompt):
+            raise bad_request("A list of prompts is not supported; send one prompt per request.", "prompt")
+        else:
+            raise bad_request("prompt must be a non-empty string or a non-empty list of token ids.", "prompt")
+        logprobs = body.logprobs
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise bad_request(f"logprobs must be between 0 and 20, got {logprobs}.", "logprobs")
+        return self._finish_prepare(
+            tenant,
+            body,
+            tokenizer,
+            prompt_ids,
+            body.max_tokens,
+            default_max=COMPLETIONS_DEFAULT_MAX_TOKENS,
+            logprobs=logprobs is not None,
+            top_logprobs=logprobs or 0,
+            prompt_param="prompt",
+        )
+
+    def _finish_prepare(
+        self,
+        tenant: TenantContext,
+        body: _SamplingFields,
+        tokenizer: ModelTokenizer,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        *,
+        default_max: int | None,
+        logprobs: bool,
+        top_logprobs: int,
+        prompt_param: str,
+    ) -> Prepared:
+        if body.n is not None and body.n != 1:
+            raise bad_request("n > 1 is not supported; send n separate requests.", "n")
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            _check_number(name, getattr(body, name))
+        if body.seed is not None and not -MAX_SEED <= body.seed <= MAX_SEED:
+            raise bad_request("seed must fit in a signed 64-bit integer.", "seed")
+        priority = resolve_priority(tenant, body.service_tier)
+        context = tokenizer.max_model_len
+        if len(prompt_ids) >= context:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {context} tokens; your prompt has "
+                f"{len(prompt_ids)} tokens.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        room = context - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = min(room, default_max) if default_max is not None else room
+            if tenant.limits.max_output_tokens is not None:
+                max_tokens = min(max_tokens, tenant.limits.max_output_tokens)
+        elif max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        elif max_tokens > room:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {context} tokens; you requested "
+                f"{len(prompt_ids)} prompt tokens + {max_tokens} max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        stop = body.stop
+        stop_tuple = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=body.top_k or 0 if body.top_k != -1 else 0,  # vLLM clients send -1 for "off"
+                min_p=body.min_p or 0.0,
+                seed=body.seed,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                stop=stop_tuple,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                ignore_eos=bool(body.ignore_eos),
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+            )
+            sampling.validate()
+        except ValueError as exc:
+            message = str(exc)
+            raise bad_request(message[:1].upper() + message[1:] + ".", _param_of(message)) from None
+        stream = bool(body.stream)
+        if body.stream_options is not None and not stream:
+            raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+        request = GenerateRequest(
+            request_id=f"{'chatcmpl' if prompt_param == 'messages' else 'cmpl'}-{uuid.uuid4().hex}",
+            tenant_id=tenant.id,
+            model=tokenizer.name,
+            priority=priority,
+            prompt_token_ids=tuple(prompt_ids),
+            sampling=sampling,
+            cache_salt=tenant.id,
+            arrival_time=time.time(),
+            tenant_weight=tenant.weight,
+        )
+        return Prepared(
+            request=request,
+            tokenizer=tokenizer,
+            tier=CLASS_TO_TIER[priority],
+            stream=stream,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        )
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    async def launch(self, tenant: TenantContext, prepared: Prepared) -> Flight:
+        """Quota admission, then submission; the reservation is refunded when submission fails."""
+        request = prepared.request
+        try:
+            reservation = await self.quotas.admit(
+                tenant, len(request.prompt_token_ids), request.sampling.max_tokens, request.priority
+            )
+        except QuotaExceeded as exc:
+            telemetry.count_rejection(tenant.name, exc.code or "rate_limit_exceeded")
+            raise
+        try:
+            submission = await self.backend.submit(request)
+        except BackendUnavailable as exc:
+            self.quotas.release(reservation)
+            telemetry.count_rejection(tenant.name, "unavailable")
+            raise OpenAIError(
+                503,
+                str(exc) or "No worker can serve this request now.",
+                type="server_error",
+                code="service_unavailable",
+            ) from None
+        except BaseException:
+            self.quotas.release(reservation)
+            raise
+        return Flight(self, prepared, tenant, reservation, submission)

@@ -1,0 +1,177 @@
+"""Thin controllers of the OpenAI-compatible API; the work is in generation.py and streaming.py."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from litestar import Controller, Request, Response, get, post
+from litestar.di import NamedDependency, Provide
+from litestar.openapi import ResponseSpec
+from litestar.params import FromQuery, JSONBody
+from litestar.response import Stream
+
+from sluice.gateway.admin.schemas import UsageList, UsageOut
+from sluice.gateway.api.generation import GenerationService
+from sluice.gateway.api.streaming import complete_chat, complete_text, stream_chat, stream_completion
+from sluice.gateway.auth import TenantContext, current_tenant, tenant_guard
+from sluice.gateway.errors import ErrorResponse, OpenAIError
+from sluice.gateway.quotas import QuotaService
+from sluice.gateway.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from sluice.gateway.usage import UsageService
+
+T = TypeVar("T")
+
+_ERRORS = {
+    code: ResponseSpec(data_container=ErrorResponse, description=text)
+    for code, text in (
+        (400, "Invalid request (OpenAI error object)"),
+        (401, "Missing or invalid API key"),
+        (403, "Model or tenant not allowed"),
+        (404, "Unknown model"),
+        (413, "Body too large"),
+        (429, "Rate limit (retry-after) or insufficient_quota (x-should-retry: false)"),
+        (503, "No worker can serve the request"),
+    )
+}
+_SSE_NOTE = (
+    " With `stream: true` the answer is `text/event-stream`: one `data: <chunk JSON>` event per "
+    "delta, then `data: [DONE]`."
+)
+
+
+async def _unless_disconnected(request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]) -> T:
+    """Runs a whole (non-streaming) generation, cancelling it when the client goes away.
+
+    The body has been read, so the next ASGI message is `http.disconnect`. Cancelling the work
+    runs its cleanup, which aborts the request at the worker and settles its quota.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let its cleanup run
+    if task.cancelled():
+        raise OpenAIError(499, "The client closed the connection.", code="client_closed_request")
+    return task.result()
+
+
+def _stream_headers(quotas: QuotaService, tenant: TenantContext) -> dict[str, str]:
+    return {**quotas.headers(tenant), "cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class OpenAIController(Controller):
+    path = "/v1"
+    tags = ["OpenAI"]  # noqa: RUF012
+    guards = [tenant_guard]  # noqa: RUF012
+    dependencies = {"tenant": Provide(current_tenant, sync_to_thread=False)}  # noqa: RUF012
+
+    @get("/models", summary="List models", responses=_ERRORS)
+    async def list_models(
+        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext]
+    ) -> Response[ModelList]:
+        generation: GenerationService = request.app.state.generation
+        cards = [
+            ModelCard(id=m.name, created=request.app.state.started_at, max_model_len=m.max_model_len)
+            for m in generation.backend.served_models()
+            if tenant.allows_model(m.name)
+        ]
+        quotas: QuotaService = request.app.state.quotas
+        return Response(ModelList(data=cards), headers=quotas.headers(tenant))
+
+    @post(
+        "/chat/completions",
+        status_code=200,
+        summary="Create a chat completion",
+        description="OpenAI chat completions." + _SSE_NOTE,
+        responses=_ERRORS,
+    )
+    async def chat_completions(
+        self,
+        request: Request[Any, Any, Any],
+        tenant: NamedDependency[TenantContext],
+        data: JSONBody[ChatCompletionRequest],
+    ) -> Response[ChatCompletion]:
+        generation: GenerationService = request.app.state.generation
+        prepared = generation.prepare_chat(tenant, data)
+        flight = await generation.launch(tenant, prepared)
+        if prepared.stream:
+            return Stream(
+                stream_chat(flight),
+                media_type="text/event-stream",  # type: ignore[return-value]
+                headers=_stream_headers(generation.quotas, tenant),
+            )
+        body = await _unless_disconnected(request, complete_chat(flight))
+        return Response(body, headers=generation.quotas.headers(tenant))
+
+    @post(
+        "/completions",
+        status_code=200,
+        summary="Create a completion",
+        description="OpenAI (legacy) completions." + _SSE_NOTE,
+        responses=_ERRORS,
+    )
+    async def completions(
+        self,
+        request: Request[Any, Any, Any],
+        tenant: NamedDependency[TenantContext],
+        data: JSONBody[CompletionRequest],
+    ) -> Response[Completion]:
+        generation: GenerationService = request.app.state.generation
+        prepared = generation.prepare_completion(tenant, data)
+        flight = await generation.launch(tenant, prepared)
+        if prepared.stream:
+            return Stream(
+                stream_completion(flight),
+                media_type="text/event-stream",  # type: ignore[return-value]
+                headers=_stream_headers(generation.quotas, tenant),
+            )
+        body = await _unless_disconnected(request, complete_text(flight))
+        return Response(body, headers=generation.quotas.headers(tenant))
+
+    @get("/usage", summary="Your own token usage per model and UTC day", responses=_ERRORS)
+    async def usage(
+        self,
+        request: Request[Any, Any, Any],
+        tenant: NamedDependency[TenantContext],
+        start: FromQuery[dt.date | None] = None,
+        end: FromQuery[dt.date | None] = None,
+    ) -> Response[UsageList]:
+        usage: UsageService = request.app.state.usage
+        rows = await usage.query(tenant.id, start, end)  # always this tenant's own rows, never another's
+        body = UsageList(
+            start=start,
+            end=end,
+            data=[
+                UsageOut(
+                    tenant_id=r.tenant_id,
+                    model=r.model,
+                    day=r.day,
+                    prompt_tokens=r.prompt_tokens,
+                    completion_tokens=r.completion_tokens,
+                    total_tokens=r.total_tokens,
+                    requests=r.requests,
+                )
+                for r in rows
+            ],
+        )
+        quotas: QuotaService = request.app.state.quotas
+        return Response(body, headers=quotas.headers(tenant))

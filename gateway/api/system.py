@@ -1,0 +1,48 @@
+"""Liveness, readiness and Prometheus metrics (no authentication)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, get
+from sqlalchemy import text
+
+from sluice import telemetry
+
+
+class Health(msgspec.Struct):
+    status: str
+
+
+class Readiness(msgspec.Struct):
+    ready: bool
+    checks: dict[str, bool]
+
+
+@get("/health", tags=["System"], summary="Liveness: the process answers")
+async def health() -> Health:
+    return Health(status="ok")
+
+
+@get("/ready", tags=["System"], summary="Readiness: database and backend (200, else 503 with details)")
+async def ready(request: Request[Any, Any, Any]) -> Response[Readiness]:
+    checks: dict[str, bool] = {}
+    try:
+        async with request.app.state.session_factory() as session:
+            await session.execute(text("SELECT 1"))
+        checks["database"] = True
+    except Exception:
+        checks["database"] = False
+    try:
+        checks.update(await request.app.state.backend.ready())
+    except Exception:
+        checks["backend"] = False
+    ok = all(checks.values())
+    return Response(Readiness(ready=ok, checks=checks), status_code=200 if ok else 503)
+
+
+@get("/metrics", tags=["System"], summary="Prometheus metrics", media_type="text/plain")
+async def metrics() -> Response[bytes]:
+    body, content_type = telemetry.metrics_payload()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,132 @@
+"""The gateway's Litestar application: OpenAI routes, admin API, health, metrics.
+
+`create_app` builds every service once and stores it on `app.state` (quotas, usage, auth, admin,
+generation, tokenizers, session_factory, backend); DISPATCH's Batch API controllers join through
+`extra_route_handlers` and reuse `tenant_guard` / `current_tenant` and the quota/usage services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from litestar import Litestar
+from litestar.config.app import AppConfig
+from litestar.datastructures import State
+from litestar.openapi import OpenAPIConfig
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from sluice import telemetry
+from sluice.gateway.admin.controllers import AdminController
+from sluice.gateway.admin.service import AdminService
+from sluice.gateway.api.generation import GenerationService
+from sluice.gateway.api.openai import OpenAIController
+from sluice.gateway.api.system import health, metrics, ready
+from sluice.gateway.auth import AuthService
+from sluice.gateway.backend import GenerationBackend
+from sluice.gateway.db.migrate import migrate
+from sluice.gateway.db.session import make_engine, make_session_factory
+from sluice.gateway.errors import EXCEPTION_HANDLERS
+from sluice.gateway.quotas import QuotaService
+from sluice.gateway.seed import seed_tenants
+from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
+from sluice.gateway.usage import UsageService
+from sluice.settings import Settings
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[Litestar], Any]
+
+
+async def _load_tokenizers(backend: GenerationBackend, registry: TokenizerRegistry) -> None:
+    for model in backend.served_models():
+        if model.name in registry:
+            continue
+        shared = getattr(backend, "tokenizer", None)  # LocalEngineBackend shares its engine's tokenizer
+        if callable(shared):
+            registry.add(ModelTokenizer(model.name, shared(model.name), model.max_model_len))
+        else:
+            registry.add(
+                await asyncio.to_thread(ModelTokenizer.load, model.name, model.path, model.max_model_len)
+            )
+
+
+def create_app(
+    settings: Settings,
+    backend: GenerationBackend,
+    *,
+    session_factory: async_sessionmaker[AsyncSession] | None = None,
+    extra_route_handlers: Sequence[Any] = (),
+    on_startup: Sequence[Hook] = (),
+    on_shutdown: Sequence[Hook] = (),
+    demo_key_for: str | None = None,
+    announce_secret: Callable[[str, str], None] | None = None,
+) -> Litestar:
+    """Builds the app. Without `session_factory` it opens settings.database.url and migrates it at startup.
+
+    `announce_secret(kind, value)` receives a generated admin token ("admin_token") or demo key
+    ("demo_key") once, for `sluice serve` to print; they are never logged.
+    """
+    owned_engine = None
+    if session_factory is None:
+        owned_engine = make_engine(settings.database.url, echo=settings.database.echo)
+        session_factory = make_session_factory(owned_engine)
+    auth = AuthService(session_factory, cache_ttl_s=settings.gateway.key_cache_ttl_s)
+    usage = UsageService(session_factory)
+    quotas = QuotaService(usage.day_total)
+    tokenizers = TokenizerRegistry()
+    generation = GenerationService(backend, tokenizers, quotas, usage)
+    admin = AdminService(session_factory, auth)
+    state = State(
+        {
+            "settings": settings,
+            "backend": backend,
+            "session_factory": session_factory,
+            "auth": auth,
+            "usage": usage,
+            "quotas": quotas,
+            "tokenizers": tokenizers,
+            "generation": generation,
+            "admin": admin,
+            "tenants": admin,
+            "started_at": int(time.time()),
+            "generated_admin_token": None,
+        }
+    )
+
+    async def startup(app: Litestar) -> None:
+        if owned_engine is not None:
+            await migrate(settings.database.url)
+        telemetry.configure(settings.gateway.record_log_path)
+        generated = await auth.ensure_admin_token(settings.admin.token)
+        demo_key = await seed_tenants(admin, settings.tenants, demo_key_for=demo_key_for)
+        app.state.generated_admin_token = generated
+        if generated and announce_secret is not None:
+            announce_secret("admin_token", generated)
+        if demo_key and announce_secret is not None:
+            announce_secret("demo_key", demo_key)
+        await backend.start()
+        await _load_tokenizers(backend, tokenizers)
+        log.info("gateway ready: models %s", ", ".join(tokenizers.names()) or "(none)")
+
+    async def shutdown(app: Litestar) -> None:
+        await backend.stop()
+        await generation.drain()
+        await auth.drain()
+        if owned_engine is not None:
+            await owned_engine.dispose()
+
+    config = AppConfig(
+        route_handlers=[OpenAIController, AdminController, health, ready, metrics, *extra_route_handlers],
+        on_startup=[startup, *on_startup],
+        on_shutdown=[*on_shutdown, shutdown],
+        exception_handlers=EXCEPTION_HANDLERS,
+        state=state,
+        request_max_body_size=settings.gateway.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="sluice gateway", version="0.1.0", path="/schema"),
+        debug=False,
+    )
+    return Litestar.from_config(config)

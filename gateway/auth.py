@@ -1,0 +1,279 @@
+"""API keys and the admin token: generation, hashed storage, cached constant-time lookup, guards.
+
+Keys are `sk-slc-` + 32 random bytes (base64url). Only the SHA-256 of a key is stored: with 256
+bits of entropy a fast hash is safe. A lookup hashes the presented key, finds the row by hash
+(an index lookup reveals nothing useful about the secret) and still compares with
+`hmac.compare_digest`. Results are cached for `key_cache_ttl_s`; revoke, rotate and tenant
+changes evict the cache immediately in this process. Secrets are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from sluice.gateway.db.models import AdminToken, ApiKey, Quota, Tenant
+from sluice.gateway.errors import OpenAIError
+from sluice.gateway.quotas import QuotaLimits
+from sluice.protocol import Priority
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "sk-slc-"
+ADMIN_PREFIX = "slc-admin-"
+VISIBLE_CHARS = 6  # of the random part, shown in listings as `sk-slc-ab12cd`
+LAST_USED_WRITE_INTERVAL_S = 60.0
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def generate_key() -> tuple[str, str, str]:
+    """Returns (key, visible prefix, sha256 hex). The key itself is shown once and never stored."""
+    body = base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode("ascii")
+    key = KEY_PREFIX + body
+    return key, KEY_PREFIX + body[:VISIBLE_CHARS], hash_secret(key)
+
+
+def generate_admin_token() -> str:
+    return ADMIN_PREFIX + base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode("ascii")
+
+
+def bearer_token(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    header = connection.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+@dataclass(frozen=True, slots=True)
+class TenantContext:
+    """What a request knows about its tenant; immutable, cached with the key."""
+
+    id: str
+    name: str
+    priority_ceiling: Priority
+    default_class: Priority
+    weight: float
+    allowed_models: frozenset[str]  # empty = every model
+    enabled: bool
+    limits: QuotaLimits
+    key_id: str = ""
+
+    def allows_model(self, model: str) -> bool:
+        return not self.allowed_models or model in self.allowed_models
+
+
+def tenant_context(tenant: Tenant, quota: Quota | None, key_id: str = "") -> TenantContext:
+    return TenantContext(
+        id=tenant.id,
+        name=tenant.name,
+        priority_ceiling=Priority.parse(tenant.priority_ceiling),
+        default_class=Priority.parse(tenant.default_class),
+        weight=tenant.weight,
+        allowed_models=frozenset(tenant.allowed_models or ()),
+        enabled=tenant.enabled,
+        limits=QuotaLimits.from_row(quota),
+        key_id=key_id,
+    )
+
+
+@dataclass(slots=True)
+class _CacheEntry:
+    context: TenantContext
+    expires_at: dt.datetime | None  # the key's own expiry
+    cached_until: float  # monotonic
+
+
+class AuthService:
+    """Authenticates tenant keys (cached) and the admin token."""
+
+    def __init__(
+        self, session_factory: async_sessionmaker[AsyncSession], *, cache_ttl_s: float = 30.0
+    ) -> None:
+        self._sessions = session_factory
+        self._ttl = cache_ttl_s
+        self._cache: dict[str, _CacheEntry] = {}  # key hash -> entry
+        self._last_used_written: dict[str, float] = {}  # key id -> monotonic time of last write
+        self._admin_hashes: frozenset[str] = frozenset()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- tenant keys ---------------------------------------------------------------------------
+
+    async def authenticate(self, key: str | None) -> TenantContext:
+        if not key:
+            raise OpenAIError(
+                401,
+                "Missing API key: send `Authorization: Bearer <key>`.",
+                type="invalid_request_error",
+                code="missing_api_key",
+            )
+        digest = hash_secret(key)
+        now_mono = time.monotonic()
+        now = dt.datetime.now(dt.UTC)
+        entry = self._cache.get(digest)
+        if entry is None or entry.cached_until < now_mono:
+            entry = await self._load(digest, now_mono)
+        if entry is None:
+            raise _invalid_key()
+        if entry.expires_at is not None and entry.expires_at <= now:
+            self._cache.pop(digest, None)
+            raise OpenAIError(
+                401, "This API key has expired.", type="invalid_request_error", code="invalid_api_key"
+            )
+        if not entry.context.enabled:
+            raise OpenAIError(
+                403, "This tenant is disabled.", type="permission_error", code="tenant_disabled"
+            )
+        self._touch(entry.context.key_id, now_mono)
+        return entry.context
+
+    async def _load(self, digest: str, now_mono: float) -> _CacheEntry | None:
+        async with self._sessions() as session:
+            row = (
+                await session.execute(
+                    select(ApiKey, Tenant, Quota)
+                    .join(Tenant, Tenant.id == ApiKey.tenant_id)
+                    .outerjoin(Quota, Quota.tenant_id == Tenant.id)
+                    .where(ApiKey.hash == digest)
+                )
+            ).first()
+        if row is None:
+            self._cache.pop(digest, None)
+            return None
+        key, tenant, quota = row
+        if not hmac.compare_digest(key.hash, digest) or key.revoked_at is not None:
+            self._cache.pop(digest, None)
+            return None
+        entry = _CacheEntry(tenant_context(tenant, quota, key.id), key.expires_at, now_mono + self._ttl)
+        self._cache[digest] = entry
+        return entry
+
+    def _touch(self, key_id: str, now_mono: float) -> None:
+        """Writes last_used_at at most once a minute per key, off the request path."""
+        last = self._last_used_written.get(key_id)
+        if last is not None and now_mono - last < LAST_USED_WRITE_INTERVAL_S:
+            return
+        self._last_used_written[key_id] = now_mono
+        task = asyncio.get_running_loop().create_task(self._write_last_used(key_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _write_last_used(self, key_id: str) -> None:
+        try:
+            async with self._sessions() as session, session.begin():
+                await session.execute(
+                    update(ApiKey).where(ApiKey.id == key_id).values(last_used_at=dt.datetime.now(dt.UTC))
+                )
+        except Exception:  # best effort: a busy database must not fail requests
+            log.warning("could not record last use of key %s", key_id, exc_info=True)
+
+    def invalidate_key(self, key_id: str) -> None:
+        for digest in [d for d, e in self._cache.items() if e.context.key_id == key_id]:
+            del self._cache[digest]
+
+    def invalidate_tenant(self, tenant_id: str) -> None:
+        for digest in [d for d, e in self._cache.items() if e.context.id == tenant_id]:
+            del self._cache[digest]
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- admin token ---------------------------------------------------------------------------
+
+    async def ensure_admin_token(self, configured: str = "") -> str | None:
+        """Stores the configured token's hash, or generates one when none exists yet.
+
+        Returns the generated token (to print once) or None when nothing new was generated.
+        """
+        generated: str | None = None
+        async with self._sessions() as session, session.begin():
+            hashes = set((await session.execute(select(AdminToken.hash))).scalars())
+            if configured:
+                digest = hash_secret(configured)
+                if digest not in hashes:
+                    session.add(AdminToken(hash=digest))
+                # The configured token is the only valid one while it is set.
+                self._admin_hashes = frozenset({digest})
+                return None
+            if not hashes:
+                generated = generate_admin_token()
+                digest = hash_secret(generated)
+                session.add(AdminToken(hash=digest))
+                hashes.add(digest)
+            self._admin_hashes = frozenset(hashes)
+        return generated
+
+    def verify_admin(self, token: str | None) -> bool:
+        if not token:
+            return False
+        digest = hash_secret(token)
+        # compare against every stored hash so timing does not depend on which matched
+        return any([hmac.compare_digest(digest, h) for h in self._admin_hashes])
+
+
+def _invalid_key() -> OpenAIError:
+    return OpenAIError(
+        401, "Incorrect API key provided.", type="invalid_request_error", code="invalid_api_key"
+    )
+
+
+# ---- Litestar guards ---------------------------------------------------------------------------
+
+
+async def tenant_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """Authenticates a tenant key; stores the TenantContext on `connection.state.tenant`."""
+    auth: AuthService = connection.app.state.auth
+    token = bearer_token(connection)
+    if token is not None and token.startswith(ADMIN_PREFIX) and auth.verify_admin(token):
+        raise OpenAIError(
+            403,
+            "The admin token cannot call tenant routes; use a tenant API key.",
+            type="permission_error",
+            code="wrong_credentials",
+        )
+    connection.state.tenant = await auth.authenticate(token)
+
+
+async def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    auth: AuthService = connection.app.state.auth
+    token = bearer_token(connection)
+    if token is None:
+        raise OpenAIError(
+            401,
+            "Missing admin token: send `Authorization: Bearer <admin token>`.",
+            type="invalid_request_error",
+            code="missing_api_key",
+        )
+    if not auth.verify_admin(token):
+        if token.startswith(KEY_PREFIX):
+            raise OpenAIError(
+                403,
+                "Tenant API keys cannot call admin routes.",
+                type="permission_error",
+                code="wrong_credentials",
+            )
+        raise OpenAIError(401, "Incorrect admin token.", type="invalid_request_error", code="invalid_api_key")
+
+
+def current_tenant(request: ASGIConnection[Any, Any, Any, Any]) -> TenantContext:
+    """Dependency for tenant routes behind `tenant_guard` (DISPATCH's batch routes use it too)."""
+    return request.state.tenant

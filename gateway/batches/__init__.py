@@ -1,0 +1,86 @@
+"""The OpenAI Batch API: Files + Batches routes, the batch line runner and their tables.
+
+`batch_components(settings)` gives `sluice serve` (and tests) what to wire: the route handlers
+for `create_app(extra_route_handlers=...)`, the `BatchLineHandler` for `KafkaBackend`, and
+`attach(app, backend)` / `start()` / `stop()` to call from the app's startup and shutdown hooks
+(the services need the app's session factory, quota and usage services, built by `create_app`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.settings import Settings
+
+
+class _DeferredHandler:
+    """The BatchLineHandler given to KafkaBackend before the app exists; forwards once attached.
+
+    The backend starts (and may replay batch lines) before the app's later startup hooks run;
+    `prepare` holds such lines until `attach` (it only delays the batch topic's consumer).
+    """
+
+    def __init__(self) -> None:
+        self.runner: Any = None
+        self._attached: asyncio.Event | None = None
+
+    def set_runner(self, runner: Any) -> None:
+        self.runner = runner
+        if self._attached is not None:
+            self._attached.set()
+
+    async def prepare(self, request: Any) -> bool:
+        if self.runner is None:
+            if self._attached is None:
+                self._attached = asyncio.Event()
+            await self._attached.wait()
+        return await self.runner.prepare(request)
+
+    def collector(self, request: Any) -> Any:
+        return self.runner.collector(request)
+
+    def tenant_label(self, tenant_id: str) -> str:
+        return self.runner.tenant_label(tenant_id) if self.runner is not None else tenant_id
+
+    async def persist(self, request: Any, final: Any) -> None:
+        await self.runner.persist(request, final)
+
+
+@dataclass
+class BatchComponents:
+    settings: Settings
+    handler: _DeferredHandler = field(default_factory=_DeferredHandler)
+    service: Any = None
+
+    @property
+    def route_handlers(self) -> list[Any]:
+        from sluice.gateway.batches.controllers import BatchesController, FilesController
+
+        return [FilesController, BatchesController]
+
+    def attach(self, app: Any, backend: Any) -> None:
+        from sluice.gateway.batches.runner import BatchRunner
+        from sluice.gateway.batches.service import BatchService
+
+        state = app.state
+        self.service = BatchService(
+            state.session_factory,
+            state.generation,
+            backend,
+            max_file_bytes=self.settings.gateway.max_body_bytes,
+        )
+        self.handler.set_runner(BatchRunner(self.service, state.quotas, state.usage))
+        state.batches = self.service
+
+    async def start(self) -> None:
+        if self.service is not None:
+            await self.service.recover()
+
+    async def stop(self) -> None:
+        return None
+
+
+def batch_components(settings: Settings) -> BatchComponents:
+    return BatchComponents(settings)

@@ -1,0 +1,237 @@
+"""Runs batch lines consumed from Kafka: the `BatchLineHandler` of `KafkaBackend`.
+
+prepare(): skip a line whose result is already stored (a replay after a crash) or whose batch is
+no longer runnable (a cancelled batch's line gets a `batch_cancelled` result instead); then admit
+it under the tenant's quotas. A line over a rate limit is deferred for the limit's retry-after (it
+is not failed, and other lines keep flowing); a line over the daily budget fails with
+`insufficient_quota`.
+persist(): store the line's output (or error) row, unique on (batch_id, custom_id), settle the
+quota reservation, record usage, and finalize the batch when it was the last line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from sluice.gateway.auth import TenantContext, tenant_context
+from sluice.gateway.batches.models import Batch, BatchResult
+from sluice.gateway.batches.service import RUNNABLE, BatchService, line_number
+from sluice.gateway.db.base import utcnow
+from sluice.gateway.db.models import Quota, Tenant
+from sluice.gateway.kafka_backend import Defer
+from sluice.gateway.quotas import QuotaExceeded, QuotaService, Reservation
+from sluice.gateway.usage import UsageService
+from sluice.protocol import FinishReason, GenerateRequest, RequestDelta
+
+log = logging.getLogger(__name__)
+
+TENANT_CACHE_S = 30.0
+MAX_RATE_WAIT_S = 60.0
+
+
+@dataclass(slots=True)
+class _Line:
+    endpoint: str
+    reservation: Reservation | None
+    texts: list[str] = field(default_factory=list)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class BatchRunner:
+    def __init__(self, service: BatchService, quotas: QuotaService, usage: UsageService) -> None:
+        self.service = service
+        self.quotas = quotas
+        self.usage = usage
+        self._lines: dict[str, _Line] = {}
+        self._tenants: dict[str, tuple[float, TenantContext]] = {}
+
+    async def _tenant(self, tenant_id: str) -> TenantContext | None:
+        cached = self._tenants.get(tenant_id)
+        if cached is not None and time.monotonic() - cached[0] < TENANT_CACHE_S:
+            return cached[1]
+        async with self.service.sessions() as session:
+            row = (
+                await session.execute(
+                    select(Tenant, Quota)
+                    .outerjoin(Quota, Quota.tenant_id == Tenant.id)
+                    .where(Tenant.id == tenant_id)
+                )
+            ).first()
+        if row is None:
+            return None
+        context = tenant_context(row[0], row[1])
+        self._tenants[tenant_id] = (time.monotonic(), context)
+        return context
+
+    def tenant_label(self, tenant_id: str) -> str:
+        """The tenant's name for request records (its id if not cached)."""
+        cached = self._tenants.get(tenant_id)
+        return cached[1].name if cached is not None else tenant_id
+
+    # ---- BatchLineHandler ----------------------------------------------------------------------
+
+    async def prepare(self, request: GenerateRequest) -> bool | Defer:
+        batch_id, custom_id = request.batch_id, request.custom_id
+        if batch_id is None or custom_id is None:
+            return False
+        async with self.service.sessions() as session:
+            batch = await session.get(Batch, batch_id)
+            stored = await session.scalar(
+                select(BatchResult.id).where(
+                    BatchResult.batch_id == batch_id, BatchResult.custom_id == custom_id
+                )
+            )
+        if batch is None or stored is not None:
+            return False  # batch deleted, or a replay of a line already answered
+        if batch.status not in RUNNABLE:
+            if batch.status == "cancelling":
+                await self._store_error(
+                    request, batch.endpoint, "batch_cancelled", "The batch was cancelled."
+                )
+            return False
+        tenant = await self._tenant(request.tenant_id)
+        if tenant is None:
+            return False
+        reservation = await self._admit(tenant, request, batch.endpoint)
+        if reservation is None:
+            return False
+        if isinstance(reservation, Defer):
+            return reservation
+        self._lines[request.request_id] = _Line(batch.endpoint, reservation)
+        return True
+
+    async def _admit(self, tenant: TenantContext, request: GenerateRequest, endpoint: str
+                     ) -> Reservation | Defer | None:
+        try:
+            return await self.quotas.admit(tenant, len(request.prompt_token_ids),
+                                           request.sampling.max_tokens, request.priority)
+        except QuotaExceeded as exc:
+            if exc.retry_after is None:  # a budget, not a rate: waiting will not help today
+                await self._store_error(request, endpoint, exc.code or "insufficient_quota", exc.message)
+                return None
+            return Defer(min(float(exc.retry_after), MAX_RATE_WAIT_S))
+
+    def collector(self, request: GenerateRequest):  # -> DeltaSink
+        line = self._lines.get(request.request_id)
+
+        def sink(delta: RequestDelta) -> None:
+            if line is not None and delta.text:
+                line.texts.append(delta.text)
+
+        return sink
+
+    async def persist(self, request: GenerateRequest, final: RequestDelta) -> None:
+        line = self._lines.pop(request.request_id, None)
+        endpoint = line.endpoint if line is not None else "/v1/chat/completions"
+        prompt = final.num_prompt_tokens or len(request.prompt_token_ids)
+        completion = final.num_output_tokens
+        if line is not None and line.reservation is not None:
+            self.quotas.settle(line.reservation, prompt, completion)
+        if final.finish_reason == FinishReason.ABORT:
+            await self._store_error(request, endpoint, "batch_cancelled", "The batch was cancelled.")
+        elif final.finish_reason == FinishReason.ERROR:
+            await self._store_error(
+                request, endpoint, "generation_failed", f"Generation failed: {final.error or 'backend error'}"
+            )
+        else:
+            text = "".join(line.texts) if line is not None else ""
+            body = _response_body(
+                request,
+                endpoint,
+                text,
+                str(final.finish_reason),
+                prompt,
+                completion,
+                line.created if line is not None else int(time.time()),
+            )
+            await self._store(
+                request,
+                True,
+                {
+                    "id": request.request_id,
+                    "custom_id": request.custom_id,
+                    "response": {"status_code": 200, "request_id": request.request_id, "body": body},
+                    "error": None,
+                },
+            )
+        if completion or prompt:
+            try:
+                await self.usage.record(request.tenant_id, request.model, prompt, completion)
+            except Exception:
+                log.error("could not record usage of %s", request.request_id, exc_info=True)
+
+    # ---- storage -------------------------------------------------------------------------------
+
+    async def _store_error(self, request: GenerateRequest, endpoint: str, code: str, message: str) -> None:
+        await self._store(
+            request,
+            False,
+            {
+                "id": request.request_id,
+                "custom_id": request.custom_id,
+                "response": None,
+                "error": {"code": code, "message": message},
+            },
+        )
+
+    async def _store(self, request: GenerateRequest, ok: bool, line: dict[str, Any]) -> None:
+        assert request.batch_id is not None and request.custom_id is not None  # batch lines only
+        row = BatchResult(
+            batch_id=request.batch_id,
+            custom_id=request.custom_id,
+            line_no=line_number(request.request_id),
+            ok=ok,
+            line=json.dumps(line, ensure_ascii=False),
+            created_at=utcnow(),
+        )
+        try:
+            async with self.service.sessions() as session, session.begin():
+                session.add(row)
+        except IntegrityError:
+            return  # stored already (a replayed line raced its original): exactly one result stands
+        await self.service.maybe_finalize(request.batch_id)
+
+
+def _response_body(
+    request: GenerateRequest,
+    endpoint: str,
+    text: str,
+    finish: str,
+    prompt: int,
+    completion: int,
+    created: int,
+) -> dict[str, Any]:
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if endpoint == "/v1/completions":
+        return {
+            "id": request.request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": request.model,
+            "service_tier": "flex",
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": usage,
+        }
+    return {
+        "id": request.request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": request.model,
+        "service_tier": "flex",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": usage,
+    }

@@ -1,0 +1,492 @@
+"""Files and batches: storage, validation, enqueue, cancellation, finalization, JSON views.
+
+`create_batch` answers only once every line is durably in Kafka: the batch row is committed
+first (status `validating`), then each line is appended to the batch topic (acks=all), then the
+status moves to `in_progress`. If the broker fails midway the batch is marked `failed` and the
+client gets a 503; lines that did reach Kafka are skipped when consumed (their batch is failed).
+Every line gets exactly one `batch_result` row; once all `total` rows exist the batch is
+finalized (output and error files written in one transaction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+from typing import Any
+
+import msgspec
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from sluice.gateway.api.generation import GenerationService
+from sluice.gateway.auth import TenantContext
+from sluice.gateway.backend import BackendUnavailable
+from sluice.gateway.batches.models import Batch, BatchResult, FileObject
+from sluice.gateway.batches.validation import ENDPOINTS, InvalidBatchFile, parse_batch_file
+from sluice.gateway.db.base import new_id, utcnow
+from sluice.gateway.errors import OpenAIError
+from sluice.protocol import GenerateRequest, Priority
+
+log = logging.getLogger(__name__)
+
+RUNNABLE = ("validating", "in_progress")
+FINAL = ("completed", "failed", "cancelled", "expired")
+COMPLETION_WINDOWS = {"24h": dt.timedelta(hours=24)}
+ENQUEUE_CONCURRENCY = 64
+MAX_METADATA_KEYS = 16
+
+
+def not_found(what: str, ident: str) -> OpenAIError:
+    return OpenAIError(404, f"No {what} found with id '{ident}'.", code="not_found")
+
+
+def _ts(value: dt.datetime | None) -> int | None:
+    return None if value is None else int(value.timestamp())
+
+
+def file_view(row: FileObject) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "object": "file",
+        "bytes": row.size_bytes,
+        "created_at": _ts(row.created_at),
+        "filename": row.filename,
+        "purpose": row.purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": None,
+    }
+
+
+def batch_view(row: Batch, completed: int, failed: int) -> dict[str, Any]:
+    errors = None
+    if row.errors:
+        errors = {"object": "list", "data": row.errors}
+    return {
+        "id": row.id,
+        "object": "batch",
+        "endpoint": row.endpoint,
+        "errors": errors,
+        "input_file_id": row.input_file_id,
+        "completion_window": row.completion_window,
+        "status": row.status,
+        "output_file_id": row.output_file_id,
+        "error_file_id": row.error_file_id,
+        "created_at": _ts(row.created_at),
+        "in_progress_at": _ts(row.in_progress_at),
+        "expires_at": _ts(row.expires_at),
+        "finalizing_at": _ts(row.finalizing_at),
+        "completed_at": _ts(row.completed_at),
+        "failed_at": _ts(row.failed_at),
+        "expired_at": _ts(row.expired_at),
+        "cancelling_at": _ts(row.cancelling_at),
+        "cancelled_at": _ts(row.cancelled_at),
+        "request_counts": {"total": row.total, "completed": completed, "failed": failed},
+        "metadata": row.metadata_,
+    }
+
+
+def line_request_id(batch_id: str, line_no: int) -> str:
+    """Deterministic per line (a replayed line keeps its id) and carries the line number."""
+    return f"batch_req_{batch_id.removeprefix('batch_')}_{line_no}"
+
+
+def line_number(request_id: str) -> int:
+    """The input line number encoded by `line_request_id`."""
+    return int(request_id.rsplit("_", 1)[1])
+
+
+class BatchService:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        generation: GenerationService,
+        backend: Any,
+        *,
+        max_file_bytes: int,
+    ) -> None:
+        self.sessions = sessions
+        self.generation = generation
+        self.backend = backend  # KafkaBackend: enqueue_batch_line(), dispatcher
+        self.max_file_bytes = max_file_bytes
+
+    # ---- files ---------------------------------------------------------------------------------
+
+    async def create_file(
+        self, tenant_id: str, filename: str, purpose: str, content: bytes
+    ) -> dict[str, Any]:
+        if purpose != "batch":
+            raise OpenAIError(400, f"purpose must be 'batch', got '{purpose}'.", param="purpose")
+        if len(content) > self.max_file_bytes:
+            raise OpenAIError(
+                400,
+                f"The file has {len(content)} bytes; at most {self.max_file_bytes} are allowed.",
+                param="file",
+            )
+        try:
+            lines = parse_batch_file(content)
+        except InvalidBatchFile as exc:
+            raise OpenAIError(400, str(exc), param="file", code="invalid_file") from None
+        return await self._store_file(tenant_id, filename or "input.jsonl", purpose, content, len(lines))
+
+    async def _store_file(
+        self,
+        tenant_id: str,
+        filename: str,
+        purpose: str,
+        content: bytes,
+        line_count: int,
+        session: AsyncSession | None = None,
+    ) -> dict[str, Any]:
+        row = FileObject(
+            id=new_id("file"),
+            tenant_id=tenant_id,
+            purpose=purpose,
+            filename=filename[:255],
+            size_bytes=len(content),
+            line_count=line_count,
+            created_at=utcnow(),
+            content=content,
+        )
+        if session is not None:
+            session.add(row)
+            return file_view(row)
+        async with self.sessions() as s, s.begin():
+            s.add(row)
+        return file_view(row)
+
+    async def file_row(self, tenant_id: str, file_id: str) -> FileObject:
+        async with self.sessions() as session:
+            row = await session.get(FileObject, file_id)
+        if row is None or row.tenant_id != tenant_id:  # another tenant's file does not exist for you
+            raise not_found("file", file_id)
+        return row
+
+    async def list_files(
+        self,
+        tenant_id: str,
+        purpose: str | None,
+        after: str | None,
+        limit: int,
+    ) -> dict[str, Any]:
+        query = select(FileObject).where(FileObject.tenant_id == tenant_id)
+        if purpose:
+            query = query.where(FileObject.purpose == purpose)
+        rows, has_more = await self._page(query, FileObject, tenant_id, after, limit)
+        return _list([file_view(r) for r in rows], has_more)
+
+    async def delete_file(self, tenant_id: str, file_id: str) -> dict[str, Any]:
+        async with self.sessions() as session, session.begin():
+            row = await session.get(FileObject, file_id)
+            if row is None or row.tenant_id != tenant_id:
+                raise not_found("file", file_id)
+            await session.delete(row)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    async def _page(
+        self,
+        query: Any,
+        model: Any,
+        tenant_id: str,
+        after: str | None,
+        limit: int,
+    ) -> tuple[list[Any], bool]:
+        if not 1 <= limit <= 100:
+            raise OpenAIError(400, f"limit must be between 1 and 100, got {limit}.", param="limit")
+        async with self.sessions() as session:
+            if after:
+                anchor = await session.get(model, after)
+                if anchor is None or anchor.tenant_id != tenant_id:
+                    raise not_found(model.__tablename__.replace("batch_", ""), after)
+                query = query.where(
+                    or_(
+                        model.created_at < anchor.created_at,
+                        and_(model.created_at == anchor.created_at, model.id < anchor.id),
+                    )
+                )
+            rows = list(
+                (
+                    await session.scalars(
+                        query.order_by(model.created_at.desc(), model.id.desc()).limit(limit + 1)
+                    )
+                ).all()
+            )
+        return rows[:limit], len(rows) > limit
+
+    # ---- batches -------------------------------------------------------------------------------
+
+    async def counts(self, batch_id: str, session: AsyncSession | None = None) -> tuple[int, int]:
+        query = (
+            select(BatchResult.ok, func.count())
+            .where(BatchResult.batch_id == batch_id)
+            .group_by(BatchResult.ok)
+        )
+        if session is None:
+            async with self.sessions() as s:
+                rows = (await s.execute(query)).all()
+        else:
+            rows = (await session.execute(query)).all()
+        by = {bool(ok): n for ok, n in rows}
+        return by.get(True, 0), by.get(False, 0)
+
+    async def view(self, row: Batch) -> dict[str, Any]:
+        return batch_view(row, *await self.counts(row.id))
+
+    async def batch_row(self, tenant_id: str, batch_id: str) -> Batch:
+        async with self.sessions() as session:
+            row = await session.get(Batch, batch_id)
+        if row is None or row.tenant_id != tenant_id:
+            raise not_found("batch", batch_id)
+        return row
+
+    async def list_batches(self, tenant_id: str, after: str | None, limit: int) -> dict[str, Any]:
+        rows, has_more = await self._page(
+            select(Batch).where(Batch.tenant_id == tenant_id), Batch, tenant_id, after, limit
+        )
+        return _list([await self.view(r) for r in rows], has_more)
+
+    def _line_request(self, tenant: TenantContext, batch_id: str, line: Any) -> GenerateRequest:
+        body = line.body
+        if line.url == "/v1/chat/completions":
+            prepared = self.generation.prepare_chat(tenant, body)
+        else:
+            prepared = self.generation.prepare_completion(tenant, body)
+        return msgspec.structs.replace(
+            prepared.request,
+            request_id=line_request_id(batch_id, line.line_no),
+            priority=Priority.BATCH,
+            batch_id=batch_id,
+            custom_id=line.custom_id,
+        )
+
+    async def create_batch(
+        self,
+        tenant: TenantContext,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+    ) -> dict[str, Any]:
+        if endpoint not in ENDPOINTS:
+            raise OpenAIError(
+                400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got '{endpoint}'.", param="endpoint"
+            )
+        window = COMPLETION_WINDOWS.get(completion_window)
+        if window is None:
+            raise OpenAIError(
+                400, f"completion_window must be '24h', got '{completion_window}'.", param="completion_window"
+            )
+        if metadata is not None and (
+            len(metadata) > MAX_METADATA_KEYS
+            or not all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                for k, v in metadata.items()
+            )
+        ):
+            raise OpenAIError(
+                400,
+                "metadata must be at most 16 string pairs (keys up to 64 characters, values up to 512).",
+                param="metadata",
+            )
+        source = await self.file_row(tenant.id, input_file_id)
+        if source.purpose != "batch":
+            raise OpenAIError(
+                400,
+                f"File {input_file_id} has purpose '{source.purpose}', not 'batch'.",
+                param="input_file_id",
+            )
+        batch_id = new_id("batch")
+        errors: list[dict[str, Any]] = []
+        requests: list[GenerateRequest] = []
+        try:
+            lines = parse_batch_file(source.content)
+        except InvalidBatchFile as exc:
+            lines = []
+            errors = [
+                {"code": "invalid_line", "message": m, "param": None, "line": n or None}
+                for n, m in exc.errors
+            ]
+        for line in lines:
+            if line.url != endpoint:
+                errors.append(
+                    {
+                        "code": "mismatched_endpoint",
+                        "line": line.line_no,
+                        "param": "url",
+                        "message": f"the line's url {line.url} differs from the batch endpoint {endpoint}",
+                    }
+                )
+                continue
+            try:
+                requests.append(self._line_request(tenant, batch_id, line))
+            except OpenAIError as exc:
+                errors.append(
+                    {
+                        "code": exc.code or "invalid_request",
+                        "message": exc.message,
+                        "param": exc.param,
+                        "line": line.line_no,
+                    }
+                )
+        now = utcnow()
+        row = Batch(
+            id=batch_id,
+            tenant_id=tenant.id,
+            input_file_id=input_file_id,
+            endpoint=endpoint,
+            completion_window=completion_window,
+            metadata_=metadata,
+            total=len(requests),
+            created_at=now,
+            expires_at=now + window,
+            status="validating",
+        )
+        if errors:  # OpenAI semantics: the batch exists, failed at validation, with the errors listed
+            row.status, row.failed_at, row.errors, row.total = "failed", now, errors[:100], 0
+        async with self.sessions() as session, session.begin():
+            session.add(row)
+        if errors:
+            return batch_view(row, 0, 0)
+        await self._enqueue_all(batch_id, requests)
+        async with self.sessions() as session, session.begin():
+            await session.execute(
+                update(Batch)
+                .where(Batch.id == batch_id, Batch.status == "validating")
+                .values(status="in_progress", in_progress_at=utcnow())
+            )
+            fresh = await session.get(Batch, batch_id)
+            assert fresh is not None  # just inserted; internal invariant
+            return batch_view(fresh, *await self.counts(batch_id, session))
+
+    async def _enqueue_all(self, batch_id: str, requests: list[GenerateRequest]) -> None:
+        gate = asyncio.Semaphore(ENQUEUE_CONCURRENCY)
+
+        async def one(request: GenerateRequest) -> None:
+            async with gate:
+                await self.backend.enqueue_batch_line(request)
+
+        try:
+            await asyncio.gather(*(one(r) for r in requests))
+        except BackendUnavailable as exc:
+            async with self.sessions() as session, session.begin():
+                await session.execute(
+                    update(Batch)
+                    .where(Batch.id == batch_id)
+                    .values(
+                        status="failed",
+                        failed_at=utcnow(),
+                        errors=[
+                            {"code": "queue_unavailable", "message": str(exc), "param": None, "line": None}
+                        ],
+                    )
+                )
+            raise OpenAIError(
+                503, f"The batch could not be queued: {exc}", type="server_error", code="queue_unavailable"
+            ) from exc
+
+    async def cancel_batch(self, tenant_id: str, batch_id: str) -> dict[str, Any]:
+        row = await self.batch_row(tenant_id, batch_id)
+        if row.status in RUNNABLE:
+            async with self.sessions() as session, session.begin():
+                await session.execute(
+                    update(Batch)
+                    .where(Batch.id == batch_id, Batch.status.in_(RUNNABLE))
+                    .values(status="cancelling", cancelling_at=utcnow())
+                )
+            # Lines queued or running here end now (ABORT → a "batch_cancelled" result row); lines
+            # still in Kafka are answered "batch_cancelled" when consumed.
+            dispatcher = self.backend.dispatcher
+            jobs = [p.payload for p in dispatcher.scheduler.items()]
+            jobs += [j for w in dispatcher.workers.values() for j in w.inflight.values()]
+            for job in jobs:
+                if job.request.batch_id == batch_id:
+                    dispatcher.cancel(job.request_id)
+            await self.maybe_finalize(batch_id)
+        elif row.status not in ("cancelling", "cancelled"):
+            raise OpenAIError(
+                400, f"Cannot cancel a batch whose status is '{row.status}'.", code="invalid_state"
+            )
+        return await self.view(await self.batch_row(tenant_id, batch_id))
+
+    # ---- results -------------------------------------------------------------------------------
+
+    async def maybe_finalize(self, batch_id: str) -> None:
+        """When every line has its result: write the output/error files and end the batch."""
+        with contextlib.suppress(_LostRace):
+            await self._finalize(batch_id)
+
+    async def _finalize(self, batch_id: str) -> None:
+        async with self.sessions() as session, session.begin():
+            row = await session.get(Batch, batch_id)
+            if row is None or row.status not in (*RUNNABLE, "cancelling", "finalizing"):
+                return
+            done = await session.scalar(select(func.count()).where(BatchResult.batch_id == batch_id))
+            if (done or 0) < row.total:
+                return
+            target = "cancelled" if row.status == "cancelling" or row.cancelling_at else "completed"
+            results = (
+                await session.scalars(
+                    select(BatchResult).where(BatchResult.batch_id == batch_id).order_by(BatchResult.line_no)
+                )
+            ).all()
+            ok = [r.line for r in results if r.ok]
+            bad = [r.line for r in results if not r.ok]
+            now = utcnow()
+            values: dict[str, Any] = {"status": target, "finalizing_at": row.finalizing_at or now}
+            values["cancelled_at" if target == "cancelled" else "completed_at"] = now
+            if ok:
+                values["output_file_id"] = (
+                    await self._store_file(
+                        row.tenant_id,
+                        f"{batch_id}_output.jsonl",
+                        "batch_output",
+                        ("\n".join(ok) + "\n").encode(),
+                        len(ok),
+                        session,
+                    )
+                )["id"]
+            if bad:
+                values["error_file_id"] = (
+                    await self._store_file(
+                        row.tenant_id,
+                        f"{batch_id}_error.jsonl",
+                        "batch_output",
+                        ("\n".join(bad) + "\n").encode(),
+                        len(bad),
+                        session,
+                    )
+                )["id"]
+            # Conditional: two finishing lines racing here finalize once (the loser rolls back).
+            result = await session.execute(
+                update(Batch).where(Batch.id == batch_id, Batch.status == row.status).values(**values)
+            )
+            if result.rowcount != 1:  # type: ignore[attr-defined]
+                raise _LostRace
+        log.info("batch %s %s: %d ok, %d failed", batch_id, target, len(ok), len(bad))
+
+    async def recover(self) -> None:
+        """At start-up: finish batches whose results were all stored before a crash."""
+        async with self.sessions() as session:
+            ids = (
+                await session.scalars(
+                    select(Batch.id).where(Batch.status.in_((*RUNNABLE, "cancelling", "finalizing")))
+                )
+            ).all()
+        for batch_id in ids:
+            await self.maybe_finalize(batch_id)
+
+
+class _LostRace(Exception):
+    """Another task finalized the batch first."""
+
+
+def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }

@@ -1,0 +1,110 @@
+"""`sluice serve` (gateway + broker + local workers) and `sluice worker` (one engine process)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from pathlib import Path
+
+from sluice.errors import CLIError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from sluice.workers.cli import add_engine_arguments
+
+    serve = subparsers.add_parser(
+        "serve", help="run the gateway, the embedded broker (unless Kafka is configured) and local workers"
+    )
+    serve.add_argument("--host", default=None, help="HTTP listen address (default: settings, 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="HTTP port (default: settings, 8000)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="local worker processes to spawn (default: settings.dispatch.local_workers)",
+    )
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="serve this model directory only (named after the directory) instead of models.toml",
+    )
+    serve.add_argument(
+        "--config", default=None, help="config directory (default: $SLUICE_CONFIG_DIR or ./config)"
+    )
+    serve.add_argument("--device", default="cpu", help="device of the local workers: cpu, cuda or cuda:N")
+    serve.set_defaults(handler=_serve)
+
+    worker = subparsers.add_parser("worker", help="run one engine and serve it to a gateway")
+    worker.add_argument("--model", required=True, help="local Hugging Face model directory")
+    worker.add_argument(
+        "--served-model-name", default=None, help="the model name clients use (default: the directory's name)"
+    )
+    worker.add_argument("--gateway", required=True, help="the gateway's worker address HOST:PORT")
+    worker.add_argument("--worker-id", default=None, help="default: HOSTNAME-PID")
+    worker.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    worker.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any EngineConfig field (e.g. kv_cache_bytes=268435456); repeatable, "
+        "applied over the flags; values are TOML literals",
+    )
+    worker.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="exit when the process that started this worker dies (used by `sluice serve`)",
+    )
+    add_engine_arguments(worker)
+    worker.set_defaults(handler=_worker)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from sluice.workers.cli import engine_config
+    from sluice.workers.server import WorkerOptions, parse_address, run_worker
+
+    host, port = parse_address(args.gateway)
+    if args.heartbeat_interval <= 0:
+        raise CLIError(f"--heartbeat-interval must be positive, got {args.heartbeat_interval}")
+    model_dir = Path(args.model)
+    config = apply_engine_options(engine_config(args, str(model_dir)), args.engine_option)
+    options = WorkerOptions(
+        gateway_host=host,
+        gateway_port=port,
+        worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        model_name=args.served_model_name or model_dir.resolve().name,
+        heartbeat_interval_s=args.heartbeat_interval,
+        parent_pid=os.getppid() if args.exit_with_parent else None,
+    )
+    run_worker(config, options)
+    return 0
+
+
+def apply_engine_options(config, options: list[str]):  # (EngineConfig, ...) -> EngineConfig
+    """Overlays KEY=VALUE engine options (TOML literals, else strings) on an EngineConfig."""
+    import dataclasses
+    import tomllib
+
+    fields = {f.name for f in dataclasses.fields(config)}
+    changes = {}
+    for option in options:
+        key, sep, raw = option.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise CLIError(f"--engine-option expects KEY=VALUE, got {option!r}")
+        if key not in fields or key == "model":
+            raise CLIError(
+                f"--engine-option: unknown engine setting {key!r}; known: {', '.join(sorted(fields))}"
+            )
+        try:
+            changes[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            changes[key] = raw
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from sluice.gateway.serve import serve
+
+    return serve(args)

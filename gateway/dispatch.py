@@ -1,0 +1,406 @@
+"""Workers and dispatch: the worker port, the registry, the dispatch loop and the stream hub.
+
+Workers connect to the gateway's worker port (msgspec frames, `sluice.protocol`), register, and
+report `WorkerCapacity` on every change and as a heartbeat. Queued jobs wait in the fair
+scheduler (`gateway/fair.py`) until a worker has room; a worker's own waiting queue is kept at
+most `max_worker_waiting` long so that priority and fairness are decided here, at the last moment.
+
+The room rule: a worker's waiting estimate is `num_waiting + sent - num_received` (what it reported
+plus what is on the wire). A job may go to a worker whose estimate is under the limit; a job of a
+more urgent class than some job that has not started on that worker may go as well, as long as
+fewer than `max_worker_waiting` jobs of its class or more urgent are unstarted there. That lets an
+interactive request reach a worker saturated by batch work, where the engine's priority scheduler
+preempts batch work for it, while batch work alone never piles up in a worker's queue.
+
+Deltas from a worker go straight to the job's sink (a client stream or a batch collector); there
+is no per-token round trip through Kafka. A worker that disconnects or misses heartbeats is
+dropped: its batch jobs are re-queued (they complete elsewhere), the others end with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from sluice import telemetry
+from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
+from sluice.protocol import (
+    AbortRequest,
+    FinishReason,
+    FrameDecoder,
+    GenerateRequest,
+    Priority,
+    RequestDelta,
+    WorkerCapacity,
+    WorkerRegister,
+    encode_frame,
+)
+from sluice.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DeltaSink = Callable[[RequestDelta], None]
+# A batch job whose worker died this many times fails instead of being re-queued again (a request
+# that crashes workers must not crash them forever).
+MAX_DISPATCH_ATTEMPTS = 3
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One request the gateway is responsible for until its final delta."""
+
+    request: GenerateRequest
+    sink: DeltaSink  # receives every delta, in order, the final one included
+    enqueued_at: float = field(default_factory=time.time)
+    ref: Any = None  # where it sits in Kafka (a RecordRef), handed back when finished
+    worker: str = ""
+    dispatch_time: float | None = None
+    started: bool = False  # the worker produced something for it (it left the waiting queue)
+    num_output_tokens: int = 0  # charged to the tenant's fair-share counter so far
+    attempts: int = 0
+    token_times: list[float] = field(default_factory=list)  # kept for batch lines' records only
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+OnFinished = Callable[[Job, RequestDelta], None]
+
+
+class WorkerConn:
+    """One connected worker as the gateway sees it."""
+
+    def __init__(self, register: WorkerRegister, writer: asyncio.StreamWriter) -> None:
+        self.worker_id = register.worker_id
+        self.models = frozenset(register.models)
+        self.device = register.device
+        self.pid = register.pid
+        self.capacity = register.capacity
+        self.writer = writer
+        self.sent = 0  # GenerateRequests sent on this connection
+        self.inflight: dict[str, Job] = {}
+        self.last_seen = time.monotonic()
+        self.connected_at = time.time()
+
+    @property
+    def est_waiting(self) -> int:
+        on_the_wire = self.sent - self.capacity.num_received
+        return max(0, self.capacity.num_waiting + on_the_wire)
+
+    def unstarted(self, at_or_above: Priority) -> tuple[int, bool]:
+        """(unstarted jobs of this class or more urgent, whether a less urgent one is unstarted)."""
+        count, lower = 0, False
+        for job in self.inflight.values():
+            if job.started:
+                continue
+            if job.request.priority <= at_or_above:
+                count += 1
+            else:
+                lower = True
+        return count, lower
+
+    def has_room_for(self, priority: Priority, max_waiting: int) -> bool:
+        if self.est_waiting < max_waiting:
+            return True
+        count, lower = self.unstarted(priority)
+        return lower and count < max_waiting
+
+    @property
+    def load(self) -> float:
+        return (self.capacity.num_running + self.est_waiting) / max(1, self.capacity.max_num_seqs)
+
+    def send(self, message: GenerateRequest | AbortRequest) -> None:
+        self.writer.write(encode_frame(message))
+
+    def view(self) -> dict[str, Any]:
+        cap = self.capacity
+        return {
+            "worker_id": self.worker_id, "models": sorted(self.models), "device": self.device,
+            "pid": self.pid, "alive": True, "num_running": cap.num_running, "num_waiting": cap.num_waiting,
+            "est_waiting": self.est_waiting, "free_kv_blocks": cap.free_kv_blocks,
+            "total_kv_blocks": cap.total_kv_blocks, "max_num_seqs": cap.max_num_seqs,
+            "inflight": len(self.inflight), "load": round(self.load, 3),
+            "num_preemptions": cap.num_preemptions,
+            "last_heartbeat_age_s": round(time.monotonic() - self.last_seen, 3),
+        }
+
+
+class Dispatcher:
+    """Owns the scheduler, the worker registry and the worker port."""
+
+    def __init__(self, settings: Settings, on_finished: OnFinished) -> None:
+        self.settings = settings
+        sched = settings.scheduler
+        self.scheduler: FairScheduler[Job] = FairScheduler(ClassPolicy(
+            priority_enabled=sched.priority_enabled,
+            aging_s=sched.aging_s,
+            min_share={Priority.STANDARD: sched.min_share_standard, Priority.BATCH: sched.min_share_batch},
+        ))
+        self.workers: dict[str, WorkerConn] = {}
+        self._on_finished = on_finished
+        self._jobs: dict[str, Job] = {}  # every job queued or on a worker, by request id
+        self._wake = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._conn_tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self, host: str | None = None, port: int | None = None) -> None:
+        gw = self.settings.gateway
+        host = gw.worker_host if host is None else host
+        port = gw.worker_port if port is None else port
+        try:
+            self._server = await asyncio.start_server(self._serve_worker, host, port)
+        except OSError as exc:
+            raise ValueError(f"cannot listen for workers on {host}:{port}: {exc.strerror}") from None
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._tasks = [asyncio.create_task(self._dispatch_loop(), name="dispatch"),
+                       asyncio.create_task(self._monitor_loop(), name="worker-monitor")]
+        log.info("worker port listening on %s:%d", host, self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        # Closing a worker's socket ends its connection task (EOF) without cancelling it: asyncio
+        # logs cancelled connection callbacks as errors.
+        for worker in list(self.workers.values()):
+            self._lose_worker(worker, "gateway stopping")
+        if self._conn_tasks:
+            _, pending = await asyncio.wait(list(self._conn_tasks), timeout=2.0)
+            for task in pending:
+                task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+
+    # ---- jobs ----------------------------------------------------------------------------------
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._jobs
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
+
+    def enqueue(self, job: Job) -> None:
+        request = job.request
+        if request.request_id in self._jobs:
+            raise ValueError(f"request {request.request_id} is already queued or running")
+        self._jobs[request.request_id] = job
+        self.scheduler.push(Pending(
+            request_id=request.request_id, tenant=request.tenant_id, priority=request.priority,
+            enqueued_at=job.enqueued_at, payload=job, prompt_tokens=len(request.prompt_token_ids),
+            weight=request.tenant_weight,
+        ))
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        """Client gone: drop the job if still queued, else abort it at its worker."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return
+        if not job.worker:
+            self.scheduler.remove(request_id)
+            self._finish(job, RequestDelta(request_id=request_id, finish_reason=FinishReason.ABORT,
+                                           num_prompt_tokens=len(job.request.prompt_token_ids)))
+            return
+        worker = self.workers.get(job.worker)
+        if worker is not None:
+            worker.send(AbortRequest(request_id))
+
+    def queue_depth(self, priority: Priority) -> int:
+        return self.scheduler.depth(priority)
+
+    def _finish(self, job: Job, delta: RequestDelta) -> None:
+        self._jobs.pop(job.request_id, None)
+        try:
+            job.sink(delta)
+        finally:
+            self._on_finished(job, delta)
+        self._wake.set()
+
+    # ---- dispatch ------------------------------------------------------------------------------
+
+    def _pick_worker(self, job: Job) -> WorkerConn | None:
+        limit = self.settings.dispatch.max_worker_waiting
+        request = job.request
+        candidates = [w for w in self.workers.values()
+                      if request.model in w.models and w.has_room_for(request.priority, limit)]
+        return min(candidates, key=lambda w: w.load, default=None)
+
+    def dispatch_ready(self) -> int:
+        """Send queued jobs to workers with room; returns how many went out."""
+        sent = 0
+        now = time.time()
+        while True:
+            chosen: list[WorkerConn] = []
+
+            def accept(item: Pending[Job], chosen: list[WorkerConn] = chosen) -> bool:
+                worker = self._pick_worker(item.payload)
+                if worker is not None:
+                    chosen.append(worker)
+                return worker is not None
+
+            item = self.scheduler.pop_if(now, accept)
+            if item is None:
+                return sent
+            job, worker = item.payload, chosen[0]
+            job.worker, job.dispatch_time, job.started = worker.worker_id, time.time(), False
+            job.attempts += 1
+            request = job.request
+            if not self.settings.scheduler.priority_enabled and request.priority != Priority.STANDARD:
+                # Priority off: the engine must not reorder by class either.
+                request = msgspec.structs.replace(request, priority=Priority.STANDARD)
+            worker.inflight[job.request_id] = job
+            worker.sent += 1
+            worker.send(request)
+            sent += 1
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                self.dispatch_ready()
+            except Exception:  # a bug here must not stop dispatching for good
+                log.exception("dispatch failed")
+
+    async def _monitor_loop(self) -> None:
+        d = self.settings.dispatch
+        while True:
+            await asyncio.sleep(d.heartbeat_interval_s)
+            now = time.monotonic()
+            for worker in list(self.workers.values()):
+                if now - worker.last_seen > d.heartbeat_timeout_s:
+                    log.warning("worker %s missed heartbeats for %.1fs; dropping it",
+                                worker.worker_id, now - worker.last_seen)
+                    self._lose_worker(worker, "stopped sending heartbeats")
+            for p in Priority:
+                telemetry.set_queue_depth(p.label, self.scheduler.depth(p))
+                telemetry.set_running(p.label, sum(
+                    1 for w in self.workers.values() for j in w.inflight.values() if j.request.priority == p))
+
+    # ---- worker connections --------------------------------------------------------------------
+
+    async def _serve_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._conn_tasks.add(task)
+        decoder = FrameDecoder()
+        worker: WorkerConn | None = None
+        reason = "closed the connection"
+        try:
+            while True:
+                data = await reader.read(1 << 16)
+                if not data:
+                    break
+                for message in decoder.feed(data):
+                    if worker is None:
+                        if not isinstance(message, WorkerRegister):
+                            raise ValueError(f"expected WorkerRegister first, got {type(message).__name__}")
+                        worker = self._register(message, writer)
+                        if worker is None:
+                            return
+                    elif worker.worker_id not in self.workers:
+                        return  # dropped by the monitor meanwhile
+                    else:
+                        self._on_message(worker, message)
+        except (OSError, ValueError, msgspec.DecodeError) as exc:
+            reason = f"connection error ({exc!r})"
+        except asyncio.CancelledError:
+            reason = "gateway stopping"
+            raise
+        finally:
+            if task is not None:
+                self._conn_tasks.discard(task)
+            if worker is not None and self.workers.get(worker.worker_id) is worker:
+                self._lose_worker(worker, reason)
+            writer.close()
+
+    def _register(self, message: WorkerRegister, writer: asyncio.StreamWriter) -> WorkerConn | None:
+        old = self.workers.get(message.worker_id)
+        if old is not None:
+            # Same id reconnecting (restarted worker, or a stale connection): the new one wins.
+            self._lose_worker(old, "re-registered")
+        worker = WorkerConn(message, writer)
+        self.workers[worker.worker_id] = worker
+        telemetry.observe_worker(message.capacity)
+        log.info("worker %s registered (models %s, device %s, pid %d)",
+                 worker.worker_id, ", ".join(sorted(worker.models)), worker.device, worker.pid)
+        self._wake.set()
+        return worker
+
+    def _on_message(self, worker: WorkerConn, message: object) -> None:
+        worker.last_seen = time.monotonic()
+        if isinstance(message, RequestDelta):
+            self._on_delta(worker, message)
+        elif isinstance(message, WorkerCapacity):
+            preempted = message.num_preemptions - worker.capacity.num_preemptions
+            worker.capacity = message
+            telemetry.observe_worker(message)
+            if preempted > 0:
+                telemetry.count_preemptions(worker.worker_id, preempted)
+            self._wake.set()
+
+    def _on_delta(self, worker: WorkerConn, delta: RequestDelta) -> None:
+        job = worker.inflight.get(delta.request_id)
+        if job is None:
+            return  # a late delta of a job this gateway already gave up on
+        job.started = True
+        if job.request.batch_id is not None:
+            job.token_times.extend(delta.token_times)
+        new_tokens = delta.num_output_tokens - job.num_output_tokens
+        if new_tokens > 0:
+            job.num_output_tokens = delta.num_output_tokens
+            self.scheduler.charge(job.request.tenant_id, job.request.priority, new_tokens)
+        if delta.finish_reason is None:
+            job.sink(delta)
+            return
+        del worker.inflight[delta.request_id]
+        self._finish(job, delta)
+
+    def _lose_worker(self, worker: WorkerConn, reason: str) -> None:
+        if self.workers.get(worker.worker_id) is worker:
+            del self.workers[worker.worker_id]
+        worker.writer.close()
+        jobs, worker.inflight = list(worker.inflight.values()), {}
+        requeued = 0
+        for job in jobs:
+            if job.request.batch_id is not None and job.attempts < MAX_DISPATCH_ATTEMPTS:
+                # Batch work must complete: back into the scheduler, ahead of its tenant's newer work.
+                job.worker, job.dispatch_time, job.started, job.num_output_tokens = "", None, False, 0
+                job.token_times.clear()
+                self.scheduler.requeue(Pending(
+                    request_id=job.request_id, tenant=job.request.tenant_id, priority=job.request.priority,
+                    enqueued_at=job.enqueued_at, payload=job,
+                    prompt_tokens=len(job.request.prompt_token_ids), weight=job.request.tenant_weight,
+                ))
+                requeued += 1
+            else:
+                self._finish(job, RequestDelta(
+                    request_id=job.request_id, finish_reason=FinishReason.ERROR,
+                    error=f"the worker serving this request ({worker.worker_id}) {reason}; please retry",
+                    num_prompt_tokens=len(job.request.prompt_token_ids),
+                    num_output_tokens=job.num_output_tokens,
+                ))
+        log.warning("worker %s lost (%s): %d batch job(s) re-queued, %d failed",
+                    worker.worker_id, reason, requeued, len(jobs) - requeued)
+        self._wake.set()
+
+    # ---- views ---------------------------------------------------------------------------------
+
+    def workers_view(self) -> list[dict[str, Any]]:
+        return [w.view() for w in self.workers.values()]

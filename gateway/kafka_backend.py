@@ -1,0 +1,307 @@
+"""`KafkaBackend`: the production GenerationBackend (durable queue, fair scheduler, remote workers).
+
+submit(): the request's stream is registered in the hub, then the request is written to its class
+topic (acks=all); only then is it "accepted". The backend's own consumers read the class topics
+back, and each request becomes a dispatcher job:
+- a streaming request whose client is still here is dispatched and streamed to its Submission;
+- one whose client is gone (aborted before dispatch, or accepted by a gateway process that has
+  since died, i.e. a replay) is finished without generation;
+- a batch line goes through the `BatchLineHandler` (de-duplication by (batch_id, custom_id),
+  quota admission) and its result is persisted before its offset may be committed.
+An offset is committed once its request is finished (see `gateway/queue.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from sluice import telemetry
+from sluice.gateway.backend import BackendUnavailable, ServedModel, Submission
+from sluice.gateway.dispatch import DeltaSink, Dispatcher, Job
+from sluice.gateway.queue import ClassConsumer, QueueUnavailable, RecordRef, RequestLog, ensure_topics
+from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta
+from sluice.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Defer:
+    """A batch line that may not run yet (its tenant is over a rate limit): retry it after `seconds`.
+
+    Its offset stays uncommitted meanwhile, so a restart still replays it.
+    """
+
+    seconds: float
+
+
+class BatchLineHandler(Protocol):
+    """What the Batch API runner provides for lines of a batch (see gateway/batches/runner.py)."""
+
+    async def prepare(self, request: GenerateRequest) -> bool | Defer:
+        """Before dispatch: True = run it; False = skip (result already stored, or batch no longer
+        runnable); Defer = over a rate limit, ask again later (a line waits, it is not failed)."""
+        ...
+
+    def collector(self, request: GenerateRequest) -> DeltaSink:
+        """Accumulates the line's deltas."""
+        ...
+
+    async def persist(self, request: GenerateRequest, final: RequestDelta) -> None:
+        """Stores the line's result (idempotent on (batch_id, custom_id)); then its offset is committed."""
+        ...
+
+
+class StreamSubmission:
+    """A client's stream: deltas delivered by the dispatcher, read by the HTTP handler."""
+
+    def __init__(self, request_id: str, backend: KafkaBackend) -> None:
+        self.request_id = request_id
+        self._backend = backend
+        self._queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self._finished = False
+        self._aborted = False
+        self.job: Job | None = None  # set once consumed from Kafka
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    @property
+    def worker(self) -> str:
+        """The worker serving it ("" before dispatch): for the gateway's request records."""
+        return self.job.worker if self.job is not None else ""
+
+    @property
+    def dispatch_time(self) -> float | None:
+        """When it was sent to its worker (unix s): records split TTFT into gateway and engine parts."""
+        return self.job.dispatch_time if self.job is not None else None
+
+    def deliver(self, delta: RequestDelta) -> None:
+        self._queue.put_nowait(delta)
+
+    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        while not self._finished:
+            delta = await self._queue.get()
+            if delta.finish_reason is not None:
+                self._finished = True
+            yield delta
+
+    async def abort(self) -> None:
+        if self._aborted or self._finished:
+            return
+        self._aborted = True
+        self._backend._abort(self.request_id)
+
+
+def _model_max_len(path: str, engine_options: dict[str, Any]) -> int:
+    from sluice.workers.model.config import ModelConfig
+
+    limit = ModelConfig.from_dir(Path(path)).max_position_embeddings
+    configured = engine_options.get("max_model_len")
+    return min(limit, int(configured)) if configured else limit
+
+
+class KafkaBackend:
+    """Durable enqueue to Kafka, fair scheduling in memory, dispatch to registered workers."""
+
+    def __init__(self, settings: Settings, *, batch_handler: BatchLineHandler | None = None,
+                 worker_port: int | None = None) -> None:
+        if not settings.kafka.bootstrap_servers:
+            raise ValueError(
+                "KafkaBackend needs settings.kafka.bootstrap_servers (or start the embedded broker)")
+        self.settings = settings
+        self.batch_handler = batch_handler
+        self._worker_port = worker_port
+        self._log = RequestLog(settings.kafka, settings.kafka.produce_timeout_s)
+        self.dispatcher = Dispatcher(settings, self._on_finished)
+        self._consumers: dict[Priority, ClassConsumer] = {}
+        self._streams: dict[str, StreamSubmission] = {}  # accepted by this process, not yet finished
+        self._backlog: dict[Priority, int] = dict.fromkeys(Priority, 0)
+        self._models: list[ServedModel] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._started = False
+        self.replayed_orphans = 0  # replayed streaming requests finished without generation
+        self.deferred = 0  # batch lines waiting out a rate limit
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._models = [ServedModel(name=m.name, path=m.path,
+                                    max_model_len=_model_max_len(m.path, self.settings.engine))
+                        for m in self.settings.models]
+        try:
+            await ensure_topics(self.settings.kafka)
+            await self._log.start()
+        except QueueUnavailable as exc:
+            raise BackendUnavailable(str(exc)) from exc
+        await self.dispatcher.start(port=self._worker_port)
+        for priority in Priority:
+            # Small fetches keep the in-memory backlog near its bound when the consumer pauses.
+            max_records = max(1, min(500, self.settings.scheduler.max_backlog_per_class // 4))
+            consumer = ClassConsumer(self.settings.kafka, priority, self._on_request, max_records=max_records)
+            await consumer.start()
+            self._consumers[priority] = consumer
+        self._started = True
+
+    async def stop(self) -> None:
+        for consumer in self._consumers.values():
+            await consumer.stop()
+        self._consumers.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await self.dispatcher.stop()
+        await self._log.stop()
+        self._started = False
+
+    @property
+    def worker_port(self) -> int:
+        return self.dispatcher.port
+
+    def served_models(self) -> list[ServedModel]:
+        return list(self._models)
+
+    async def ready(self) -> dict[str, bool]:
+        return {"broker": self._started and await self._log.ping(),
+                "workers": bool(self.dispatcher.workers)}
+
+    # ---- accepting -----------------------------------------------------------------------------
+
+    async def submit(self, request: GenerateRequest) -> Submission:
+        if not self._started:
+            raise BackendUnavailable("the gateway is starting or stopping; try again shortly")
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        stream = StreamSubmission(request.request_id, self)
+        # Registered before the write: our consumer may read the record before append() returns.
+        self._streams[request.request_id] = stream
+        try:
+            await self._log.append(request)
+        except QueueUnavailable as exc:
+            self._streams.pop(request.request_id, None)
+            raise BackendUnavailable(str(exc)) from exc
+        return stream
+
+    async def enqueue_batch_line(self, request: GenerateRequest) -> None:
+        """Durably queue one batch line (the Batch API calls this before answering)."""
+        try:
+            await self._log.append(request)
+        except QueueUnavailable as exc:
+            raise BackendUnavailable(str(exc)) from exc
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and request_id in self.dispatcher:
+            self.dispatcher.cancel(request_id)
+        # Not consumed yet: with no stream registered, the consumer finishes it without generation.
+
+    # ---- consuming -----------------------------------------------------------------------------
+
+    async def _on_request(self, request: GenerateRequest, ref: RecordRef) -> None:
+        consumer = self._consumers.get(ref.priority)
+        if request.request_id in self.dispatcher:
+            self._finish_ref(ref)  # a re-delivered duplicate of a job we already hold
+            return
+        sink: DeltaSink
+        if request.batch_id is not None:
+            verdict = False if self.batch_handler is None else await self.batch_handler.prepare(request)
+            if isinstance(verdict, Defer):
+                # Later, without holding up the consumer: other tenants' lines keep flowing.
+                asyncio.get_running_loop().call_later(verdict.seconds, self._retry_deferred, request, ref)
+                self.deferred += 1
+                return
+            if not verdict:
+                self._finish_ref(ref)
+                return
+            sink = self.batch_handler.collector(request)
+        else:
+            stream = self._streams.get(request.request_id)
+            if stream is None or stream.aborted:
+                self.replayed_orphans += 1
+                self._finish_ref(ref)
+                return
+            sink = stream.deliver
+        job = Job(request=request, sink=sink, ref=ref,
+                  enqueued_at=min(time.time(), request.arrival_time or time.time()))
+        if request.batch_id is None:
+            self._streams[request.request_id].job = job
+        self.dispatcher.enqueue(job)
+        self._backlog[request.priority] += 1
+        limit = self.settings.scheduler.max_backlog_per_class
+        if consumer is not None and self._backlog[request.priority] >= limit:
+            consumer.pause()
+
+    def _retry_deferred(self, request: GenerateRequest, ref: RecordRef) -> None:
+        self.deferred -= 1
+        if self._started:
+            self._spawn(self._on_request(request, ref))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _finish_ref(self, ref: RecordRef) -> None:
+        consumer = self._consumers.get(ref.priority)
+        if consumer is not None:
+            consumer.finish(ref)
+
+    def _on_finished(self, job: Job, final: RequestDelta) -> None:
+        request = job.request
+        self._backlog[request.priority] -= 1
+        consumer = self._consumers.get(request.priority)
+        if consumer is not None and consumer.paused and \
+                self._backlog[request.priority] < self.settings.scheduler.max_backlog_per_class // 2:
+            consumer.resume()
+        if request.batch_id is None:
+            self._streams.pop(request.request_id, None)
+            self._finish_ref(job.ref)
+            return
+        self._emit_record(job, final)
+        self._spawn(self._persist_then_commit(job, final))
+
+    async def _persist_then_commit(self, job: Job, final: RequestDelta) -> None:
+        assert self.batch_handler is not None  # batch jobs exist only with a handler
+        for attempt in range(5):
+            try:
+                await self.batch_handler.persist(job.request, final)
+                break
+            except Exception:
+                log.exception("storing the result of %s failed (attempt %d)", job.request_id, attempt + 1)
+                await asyncio.sleep(0.5 * (attempt + 1))
+        else:
+            return  # not committed: a restart replays it
+        self._finish_ref(job.ref)
+
+    def _emit_record(self, job: Job, final: RequestDelta) -> None:
+        request = job.request
+        label = getattr(self.batch_handler, "tenant_label", None)
+        tenant = label(request.tenant_id) if callable(label) else request.tenant_id
+        with contextlib.suppress(ValueError):  # clock skew between processes: skip the record
+            telemetry.emit_record(telemetry.make_record(
+                request_id=request.request_id, tenant=tenant, model=request.model,
+                priority_class=request.priority.label, worker=job.worker, arrival=request.arrival_time,
+                dispatch_time=job.dispatch_time, first_token_time=final.first_token_time,
+                finish_time=time.time(), token_times=job.token_times,
+                prompt_tokens=final.num_prompt_tokens or len(request.prompt_token_ids),
+                completion_tokens=final.num_output_tokens, cached_tokens=final.num_cached_tokens,
+                finish_reason=str(final.finish_reason or FinishReason.ERROR),
+                engine_first_scheduled=final.first_scheduled_time, engine_first_token=final.first_token_time,
+                batch_id=request.batch_id,
+            ))
+
+    # ---- views ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        from sluice.gateway.live import backend_snapshot
+
+        return backend_snapshot(self)

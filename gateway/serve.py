@@ -1,0 +1,333 @@
+"""`sluice serve`: broker (if none configured) + gateway (HTTP and worker port) + local workers.
+
+Order: load settings → check ports and model directories (creating a missing demo model) →
+start the embedded broker as its own process when `kafka.bootstrap_servers` is empty (so a
+gateway crash does not take the queue with it) → build the app over a `KafkaBackend` → run it
+with uvicorn. At startup the app migrates the database, seeds tenants, creates the admin token
+(printed once), and this module creates a NEW API key for the tenant "demo-chat" at every start
+(keys are stored hashed, so an old one cannot be shown again), spawns the local workers and
+prints a copy-paste curl. Ctrl-C / SIGTERM stop the workers (process groups, terminate then kill),
+the gateway and the broker it started; workers also exit by themselves if `serve` is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from sluice.errors import CLIError
+from sluice.settings import ModelSpec, Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+DEMO_TENANT = "demo-chat"
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+
+
+def engine_option_args(engine: dict[str, Any]) -> list[str]:
+    args: list[str] = []
+    for key, value in engine.items():
+        if key in ("model", "device"):
+            continue
+        literal = (
+            ("true" if value else "false")
+            if isinstance(value, bool)
+            else (f'"{value}"' if isinstance(value, str) else str(value))
+        )
+        args += ["--engine-option", f"{key}={literal}"]
+    return args
+
+
+@dataclass
+class LocalWorkers:
+    """The worker processes `serve` owns: spawned in their own process groups, restarted on death."""
+
+    settings: Settings
+    count: int
+    device: str
+    log_dir: Path
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _specs: dict[str, ModelSpec] = field(default_factory=dict)
+    _restarts: dict[str, int] = field(default_factory=dict)
+    _stopping: bool = False
+
+    def spawn_all(self, worker_port: int) -> None:
+        self._port = worker_port
+        for model in self.settings.models:
+            for i in range(self.count):
+                worker_id = f"local-{model.name}-{i}" if len(self.settings.models) > 1 else f"local-{i}"
+                self._specs[worker_id] = model
+                self._spawn(worker_id)
+
+    def _spawn(self, worker_id: str) -> None:
+        model = self._specs[worker_id]
+        host = self.settings.gateway.worker_host
+        args = [
+            sys.executable,
+            "-m",
+            "sluice.cli",
+            "worker",
+            "--model",
+            model.path,
+            "--served-model-name",
+            model.name,
+            "--gateway",
+            f"{host}:{self._port}",
+            "--worker-id",
+            worker_id,
+            "--device",
+            self.device,
+            "--exit-with-parent",
+            "--heartbeat-interval",
+            str(self.settings.dispatch.heartbeat_interval_s),
+            *engine_option_args(self.settings.engine),
+        ]
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_dir / f"worker-{worker_id}.log", "ab")  # noqa: SIM115
+        try:
+            self.processes[worker_id] = subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own group: we stop it (and anything it starts) as a whole
+            )
+        finally:
+            out.close()
+        log.info("started worker %s (pid %d)", worker_id, self.processes[worker_id].pid)
+
+    async def supervise(self) -> None:
+        """Restarts a worker that died (with backoff), until `stop()`."""
+        while not self._stopping:
+            await asyncio.sleep(1.0)
+            for worker_id, process in list(self.processes.items()):
+                code = process.poll()
+                if code is None or self._stopping:
+                    continue
+                n = self._restarts.get(worker_id, 0)
+                log.warning("worker %s exited with code %s; restarting (restart #%d)", worker_id, code, n + 1)
+                self._restarts[worker_id] = n + 1
+                await asyncio.sleep(RESTART_BACKOFF_S[min(n, len(RESTART_BACKOFF_S) - 1)])
+                if not self._stopping:
+                    self._spawn(worker_id)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self._stopping = True
+        for process in self.processes.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(grace_s)
+
+
+def _resolve_settings(args: argparse.Namespace) -> Settings:
+    settings = load_settings(args.config)
+    gateway = settings.gateway
+    if args.host is not None:
+        gateway = msgspec.structs.replace(gateway, host=args.host)
+    if args.port is not None:
+        if not 0 < args.port < 65536:
+            raise CLIError(f"--port must be between 1 and 65535, got {args.port}")
+        gateway = msgspec.structs.replace(gateway, port=args.port)
+    dispatch = settings.dispatch
+    if args.workers is not None:
+        if args.workers < 0:
+            raise CLIError(f"--workers must be zero or more, got {args.workers}")
+        dispatch = msgspec.structs.replace(dispatch, local_workers=args.workers)
+    models = settings.models
+    if args.model is not None:
+        path = Path(args.model)
+        if not path.is_dir():
+            raise CLIError(
+                f"model directory {path} does not exist (create one with `sluice model make-demo DIR`)"
+            )
+        # Keep the configured name when models.toml lists this directory (tenants' allowed_models
+        # refer to it); otherwise the directory's name.
+        known = [m for m in settings.models if Path(m.path).resolve() == path.resolve()]
+        name = known[0].name if known else path.resolve().name
+        models = (ModelSpec(name=name, path=str(path)),)
+    if not models:
+        raise CLIError("no model to serve: list one in models.toml or pass --model DIR")
+    return msgspec.structs.replace(settings, gateway=gateway, dispatch=dispatch, models=models)
+
+
+def _prepare_models(settings: Settings) -> None:
+    from sluice.workers.demo import make_demo_model
+
+    for model in settings.models:
+        path = Path(model.path)
+        if (path / "config.json").is_file():
+            continue
+        if not model.demo:
+            raise CLIError(
+                f"model {model.name!r}: directory {path} has no config.json; fix its path in models.toml"
+            )
+        print(f"creating the demo model {model.name!r} in {path} ...", flush=True)
+        make_demo_model(path, seed=0)
+
+
+def check_engine_options(settings: Settings, device: str) -> None:
+    """Fail at start, in one line, on [engine] options the workers would reject (and be restarted for)."""
+    from sluice.workers.config import EngineConfig
+
+    options = {k: v for k, v in settings.engine.items() if k not in ("model", "device")}
+    try:
+        EngineConfig(model=settings.models[0].path, device=device, **options)
+    except (TypeError, ValueError) as exc:  # TypeError: an unknown key
+        raise CLIError(f"[engine] settings: {exc}") from None
+
+
+def _check_ports(settings: Settings) -> None:
+    from sluice.broker import port_in_use
+
+    gw = settings.gateway
+    if port_in_use(gw.host, gw.port):
+        raise CLIError(f"port {gw.port} on {gw.host} is already in use: stop what holds it or pass --port")
+    if gw.worker_port and port_in_use(gw.worker_host, gw.worker_port):
+        raise CLIError(
+            f"the worker port {gw.worker_port} on {gw.worker_host} is already in use: "
+            "set SLUICE_GATEWAY_WORKER_PORT to a free port"
+        )
+
+
+def _curl(host: str, port: int, key: str, model: str) -> str:
+    body = json.dumps({"model": model, "stream": True, "max_tokens": 32,
+                       "messages": [{"role": "user", "content": "Hello!"}]})
+    return (
+        f"curl -N http://{host}:{port}/v1/chat/completions \\\n"
+        f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
+        f"  -d '{body}'"
+    )
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGINT/SIGTERM after its shutdown, which would kill this process before
+        it stops the broker and the workers; here a signal only asks the server to exit."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    _Server = _server_class()
+
+    from sluice.broker import EmbeddedBroker
+    from sluice.gateway.admin.schemas import KeyCreate
+    from sluice.gateway.app import create_app
+    from sluice.gateway.batches import batch_components
+    from sluice.gateway.kafka_backend import KafkaBackend
+
+    settings = _resolve_settings(args)
+    check_engine_options(settings, args.device)
+    _check_ports(settings)
+    _prepare_models(settings)
+    var = Path("var")
+    broker: EmbeddedBroker | None = None
+    if not settings.kafka.bootstrap_servers:
+        b = settings.broker
+        var.mkdir(exist_ok=True)
+        broker = EmbeddedBroker(
+            host=b.host, port=b.port, storage=b.storage, log_path=var / "broker.log"
+        ).start()
+        settings = msgspec.structs.replace(
+            settings,
+            kafka=msgspec.structs.replace(settings.kafka, bootstrap_servers=broker.bootstrap_servers),
+        )
+        print(
+            f"embedded Kafka broker on {broker.bootstrap_servers} (pid {broker.pid}, storage {b.storage})",
+            flush=True,
+        )
+    workers = LocalWorkers(settings, settings.dispatch.local_workers, args.device, var / "logs")
+    batches = batch_components(settings)
+    backend = KafkaBackend(settings, batch_handler=batches.handler)
+    gw = settings.gateway
+    supervisor: list[asyncio.Task[None]] = []
+
+    def announce(kind: str, value: str) -> None:
+        if kind == "admin_token":
+            print(f"admin token (shown once, stored hashed): {value}", flush=True)
+
+    async def after_start(app: Any) -> None:
+        batches.attach(app, backend)
+        await batches.start()
+        workers.spawn_all(backend.worker_port)
+        supervisor.append(asyncio.create_task(workers.supervise()))
+        admin = app.state.admin
+        tenant_id = await admin.find_tenant_id(DEMO_TENANT)
+        model = settings.models[0].name
+        print(
+            f"sluice gateway on http://{gw.host}:{gw.port} (workers connect to "
+            f"{gw.worker_host}:{backend.worker_port}; {workers.count} local worker(s) per model)",
+            flush=True,
+        )
+        if tenant_id is not None:
+            created = await admin.create_key(tenant_id, KeyCreate(name="sluice serve"), actor="serve")
+            print(
+                f"new API key for tenant {DEMO_TENANT!r} (created at each start; shown once):\n"
+                f"  {created.key}",
+                flush=True,
+            )
+            print("try:\n" + _curl(gw.host, gw.port, created.key, model), flush=True)
+        else:
+            print(
+                f"no tenant named {DEMO_TENANT!r} in tenants.toml: create a key with the admin API",
+                flush=True,
+            )
+
+    async def before_stop(app: Any) -> None:
+        for task in supervisor:
+            task.cancel()
+        await batches.stop()
+        await asyncio.to_thread(workers.stop)
+
+    app = create_app(
+        settings,
+        backend,
+        extra_route_handlers=batches.route_handlers,
+        on_startup=[after_start],
+        on_shutdown=[before_stop],
+        announce_secret=announce,
+    )
+    config = uvicorn.Config(
+        app, host=gw.host, port=gw.port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+    )
+    server = _Server(config)
+    try:
+        server.run()
+    finally:
+        workers.stop()
+        if broker is not None:
+            broker.stop()
+    if not server.started:
+        raise CLIError("the gateway failed to start; see the messages above")
+    return 0

@@ -1,0 +1,92 @@
+"""Argument parsing for the experiment subcommands of `sluice bench`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _common(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("--json", dest="json_out", default=f"{name}.json", help="JSON summary path")
+    parser.add_argument("--plot", default=f"{name}.png", help="PNG plot path")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory (default: the demo model, built in a cache dir)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cpu-threads", type=int, default=1,
+                        help="torch threads on CPU (default 1: reproducible on a shared machine)")
+
+
+def register(bench_subparsers: argparse._SubParsersAction) -> None:
+    policies = bench_subparsers.add_parser(
+        "policies", help="static vs prefill_first vs chunked: a long prompt arrives while streams decode")
+    _engine_args(policies)
+    policies.add_argument("--streams", type=int, help="decoding streams (default 8; 4 with --quick)")
+    policies.add_argument("--long-prompt", type=int, help="long prompt tokens (default: fits max_model_len)")
+    policies.add_argument("--chunk", type=int, help="chunked policy's prefill chunk (default 256; 64 quick)")
+    _common(policies, "policies")
+    policies.set_defaults(handler=_policies)
+
+    sweep = bench_subparsers.add_parser(
+        "chunk-sweep", help="chunked prefill: TTFT/ITL trade-off per chunk size, recommended chunk")
+    sweep.add_argument("--chunks", type=_int_list, default=[64, 128, 256, 512, 1024])
+    _engine_args(sweep)
+    sweep.add_argument("--slo", default="ttft=3s,itl=300ms", help="SLO for goodput, e.g. ttft=3s,itl=300ms")
+    sweep.add_argument("--duration-s", type=float, help="arrival window per chunk size (default 20; 4 quick)")
+    sweep.add_argument("--rate", type=float, help="requests/s (Poisson; default 2.0)")
+    _common(sweep, "chunk-sweep")
+    sweep.set_defaults(handler=_chunk_sweep)
+
+    isolation = bench_subparsers.add_parser(
+        "isolation", help="interactive TTFT p95 with/without a batch flood, priority on/off (full stack)")
+    isolation.add_argument("--flood", type=int, default=2000, help="batch lines in the flood")
+    isolation.add_argument("--interactive-requests", type=int, help="interactive requests per arm")
+    isolation.add_argument("--model", help="model directory for the stack (default: the demo model)")
+    isolation.add_argument("--config-dir", default="config", help="config dir to copy (default ./config)")
+    _common(isolation, "isolation")
+    isolation.set_defaults(handler=_isolation)
+
+    overhead = bench_subparsers.add_parser(
+        "gateway-overhead", help="client-seen minus worker-seen TTFT at given concurrencies (full stack)")
+    overhead.add_argument("--concurrency", type=_int_list, default=[50, 200])
+    overhead.add_argument("--requests-per-level", type=int, help="requests per concurrency level")
+    overhead.add_argument("--model")
+    overhead.add_argument("--config-dir", default="config")
+    _common(overhead, "gateway-overhead")
+    overhead.set_defaults(handler=_gateway_overhead)
+
+
+def _policies(args: argparse.Namespace) -> int:
+    from sluice.experiments.policies import run_policies_command
+
+    return run_policies_command(args)
+
+
+def _chunk_sweep(args: argparse.Namespace) -> int:
+    from sluice.experiments.chunk_sweep import run_chunk_sweep_command
+
+    return run_chunk_sweep_command(args)
+
+
+def _isolation(args: argparse.Namespace) -> int:
+    from sluice.experiments.isolation import run_isolation_command
+
+    return run_isolation_command(args)
+
+
+def _gateway_overhead(args: argparse.Namespace) -> int:
+    from sluice.experiments.gateway_overhead import run_gateway_overhead_command
+
+    return run_gateway_overhead_command(args)

@@ -1,0 +1,1 @@
+"""`sluice bench serve`: an OpenAI-compatible streaming load generator driven by TOML scenarios."""

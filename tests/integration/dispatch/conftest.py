@@ -1,0 +1,98 @@
+"""Real worker processes and a real KafkaBackend for the dispatch tests.
+
+`start_worker` spawns `python -m sluice.cli worker` in its own process group and the fixture kills
+every worker it started (group-wide, SIGKILL after a grace period), so no test leaves orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sluice.settings import (
+    DispatchSettings,
+    GatewaySettings,
+    KafkaSettings,
+    ModelSpec,
+    SchedulerSettings,
+    Settings,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def make_settings(bootstrap_servers: str, model_dir: Path, **sections: object) -> Settings:
+    kafka = KafkaSettings(bootstrap_servers=bootstrap_servers, topic_prefix=f"t{uuid.uuid4().hex[:10]}",
+                          partitions=2, produce_timeout_s=2.0)
+    defaults: dict[str, object] = {
+        "kafka": kafka,
+        "gateway": GatewaySettings(worker_port=0),
+        "dispatch": DispatchSettings(max_worker_waiting=2, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
+                                     local_workers=0),
+        "scheduler": SchedulerSettings(aging_s=0.0),
+        "models": (ModelSpec(name="demo", path=str(model_dir)),),
+    }
+    defaults.update(sections)
+    return Settings(**defaults)  # type: ignore[arg-type]
+
+
+def terminate_group(process: subprocess.Popen[bytes], grace: float = 5.0) -> None:
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(grace)
+    except ProcessLookupError:
+        pass
+
+
+def kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL, as a crash would: no clean shutdown."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(10)
+
+
+StartWorker = Callable[..., subprocess.Popen[bytes]]
+
+
+@pytest.fixture(scope="module")
+def start_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartWorker]:
+    started: list[subprocess.Popen[bytes]] = []
+    log_dir = tmp_path_factory.mktemp("worker-logs")
+
+    def start(model_dir: Path, port: int, worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
+        log = open(log_dir / f"{worker_id}-{len(started)}.log", "wb")  # noqa: SIM115
+        args = [sys.executable, "-m", "sluice.cli", "worker", "--model", str(model_dir),
+                "--served-model-name", "demo", "--gateway", f"127.0.0.1:{port}", "--worker-id", worker_id,
+                "--heartbeat-interval", "0.5", "--max-num-batched-tokens", "256", *extra]
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+        process = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env=env)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        terminate_group(process)
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)

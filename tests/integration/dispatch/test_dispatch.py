@@ -1,0 +1,230 @@
+"""KafkaBackend + real worker processes: streaming, priority, fairness, disconnect, worker death.
+
+One worker process per module (max_num_seqs 2) on a fixed free port; each test starts its own
+backend (fresh topics) on that port and the worker reconnects to it, as after a gateway restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+
+from sluice.broker import free_port
+from sluice.gateway.backend import BackendUnavailable
+from sluice.gateway.kafka_backend import KafkaBackend
+from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
+
+from .conftest import kill_group, make_settings, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+_ids = itertools.count()
+
+
+def request(tenant: str, priority: Priority, max_tokens: int, weight: float = 1.0) -> GenerateRequest:
+    n = next(_ids)
+    return GenerateRequest(
+        request_id=f"req-{n}", tenant_id=tenant, model="demo", priority=priority,
+        prompt_token_ids=tuple(range(5, 5 + 12 + n % 5)),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        cache_salt=tenant, arrival_time=time.time(), tenant_weight=weight,
+    )
+
+
+@pytest.fixture(scope="module")
+def worker_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def worker(start_worker, demo_model_dir: Path, worker_port: int):
+    return start_worker(demo_model_dir, worker_port, "w1", "--max-num-seqs", "2")
+
+
+@pytest.fixture
+async def backend(bootstrap_servers: str, demo_model_dir: Path, worker_port: int, worker):
+    backend = KafkaBackend(make_settings(bootstrap_servers, demo_model_dir), worker_port=worker_port)
+    await backend.start()
+    try:
+        await wait_for(lambda: "w1" in backend.dispatcher.workers, 120, "the worker to register")
+        yield backend
+    finally:
+        await backend.stop()
+
+
+async def drain(sub) -> list[RequestDelta]:
+    return [delta async for delta in sub]
+
+
+async def test_stream_completes_with_every_token(backend: KafkaBackend) -> None:
+    sub = await backend.submit(request("alice", Priority.STANDARD, 8))
+    deltas = await asyncio.wait_for(drain(sub), 60)
+    final = deltas[-1]
+    assert final.finish_reason == FinishReason.LENGTH
+    assert sum(len(d.token_ids) for d in deltas) == 8 == final.num_output_tokens
+    assert final.first_token_time is not None  # the worker's clock, for gateway-overhead records
+    assert backend.dispatcher.num_jobs == 0
+    snap = backend.snapshot()
+    assert snap["workers"][0]["worker_id"] == "w1"
+    assert snap["queues"]["classes"]["standard"]["depth"] == 0
+
+
+async def test_interactive_jumps_the_batch_queue_and_preempts(backend: KafkaBackend) -> None:
+    batch = [await backend.submit(request(f"bulk{i % 2}", Priority.BATCH, 48)) for i in range(8)]
+    first_token: dict[str, float] = {}
+    finished: dict[str, float] = {}
+
+    async def watch(sub) -> None:
+        async for delta in sub:
+            if delta.token_ids and sub.request_id not in first_token:
+                first_token[sub.request_id] = time.monotonic()
+            if delta.finish_reason is not None:
+                finished[sub.request_id] = time.monotonic()
+
+    watchers = [asyncio.create_task(watch(s)) for s in batch]
+    # Saturate: both engine slots busy with batch work, and batch work queued at the gateway.
+    await wait_for(lambda: len(first_token) >= 2, 60, "batch work to start")
+    queued_at_submit = {job.request_id for job in (p.payload for p in backend.dispatcher.scheduler.items())}
+    assert len(queued_at_submit) >= 3
+    running_at_submit = set(first_token) - set(finished)
+    interactive = await backend.submit(request("chat", Priority.INTERACTIVE, 4))
+    await asyncio.wait_for(watch(interactive), 60)
+    inter_first = first_token[interactive.request_id]
+    # Dispatched ahead of every batch request still queued at the gateway ...
+    assert all(first_token.get(rid, float("inf")) > inter_first for rid in queued_at_submit)
+    # ... and served while the engine's slots were held by batch work (it was preempted for it).
+    assert any(finished.get(rid, float("inf")) > inter_first for rid in running_at_submit)
+    assert backend.dispatcher.workers["w1"].capacity.num_preemptions > 0
+    await asyncio.wait_for(asyncio.gather(*watchers), 120)
+    assert len(finished) == 9  # nothing lost
+
+
+async def test_equal_weights_light_tenant_is_not_starved(backend: KafkaBackend) -> None:
+    heavy = [await backend.submit(request("heavy", Priority.STANDARD, 6)) for _ in range(20)]
+    light = [await backend.submit(request("light", Priority.STANDARD, 6)) for _ in range(2)]
+    order: list[str] = []
+
+    async def watch(sub, tenant: str) -> None:
+        await drain(sub)
+        order.append(tenant)
+
+    await asyncio.wait_for(asyncio.gather(*(watch(s, "heavy") for s in heavy),
+                                          *(watch(s, "light") for s in light)), 120)
+    # FIFO would finish the light tenant last (after 20 heavy requests); VTC interleaves it.
+    assert max(i for i, t in enumerate(order) if t == "light") < 10
+    assert len(order) == 22
+
+
+async def test_weights_two_to_one_split_dispatches_two_to_one(backend: KafkaBackend) -> None:
+    subs = []
+    for _ in range(12):  # interleaved, so both tenants are backlogged from the start
+        subs.append(await backend.submit(request("gold", Priority.STANDARD, 6, weight=2.0)))
+        subs.append(await backend.submit(request("bronze", Priority.STANDARD, 6, weight=1.0)))
+    await asyncio.wait_for(asyncio.gather(*(drain(s) for s in subs)), 120)
+    tenant = {s.request_id: ("gold" if i % 2 == 0 else "bronze") for i, s in enumerate(subs)}
+    order = sorted(subs, key=lambda s: s.dispatch_time)
+    first = [tenant[s.request_id] for s in order[:12]]
+    assert 7 <= first.count("gold") <= 10  # 8 of 12 is the exact 2:1 split
+
+
+async def test_client_disconnect_frees_blocks_within_a_step(backend: KafkaBackend) -> None:
+    dispatcher = backend.dispatcher
+    sub = await backend.submit(request("alice", Priority.STANDARD, 2000))
+    iterator = sub.__aiter__()
+    await asyncio.wait_for(iterator.__anext__(), 60)  # streaming: it holds KV blocks now
+    worker = dispatcher.workers["w1"]
+    await wait_for(lambda: worker.capacity.num_running == 1, 30, "the request to run")
+    assert worker.capacity.free_kv_blocks < worker.capacity.total_kv_blocks
+    await sub.abort()
+    await sub.abort()  # idempotent
+    await wait_for(lambda: worker.capacity.num_running == 0
+                   and worker.capacity.free_kv_blocks == worker.capacity.total_kv_blocks
+                   and dispatcher.num_jobs == 0, 30, "the worker to free the request's blocks")
+
+
+async def test_worker_death_ends_streams_with_an_error(bootstrap_servers: str, demo_model_dir: Path,
+                                                       start_worker) -> None:
+    port = free_port()
+    backend = KafkaBackend(make_settings(bootstrap_servers, demo_model_dir), worker_port=port)
+    await backend.start()
+    process = start_worker(demo_model_dir, port, "doomed", "--max-num-seqs", "2")
+    try:
+        await wait_for(lambda: "doomed" in backend.dispatcher.workers, 120, "the worker to register")
+        sub = await backend.submit(request("alice", Priority.STANDARD, 2000))
+        iterator = sub.__aiter__()
+        await asyncio.wait_for(iterator.__anext__(), 60)
+        kill_group(process)
+        rest = [d async for d in iterator]
+        assert rest[-1].finish_reason == FinishReason.ERROR
+        assert "doomed" in (rest[-1].error or "")
+        assert backend.dispatcher.num_jobs == 0
+    finally:
+        await backend.stop()
+
+
+async def test_broker_gone_gives_backend_unavailable_quickly(demo_model_dir: Path) -> None:
+    from sluice.broker import EmbeddedBroker
+
+    broker = EmbeddedBroker().start()
+    backend = KafkaBackend(make_settings(broker.bootstrap_servers, demo_model_dir), worker_port=0)
+    try:
+        await backend.start()
+        broker.stop()
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable, match=r"did not acknowledge|rejected"):
+            await backend.submit(request("alice", Priority.STANDARD, 4))
+        assert time.monotonic() - started < 30  # bounded by produce_timeout_s, not aiokafka's retries
+        assert not (await backend.ready())["broker"]
+    finally:
+        await backend.stop()
+        broker.stop()
+
+
+async def test_replayed_request_without_its_client_is_finished_without_generation(
+        backend: KafkaBackend) -> None:
+    from sluice.gateway.queue import RequestLog
+
+    # Written by "another gateway process" (one that died): nobody here holds its stream.
+    orphan_log = RequestLog(backend.settings.kafka)
+    await orphan_log.start()
+    try:
+        await orphan_log.append(request("ghost", Priority.STANDARD, 4))
+    finally:
+        await orphan_log.stop()
+    await wait_for(lambda: backend.replayed_orphans == 1, 30, "the orphan to be consumed")
+    consumer = backend._consumers[Priority.STANDARD]
+    await wait_for(lambda: consumer.num_unfinished == 0, 30, "its offset to be finished")
+    assert backend.dispatcher.num_jobs == 0
+    assert backend.dispatcher.workers["w1"].sent == 0  # never dispatched
+
+
+async def test_backlog_bound_pauses_the_class_consumer(bootstrap_servers: str, demo_model_dir: Path) -> None:
+    from sluice.settings import SchedulerSettings
+
+    # No worker at this backend: everything it consumes stays queued in memory.
+    settings = make_settings(bootstrap_servers, demo_model_dir,
+                             scheduler=SchedulerSettings(aging_s=0.0, max_backlog_per_class=8))
+    backend = KafkaBackend(settings, worker_port=0)
+    await backend.start()
+    try:
+        subs = [await backend.submit(request(f"t{i % 3}", Priority.BATCH, 4)) for i in range(30)]
+        consumer = backend._consumers[Priority.BATCH]
+        await wait_for(lambda: consumer.paused, 30, "the batch consumer to pause")
+        await asyncio.sleep(0.5)
+        assert 8 <= backend.dispatcher.num_jobs <= 8 + 2  # the bound, plus at most one small fetch
+        assert backend._consumers[Priority.INTERACTIVE].paused is False
+        snap = backend.snapshot()["queues"]
+        assert snap["classes"]["batch"]["depth"] == backend.dispatcher.num_jobs
+        assert snap["consumers"]["batch"]["paused"] is True
+        # Clients go away: queued jobs end, the consumer resumes, the rest finish unseen.
+        for sub in subs:
+            await sub.abort()
+        await wait_for(lambda: backend.dispatcher.num_jobs == 0 and consumer.num_unfinished == 0
+                       and not consumer.paused and backend.replayed_orphans >= 30 - 10,
+                       30, "every request to be finished")
+    finally:
+        await backend.stop()

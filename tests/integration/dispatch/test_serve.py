@@ -1,0 +1,208 @@
+"""`sluice serve` as a real process: startup output, durability across a SIGKILL, worker death,
+clean shutdown, and one-line errors for bad flags.
+
+The broker is the session fixture's (passed through SLUICE_KAFKA_BOOTSTRAP_SERVERS), so it
+outlives a SIGKILLed gateway, as the embedded broker started by `serve` itself would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from sluice.broker import free_port
+from sluice.cli import main
+
+from .conftest import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ADMIN_TOKEN = "slc-admin-serve-tests-" + "y" * 24
+
+
+def write_config(directory: Path, model_dir: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sluice.toml").write_text(
+        "[dispatch]\nlocal_workers = 1\nheartbeat_interval_s = 0.5\nheartbeat_timeout_s = 5.0\n"
+        "[engine]\nmax_num_seqs = 16\nmax_num_batched_tokens = 512\n"
+        "[logging]\nlevel = \"WARNING\"\n")
+    (directory / "models.toml").write_text(f'[[models]]\nname = "demo"\npath = "{model_dir}"\n')
+    (directory / "tenants.toml").write_text(
+        '[[tenants]]\nname = "demo-chat"\npriority_ceiling = "interactive"\n'
+        '[[tenants]]\nname = "nightly"\ndefault_class = "batch"\npriority_ceiling = "batch"\n')
+    return directory
+
+
+class Serve:
+    """One `sluice serve` process group; `kill()` is SIGKILL, `stop()` is Ctrl-C."""
+
+    def __init__(self, cwd: Path, env: dict[str, str], port: int) -> None:
+        self.port = port
+        self.log = open(cwd / f"serve-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "sluice.cli", "--log-level", "WARNING", "serve", "--port", str(port)],
+            cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.base = f"http://127.0.0.1:{port}"
+
+    def admin(self, method: str, path: str, **kwargs: object) -> httpx.Response:
+        return httpx.request(method, self.base + path, headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+                             timeout=30, **kwargs)
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"serve exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                if self.admin("GET", "/admin/workers").json().get("workers"):
+                    return
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
+            time.sleep(0.2)
+        raise AssertionError("serve did not become ready with a worker")
+
+    def worker_pids(self) -> list[int]:
+        return [w["pid"] for w in self.admin("GET", "/admin/workers").json()["workers"]]
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self.log.close()
+        return self.process.returncode
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def serve_env(tmp_path: Path, demo_model_dir: Path, bootstrap_servers: str) -> Iterator[dict[str, str]]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+               SLUICE_CONFIG_DIR=str(write_config(tmp_path / "config", demo_model_dir)),
+               SLUICE_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,
+               SLUICE_KAFKA_TOPIC_PREFIX=f"serve{time.monotonic_ns()}",
+               SLUICE_DATABASE_URL=f"sqlite+aiosqlite:///{tmp_path / 'sluice.db'}",
+               SLUICE_GATEWAY_WORKER_PORT=str(free_port()), SLUICE_GATEWAY_RECORD_LOG_PATH="",
+               SLUICE_ADMIN_TOKEN=ADMIN_TOKEN)
+    yield env
+
+
+def batch_file(n: int) -> bytes:
+    return "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": "demo", "prompt": f"document {i}", "max_tokens": 6,
+                                        "temperature": 0, "ignore_eos": True}}) + "\n"
+                   for i in range(n)).encode()
+
+
+def wait_batch(client: openai.OpenAI, batch_id: str, *, until_completed: int | None = None,
+               timeout: float = 240) -> openai.types.Batch:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if until_completed is not None and batch.request_counts.completed >= until_completed:
+            return batch
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} did not get there in time")
+
+
+def custom_ids(client: openai.OpenAI, batch: openai.types.Batch) -> list[str]:
+    ids: list[str] = []
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id:
+            ids += [json.loads(x)["custom_id"] for x in client.files.content(file_id).text.splitlines() if x]
+    return ids
+
+
+def test_batch_survives_gateway_sigkill_and_worker_death(tmp_path: Path, serve_env: dict[str, str]) -> None:
+    port = free_port()
+    first = Serve(tmp_path, serve_env, port)
+    try:
+        first.wait_ready()
+        tenants = first.admin("GET", "/admin/tenants").json()
+        tenant_id = next(t["id"] for t in (tenants["data"] if isinstance(tenants, dict) else tenants)
+                         if t["name"] == "nightly")
+        key = first.admin("POST", f"/admin/tenants/{tenant_id}/keys", json={"name": "t"}).json()["key"]
+        client = openai.OpenAI(api_key=key, base_url=first.base + "/v1", max_retries=3)
+        uploaded = client.files.create(file=("docs.jsonl", batch_file(200)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                      completion_window="24h")
+        assert batch.request_counts.total == 200
+        progress = wait_batch(client, batch.id, until_completed=40)
+        assert progress.status == "in_progress", "the batch finished before the kill; make it longer"
+        old_workers = first.worker_pids()
+    finally:
+        first.kill()
+    second = Serve(tmp_path, serve_env, port)
+    try:
+        second.wait_ready()
+        assert all(not alive(pid) for pid in old_workers)  # they exit with their parent
+        done = wait_batch(client, batch.id)
+        assert done.status == "completed"
+        ids = custom_ids(client, done)
+        assert len(ids) == 200 and sorted(ids) == sorted(f"line-{i}" for i in range(200))
+        assert done.request_counts.completed == 200 and done.error_file_id is None
+
+        # A worker killed mid-batch: its lines are re-queued and run on the restarted worker.
+        uploaded = client.files.create(file=("more.jsonl", batch_file(80)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                      completion_window="24h")
+        wait_batch(client, batch.id, until_completed=15)
+        (victim,) = second.worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        done = wait_batch(client, batch.id)
+        assert done.status == "completed"
+        ids = custom_ids(client, done)
+        assert len(ids) == 80 and sorted(ids) == sorted(f"line-{i}" for i in range(80))
+        workers = second.worker_pids()
+        assert workers and victim not in workers
+    finally:
+        code = second.stop()
+    assert code == 0
+    time.sleep(1.0)
+    assert all(not alive(pid) for pid in workers)
+
+
+def test_serve_rejects_bad_flags_in_one_line(tmp_path: Path, serve_env: dict[str, str],
+                                             capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in serve_env.items():
+        if name.startswith("SLUICE_"):
+            monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "model directory" in capsys.readouterr().err
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port must be between" in capsys.readouterr().err
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        assert main(["serve", "--port", str(held.getsockname()[1])]) == 2
+        err = capsys.readouterr().err
+        assert "already in use" in err and len(err.strip().splitlines()) == 1

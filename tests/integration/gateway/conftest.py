@@ -1,0 +1,100 @@
+"""A real gateway over HTTP: uvicorn in a background thread on a free port, the demo model served
+by LocalEngineBackend, a fresh SQLite database migrated by Alembic. One server per test module;
+each test creates its own tenants, so tests do not see each other's quotas or usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from sluice.gateway.app import create_app
+from sluice.gateway.backend import LocalEngineBackend
+from sluice.settings import AdminSettings, DatabaseSettings, GatewaySettings, Settings
+
+ENGINE_OPTIONS = {"max_num_seqs": 32, "kv_cache_bytes": 32 * 2**20, "max_num_batched_tokens": 512}
+
+
+@dataclass
+class Gateway:
+    base_url: str
+    admin_token: str
+    database_url: str
+    app: Any
+    _names: int = 0
+    secrets_seen: list[str] = field(default_factory=list)
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.base_url, headers={"authorization": f"Bearer {self.admin_token}"}, timeout=60
+        )
+
+    def tenant(self, **body: Any) -> tuple[dict[str, Any], str]:
+        """Creates a tenant (unique name) and one key; returns (tenant JSON, key)."""
+        self._names += 1
+        body.setdefault("name", f"t{self._names}-{secrets.token_hex(3)}")
+        with self.admin() as client:
+            created = client.post("/admin/tenants", json=body)
+            assert created.status_code == 201, created.text
+            tenant = created.json()
+            key = client.post(f"/admin/tenants/{tenant['id']}/keys", json={"name": "test"})
+            assert key.status_code == 201, key.text
+        self.secrets_seen.append(key.json()["key"])
+        return tenant, key.json()["key"]
+
+    def client(self, key: str) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, headers={"authorization": f"Bearer {key}"}, timeout=60)
+
+
+def _free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Gateway]:
+    directory = tmp_path_factory.mktemp("gateway")
+    database_url = f"sqlite+aiosqlite:///{directory / 'sluice.db'}"
+    admin_token = "slc-admin-" + secrets.token_urlsafe(32)
+    settings = Settings(
+        gateway=GatewaySettings(max_body_bytes=256 * 1024, key_cache_ttl_s=30.0),
+        admin=AdminSettings(token=admin_token),
+        database=DatabaseSettings(url=database_url),
+    )
+    backend = LocalEngineBackend({"demo": demo_model_dir}, ENGINE_OPTIONS)
+    app = create_app(settings, backend)
+    sock = _free_socket()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.05)
+    try:
+        yield Gateway(f"http://127.0.0.1:{port}", admin_token, database_url, app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)

@@ -1,0 +1,172 @@
+"""Admin, auth, usage and seeding services against a migrated database (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from sqlalchemy import select
+
+from sluice.gateway.admin.schemas import KeyCreate, Quotas, QuotasPatch, TenantCreate, TenantPatch
+from sluice.gateway.admin.service import AdminService
+from sluice.gateway.auth import AuthService, hash_secret
+from sluice.gateway.db.migrate import migrate
+from sluice.gateway.db.models import AdminToken, ApiKey, AuditLog
+from sluice.gateway.db.session import make_engine, make_session_factory
+from sluice.gateway.errors import OpenAIError
+from sluice.gateway.seed import seed_tenants
+from sluice.gateway.usage import UsageService
+from sluice.settings import QuotaSeed, TenantSeed
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def services(database_url: str):
+    await migrate(database_url)
+    engine = make_engine(database_url)
+    sessions = make_session_factory(engine)
+    auth = AuthService(sessions, cache_ttl_s=300.0)
+    yield sessions, auth, AdminService(sessions, auth), UsageService(sessions)
+    await auth.drain()
+    await engine.dispose()
+
+
+async def test_tenant_key_lifecycle(services) -> None:
+    sessions, auth, admin, _ = services
+    tenant = await admin.create_tenant(
+        TenantCreate(name="acme", priority_ceiling="interactive", quotas=Quotas(requests_per_minute=5))
+    )
+    assert tenant.quotas.requests_per_minute == 5
+    with pytest.raises(OpenAIError) as dup:
+        await admin.create_tenant(TenantCreate(name="acme"))
+    assert dup.value.status == 409
+    created = await admin.create_key(tenant.id, KeyCreate(name="app"))
+    assert created.key.startswith("sk-slc-") and created.key.startswith(created.prefix)
+
+    # Stored: only the SHA-256 hash, never the key.
+    async with sessions() as session:
+        row = await session.scalar(select(ApiKey).where(ApiKey.id == created.id))
+    assert row.hash == hash_secret(created.key) and created.key not in (row.hash, row.prefix)
+
+    context = await auth.authenticate(created.key)
+    assert context.id == tenant.id and context.limits.requests_per_minute == 5
+    # A quota change is visible on the next authentication (cache evicted in-process).
+    await admin.update_quotas(tenant.id, QuotasPatch(requests_per_minute=None, tokens_per_day=1000))
+    context = await auth.authenticate(created.key)
+    assert context.limits.requests_per_minute is None and context.limits.tokens_per_day == 1000
+
+    # Revoke fails at once, even though the cache TTL is long.
+    await admin.revoke_key(tenant.id, created.id)
+    with pytest.raises(OpenAIError) as revoked:
+        await auth.authenticate(created.key)
+    assert revoked.value.status == 401
+
+    rotated_from = await admin.create_key(tenant.id, KeyCreate())
+    await auth.authenticate(rotated_from.key)
+    rotated = await admin.rotate_key(tenant.id, rotated_from.id)
+    assert (await auth.authenticate(rotated.key)).id == tenant.id
+    with pytest.raises(OpenAIError):
+        await auth.authenticate(rotated_from.key)
+
+    # Expiry in the past is refused; an expired key stops working at once.
+    with pytest.raises(OpenAIError):
+        await admin.create_key(tenant.id, KeyCreate(expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(1)))
+    soon = await admin.create_key(
+        tenant.id, KeyCreate(expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1))
+    )
+    await auth.authenticate(soon.key)
+    async with sessions() as session, session.begin():
+        key = await session.get(ApiKey, soon.id)
+        key.expires_at = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+    auth.invalidate_key(soon.id)
+    with pytest.raises(OpenAIError):
+        await auth.authenticate(soon.key)
+
+    # Disabling the tenant blocks its keys at once.
+    await admin.update_tenant(tenant.id, TenantPatch(enabled=False))
+    with pytest.raises(OpenAIError) as disabled:
+        await auth.authenticate(rotated.key)
+    assert disabled.value.status == 403
+
+    actions = [a.action for a in await admin.audit()]
+    assert {
+        "tenant.create",
+        "key.create",
+        "key.revoke",
+        "key.rotate",
+        "quota.update",
+        "tenant.update",
+    } <= set(actions)
+    async with sessions() as session:
+        details = [r.details for r in (await session.execute(select(AuditLog))).scalars()]
+    assert not any(k in str(details) for k in (created.key, rotated.key, soon.key))
+
+
+async def test_delete_disables_when_usage_exists(services) -> None:
+    _, _, admin, usage = services
+    unused = await admin.create_tenant(TenantCreate(name="unused"))
+    result = await admin.delete_tenant(unused.id)
+    assert result.deleted and not result.disabled
+    with pytest.raises(OpenAIError):
+        await admin.get_tenant(unused.id)
+
+    used = await admin.create_tenant(TenantCreate(name="used"))
+    await usage.record(used.id, "demo", 10, 5)
+    await usage.record(used.id, "demo", 1, 2)
+    result = await admin.delete_tenant(used.id)
+    assert result.disabled and not result.deleted
+    assert not (await admin.get_tenant(used.id)).enabled
+    rows = await usage.query(used.id, None, None)
+    assert [(r.prompt_tokens, r.completion_tokens, r.requests) for r in rows] == [(11, 7, 2)]
+    assert await usage.day_total(used.id, dt.datetime.now(dt.UTC).date()) == 18
+
+
+async def test_seed_is_idempotent_and_admin_token_hashed(services) -> None:
+    sessions, auth, admin, _ = services
+    seeds = [
+        TenantSeed(
+            name="chat",
+            priority_ceiling="interactive",
+            default_class="interactive",
+            quotas=QuotaSeed(tokens_per_minute=1000),
+        ),
+        TenantSeed(name="nightly", priority_ceiling="batch", default_class="batch"),
+    ]
+    key = await seed_tenants(admin, seeds, demo_key_for="chat")
+    assert key is not None and key.startswith("sk-slc-")
+    assert await seed_tenants(admin, seeds, demo_key_for="chat") is None  # a key exists already
+    tenants = await admin.list_tenants()
+    assert sorted(t.name for t in tenants) == ["chat", "nightly"]
+    assert next(t for t in tenants if t.name == "chat").quotas.tokens_per_minute == 1000
+
+    generated = await auth.ensure_admin_token()
+    assert generated is not None and auth.verify_admin(generated)
+    assert await auth.ensure_admin_token() is None  # not generated twice
+    async with sessions() as session:
+        stored = list((await session.execute(select(AdminToken.hash))).scalars())
+    assert stored == [hash_secret(generated)]
+    assert not auth.verify_admin("slc-admin-wrong")
+
+
+async def test_daily_budget_survives_restart(services) -> None:
+    """A fresh QuotaService (a restarted gateway) starts from the day's total in usage_daily."""
+    from sluice.gateway.auth import tenant_context
+    from sluice.gateway.db.models import Quota, Tenant
+    from sluice.gateway.quotas import QuotaExceeded, QuotaService
+    from sluice.protocol import Priority
+
+    sessions, _, admin, usage = services
+    created = await admin.create_tenant(TenantCreate(name="budget", quotas=Quotas(tokens_per_day=100)))
+    async with sessions() as session:
+        context = tenant_context(await session.get(Tenant, created.id), await session.get(Quota, created.id))
+    first = QuotaService(usage.day_total)
+    reservation = await first.admit(context, 30, 30, Priority.STANDARD)
+    first.settle(reservation, 30, 30)
+    await usage.record(created.id, "demo", 30, 30)
+
+    restarted = QuotaService(usage.day_total)
+    with pytest.raises(QuotaExceeded) as exc:
+        await restarted.admit(context, 30, 20, Priority.STANDARD)  # 60 used + 50 > 100
+    assert exc.value.code == "insufficient_quota"
+    await restarted.admit(context, 20, 20, Priority.STANDARD)

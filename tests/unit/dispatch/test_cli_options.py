@@ -1,0 +1,45 @@
+"""`sluice serve` hands [engine] settings to its workers as --engine-option flags; round trip."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.errors import CLIError
+from sluice.gateway.cli import apply_engine_options
+from sluice.gateway.serve import check_engine_options, engine_option_args
+from sluice.settings import ModelSpec, Settings
+from sluice.workers.config import EngineConfig
+from sluice.workers.server import parse_address
+
+pytestmark = pytest.mark.unit
+
+
+def test_engine_settings_round_trip_through_worker_flags() -> None:
+    engine = {"policy": "prefill_first", "max_num_seqs": 7, "kv_cache_bytes": 1 << 20,
+              "enable_prefix_caching": False, "gpu_memory_utilization": 0.5}
+    args = engine_option_args(engine)
+    options = [args[i + 1] for i in range(0, len(args), 2)]
+    assert all(args[i] == "--engine-option" for i in range(0, len(args), 2))
+    config = apply_engine_options(EngineConfig(model="m"), options)
+    for key, value in engine.items():
+        assert getattr(config, key) == value
+
+
+def test_unknown_or_malformed_engine_options_are_one_line_errors() -> None:
+    with pytest.raises(CLIError, match="unknown engine setting 'bogus'"):
+        apply_engine_options(EngineConfig(model="m"), ["bogus=1"])
+    with pytest.raises(CLIError, match="KEY=VALUE"):
+        apply_engine_options(EngineConfig(model="m"), ["max_num_seqs"])
+    settings = Settings(models=(ModelSpec(name="m", path="m"),), engine={"max_num_seqs": 0})
+    with pytest.raises(CLIError, match="max_num_seqs must be a positive integer"):
+        check_engine_options(settings, "cpu")
+    settings = Settings(models=(ModelSpec(name="m", path="m"),), engine={"nope": 1})
+    with pytest.raises(CLIError, match="nope"):
+        check_engine_options(settings, "cpu")
+
+
+def test_gateway_address_parsing() -> None:
+    assert parse_address("127.0.0.1:8100") == ("127.0.0.1", 8100)
+    for bad in ("8100", "host:", "host:0", "host:99999", ":80"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_address(bad)
