@@ -50,6 +50,20 @@ _F32_ATTN = {
 _BF16_DOT = {"DOT_PRECISION": "tf32", "UPCAST_DOT": False}
 _F32_DOT = {"DOT_PRECISION": "ieee", "UPCAST_DOT": False}
 
+
+def _decode(*, split: bool, page_size: int = 16, block_n: int = 64, f32: bool = False, num_stages: int = 3):
+    """The split-KV decode kernel: a GQA group of 4 query heads padded to 16 rows, head_dim 128."""
+    types, dot = (_F32_ATTN, _F32_DOT) if f32 else (_PAGED_TYPES, _BF16_DOT)
+    constexprs = {"PAGE_SIZE": page_size, "BLOCK_G": 16, "BLOCK_N": block_n, "BLOCK_D": 128, "SPLIT": split}
+    return (_paged_decode_kernel, types, {**constexprs, **dot}, 4, num_stages)
+
+
+def _prefill(*, skip_decodes: bool, block_m: int = 64, num_warps: int = 4, num_stages: int = 2):
+    """The varlen prefill kernel, bf16, head_dim 128."""
+    constexprs = {"PAGE_SIZE": 16, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_D": 128, "SKIP_DECODES": skip_decodes}
+    return (_paged_prefill_kernel, _PAGED_TYPES, {**constexprs, **_BF16_DOT}, num_warps, num_stages)
+
+
 # (kernel, argument types, constexprs, num_warps, num_stages), as the launchers pick them for
 # Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim 128, hidden 4096) and head_dim 80.
 VARIANTS = [
@@ -63,57 +77,15 @@ VARIANTS = [
         4,
         3,
     ),
-    (
-        _paged_decode_kernel,
-        _PAGED_TYPES,
-        {"PAGE_SIZE": 16, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "SPLIT": True, **_BF16_DOT},
-        4,
-        3,
-    ),
-    (
-        _paged_decode_kernel,
-        _PAGED_TYPES,
-        {"PAGE_SIZE": 32, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "SPLIT": False, **_BF16_DOT},
-        4,
-        3,
-    ),
-    (
-        _paged_decode_kernel,
-        _F32_ATTN,
-        {"PAGE_SIZE": 16, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "SPLIT": True, **_F32_DOT},
-        4,
-        3,
-    ),
+    _decode(split=True),
+    _decode(split=False, page_size=32),
+    _decode(split=True, f32=True),
     (_paged_decode_reduce_kernel, _PAGED_TYPES, {"BLOCK_P": 16, "BLOCK_D": 128}, 4, 3),
-    (
-        _paged_prefill_kernel,
-        _PAGED_TYPES,
-        {"PAGE_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128, "SKIP_DECODES": True, **_BF16_DOT},
-        4,
-        2,
-    ),
-    (
-        _paged_prefill_kernel,
-        _PAGED_TYPES,
-        {"PAGE_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128, "SKIP_DECODES": False, **_BF16_DOT},
-        4,
-        2,
-    ),
+    _prefill(skip_decodes=True),
+    _prefill(skip_decodes=False),
     # Shapes bench/gpu_suite.py sweeps.
-    (
-        _paged_prefill_kernel,
-        _PAGED_TYPES,
-        {"PAGE_SIZE": 16, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128, "SKIP_DECODES": False, **_BF16_DOT},
-        8,
-        3,
-    ),
-    (
-        _paged_decode_kernel,
-        _PAGED_TYPES,
-        {"PAGE_SIZE": 16, "BLOCK_G": 16, "BLOCK_N": 128, "BLOCK_D": 128, "SPLIT": True, **_BF16_DOT},
-        4,
-        2,
-    ),
+    _prefill(skip_decodes=False, block_m=128, num_warps=8, num_stages=3),
+    _decode(split=True, block_n=128, num_stages=2),
 ]
 
 

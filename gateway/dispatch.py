@@ -58,7 +58,8 @@ class Job:
 
     request: GenerateRequest
     sink: DeltaSink  # receives every delta, in order, the final one included
-    enqueued_at: float = field(default_factory=time.time)
+    enqueued_at: float = field(default_factory=time.time)  # its place in line (accepted at the gateway)
+    queued_at: float | None = None  # when it entered this scheduler (unix s)
     ref: Any = None  # where it sits in Kafka (a RecordRef), handed back when finished
     worker: str = ""
     dispatch_time: float | None = None
@@ -73,6 +74,19 @@ class Job:
 
 
 OnFinished = Callable[[Job, RequestDelta], None]
+
+
+def has_room(est_waiting: int, unstarted: list[Priority], priority: Priority, max_waiting: int) -> bool:
+    """The room rule (see the module docstring) for a job of class `priority`.
+
+    `est_waiting`: the worker's waiting queue including what is on the wire; `unstarted`: the
+    classes of the jobs sent to it that have produced nothing yet.
+    """
+    if est_waiting < max_waiting:
+        return True
+    ahead = sum(1 for p in unstarted if p <= priority)  # this class or more urgent: not jumped
+    behind = any(p > priority for p in unstarted)  # less urgent work it would overtake
+    return behind and ahead < max_waiting
 
 
 class WorkerConn:
@@ -95,23 +109,9 @@ class WorkerConn:
         on_the_wire = self.sent - self.capacity.num_received
         return max(0, self.capacity.num_waiting + on_the_wire)
 
-    def unstarted(self, at_or_above: Priority) -> tuple[int, bool]:
-        """(unstarted jobs of this class or more urgent, whether a less urgent one is unstarted)."""
-        count, lower = 0, False
-        for job in self.inflight.values():
-            if job.started:
-                continue
-            if job.request.priority <= at_or_above:
-                count += 1
-            else:
-                lower = True
-        return count, lower
-
     def has_room_for(self, priority: Priority, max_waiting: int) -> bool:
-        if self.est_waiting < max_waiting:
-            return True
-        count, lower = self.unstarted(priority)
-        return lower and count < max_waiting
+        unstarted = [job.request.priority for job in self.inflight.values() if not job.started]
+        return has_room(self.est_waiting, unstarted, priority, max_waiting)
 
     @property
     def load(self) -> float:
@@ -200,6 +200,7 @@ class Dispatcher:
         if request.request_id in self._jobs:
             raise ValueError(f"request {request.request_id} is already queued or running")
         self._jobs[request.request_id] = job
+        job.queued_at = time.time()
         self.scheduler.push(Pending(
             request_id=request.request_id, tenant=request.tenant_id, priority=request.priority,
             enqueued_at=job.enqueued_at, payload=job, prompt_tokens=len(request.prompt_token_ids),

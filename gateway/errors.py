@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotAuthorizedException, ValidationException
+from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,14 @@ class ErrorResponse(msgspec.Struct):
     """Documented error body of every route."""
 
     error: ErrorDetail
+
+
+def error_responses(descriptions: dict[int, str]) -> dict[int, ResponseSpec]:
+    """A controller's documented error answers: each status with the error body and its meaning."""
+    return {
+        status: ResponseSpec(data_container=ErrorResponse, description=text)
+        for status, text in descriptions.items()
+    }
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:

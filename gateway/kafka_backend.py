@@ -117,6 +117,9 @@ class KafkaBackend:
         if not settings.kafka.bootstrap_servers:
             raise ValueError(
                 "KafkaBackend needs settings.kafka.bootstrap_servers (or start the embedded broker)")
+        if settings.scheduler.max_backlog_per_class < 1:
+            raise ValueError("scheduler.max_backlog_per_class must be at least 1, got "
+                             f"{settings.scheduler.max_backlog_per_class}")
         self.settings = settings
         self.batch_handler = batch_handler
         self._worker_port = worker_port
@@ -129,7 +132,8 @@ class KafkaBackend:
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
         self.replayed_orphans = 0  # replayed streaming requests finished without generation
-        self.deferred = 0  # batch lines waiting out a rate limit
+        self.deferred = 0  # batch lines waiting out a rate limit now
+        self.deferrals_total = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -207,7 +211,6 @@ class KafkaBackend:
     # ---- consuming -----------------------------------------------------------------------------
 
     async def _on_request(self, request: GenerateRequest, ref: RecordRef) -> None:
-        consumer = self._consumers.get(ref.priority)
         if request.request_id in self.dispatcher:
             self._finish_ref(ref)  # a re-delivered duplicate of a job we already hold
             return
@@ -215,9 +218,13 @@ class KafkaBackend:
         if request.batch_id is not None:
             verdict = False if self.batch_handler is None else await self.batch_handler.prepare(request)
             if isinstance(verdict, Defer):
-                # Later, without holding up the consumer: other tenants' lines keep flowing.
+                # Later, without holding up the consumer: other tenants' lines keep flowing. It
+                # counts toward the class's in-memory backlog meanwhile (a rate-limited flood pauses
+                # the topic instead of piling up timers).
                 asyncio.get_running_loop().call_later(verdict.seconds, self._retry_deferred, request, ref)
                 self.deferred += 1
+                self.deferrals_total += 1
+                self._adjust_backlog(request.priority, +1)
                 return
             if not verdict:
                 self._finish_ref(ref)
@@ -235,13 +242,23 @@ class KafkaBackend:
         if request.batch_id is None:
             self._streams[request.request_id].job = job
         self.dispatcher.enqueue(job)
-        self._backlog[request.priority] += 1
+        self._adjust_backlog(request.priority, +1)
+
+    def _adjust_backlog(self, priority: Priority, change: int) -> None:
+        """Jobs held in memory per class; pause the class topic at the bound, resume at half."""
+        self._backlog[priority] += change
+        consumer = self._consumers.get(priority)
+        if consumer is None:
+            return
         limit = self.settings.scheduler.max_backlog_per_class
-        if consumer is not None and self._backlog[request.priority] >= limit:
+        if self._backlog[priority] >= limit:
             consumer.pause()
+        elif consumer.paused and self._backlog[priority] < max(1, limit // 2):
+            consumer.resume()
 
     def _retry_deferred(self, request: GenerateRequest, ref: RecordRef) -> None:
         self.deferred -= 1
+        self._adjust_backlog(request.priority, -1)
         if self._started:
             self._spawn(self._on_request(request, ref))
 
@@ -257,11 +274,7 @@ class KafkaBackend:
 
     def _on_finished(self, job: Job, final: RequestDelta) -> None:
         request = job.request
-        self._backlog[request.priority] -= 1
-        consumer = self._consumers.get(request.priority)
-        if consumer is not None and consumer.paused and \
-                self._backlog[request.priority] < self.settings.scheduler.max_backlog_per_class // 2:
-            consumer.resume()
+        self._adjust_backlog(request.priority, -1)
         if request.batch_id is None:
             self._streams.pop(request.request_id, None)
             self._finish_ref(job.ref)

@@ -114,6 +114,14 @@ def _ceil_s(seconds: float) -> int:
     return max(1, min(MAX_RETRY_AFTER_S, math.ceil(seconds)))
 
 
+def _retry_later(message: str, *, wait: float, headers: dict[str, str]) -> QuotaExceeded:
+    """A minute-window 429 whose message and retry-after header give the same whole seconds."""
+    retry_after = _ceil_s(wait)
+    return QuotaExceeded(
+        f"{message} Retry in {retry_after}s.", code="rate_limit_exceeded", retry_after=retry_after, headers=headers
+    )
+
+
 def format_reset(seconds: float) -> str:
     """OpenAI's style: `850ms`, `12s`, `1m0s`."""
     if seconds < 1:
@@ -198,12 +206,9 @@ class QuotaService:
                 headers=headers,
             )
         if limits.requests_per_minute is not None and len(state.requests) >= limits.requests_per_minute:
-            wait = state.requests[0] + WINDOW_S - now
-            raise QuotaExceeded(
-                f"Rate limit reached: {limits.requests_per_minute} requests per minute. "
-                f"Retry in {_ceil_s(wait)}s.",
-                code="rate_limit_exceeded",
-                retry_after=_ceil_s(wait),
+            raise _retry_later(
+                f"Rate limit reached: {limits.requests_per_minute} requests per minute.",
+                wait=state.requests[0] + WINDOW_S - now,
                 headers=headers,
             )
         if limits.tokens_per_minute is not None:
@@ -216,12 +221,10 @@ class QuotaService:
                     headers=headers,
                 )
             if state.tokens_in_window + need > limits.tokens_per_minute:
-                wait = self._token_wait(state, need, limits.tokens_per_minute, now)
-                raise QuotaExceeded(
+                raise _retry_later(
                     f"Rate limit reached: {limits.tokens_per_minute} tokens per minute "
-                    f"(prompt + max_tokens reserved). Retry in {_ceil_s(wait)}s.",
-                    code="rate_limit_exceeded",
-                    retry_after=_ceil_s(wait),
+                    "(prompt + max_tokens reserved).",
+                    wait=self._token_wait(state, need, limits.tokens_per_minute, now),
                     headers=headers,
                 )
         if limits.tokens_per_day is not None:

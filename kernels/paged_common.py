@@ -1,5 +1,5 @@
 """Pieces shared by the paged decode and prefill kernels: the online-softmax inner loop over
-paged K/V, and launcher-side input validation.
+paged K/V, and launcher-side input validation and output allocation.
 
 The inner loop walks a token range of one sequence's context in tiles of BLOCK_N tokens; each
 token's cache row is found through the block table (page = pos // PAGE_SIZE), so a tile may
@@ -160,6 +160,15 @@ def check_paged_inputs(
     check_device(op, q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables)
     if meta.block_tables.stride(1) != 1:
         raise ValueError(f"{op}: block_tables rows must be contiguous")
+
+
+def paged_output(op: str, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The tensor a launcher writes: `out` once checked against q, or a new one like q."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"{op}: out must be a {tuple(q.shape)} {q.dtype} tensor contiguous in head_dim")
+    return out
 
 
 @dataclass(frozen=True, slots=True)

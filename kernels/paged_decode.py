@@ -28,6 +28,7 @@ from sluice.kernels.paged_common import (
     default_tiles,
     dot_flags,
     head_block,
+    paged_output,
 )
 
 
@@ -216,12 +217,7 @@ def paged_decode_triton(
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = num_q_heads // num_kv_heads
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
-        raise ValueError(
-            f"paged_decode: out must be a {tuple(q.shape)} {q.dtype} tensor contiguous in head_dim"
-        )
+    out = paged_output("paged_decode", q, out)
     num_seqs = meta.num_seqs
     if num_seqs == 0:
         return out

@@ -26,6 +26,7 @@ from sluice.kernels.paged_common import (
     default_tiles,
     dot_flags,
     head_block,
+    paged_output,
 )
 
 
@@ -131,12 +132,7 @@ def paged_prefill_triton(
     check_paged_inputs("paged_prefill", q, k_cache, v_cache, meta)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
-        raise ValueError(
-            f"paged_prefill: out must be a {tuple(q.shape)} {q.dtype} tensor contiguous in head_dim"
-        )
+    out = paged_output("paged_prefill", q, out)
     if meta.num_seqs == 0 or num_tokens == 0:
         return out
     tiles = tiles or default_tiles(q)

@@ -233,9 +233,9 @@ def load_settings(config_dir: str | Path | None = None, environ: dict[str, str] 
     """Load and validate settings; raises ConfigError with file, key and problem."""
     environ = dict(os.environ if environ is None else environ)
     directory = Path(config_dir or environ.get("SLUICE_CONFIG_DIR") or "config")
-    if config_dir is not None or "SLUICE_CONFIG_DIR" in environ:
-        if not directory.is_dir():
-            raise ConfigError(f"config directory {directory} does not exist (SLUICE_CONFIG_DIR / --config)")
+    explicit = config_dir is not None or "SLUICE_CONFIG_DIR" in environ
+    if explicit and not directory.is_dir():
+        raise ConfigError(f"config directory {directory} does not exist (SLUICE_CONFIG_DIR / --config)")
     data: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for filename, key in _FILES.items():

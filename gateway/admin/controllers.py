@@ -6,7 +6,6 @@ import datetime as dt
 from typing import Annotated, Any
 
 from litestar import Controller, Request, delete, get, patch, post
-from litestar.openapi import ResponseSpec
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
 from sluice.gateway.admin.schemas import (
@@ -23,23 +22,22 @@ from sluice.gateway.admin.schemas import (
     TenantOut,
     TenantPatch,
     UsageList,
-    UsageOut,
+    usage_list,
 )
 from sluice.gateway.admin.service import AdminService
 from sluice.gateway.auth import admin_guard
-from sluice.gateway.errors import ErrorResponse
+from sluice.gateway.errors import error_responses
 from sluice.gateway.usage import UsageService
 
-_ERRORS = {
-    code: ResponseSpec(data_container=ErrorResponse, description=text)
-    for code, text in (
-        (400, "Invalid request"),
-        (401, "Missing or invalid admin token"),
-        (403, "Tenant key used on an admin route"),
-        (404, "Unknown tenant or key"),
-        (409, "Name already taken"),
-    )
-}
+_ERRORS = error_responses(
+    {
+        400: "Invalid request",
+        401: "Missing or invalid admin token",
+        403: "Tenant key used on an admin route",
+        404: "Unknown tenant or key",
+        409: "Name already taken",
+    }
+)
 
 
 def _service(request: Request[Any, Any, Any]) -> AdminService:
@@ -141,22 +139,7 @@ class AdminController(Controller):
     ) -> UsageList:
         usage: UsageService = request.app.state.usage
         rows = await usage.query(tenant_id, start, end)
-        return UsageList(
-            start=start,
-            end=end,
-            data=[
-                UsageOut(
-                    tenant_id=r.tenant_id,
-                    model=r.model,
-                    day=r.day,
-                    prompt_tokens=r.prompt_tokens,
-                    completion_tokens=r.completion_tokens,
-                    total_tokens=r.total_tokens,
-                    requests=r.requests,
-                )
-                for r in rows
-            ],
-        )
+        return usage_list(rows, start, end)
 
     @get("/queues", summary="Live queue view (from the generation backend)", responses=_ERRORS)
     async def queues(self, request: Request[Any, Any, Any]) -> dict[str, Any]:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Any, Literal
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
+
+if TYPE_CHECKING:
+    from sluice.gateway.usage import UsageRow
 
 ClassName = Literal["interactive", "standard", "batch"]
 Limit = Annotated[int, msgspec.Meta(ge=0, le=2**53)] | None
@@ -136,6 +140,26 @@ class UsageList(msgspec.Struct, kw_only=True):
     start: dt.date | None
     end: dt.date | None
     data: list[UsageOut]
+
+
+def usage_list(rows: Iterable[UsageRow], start: dt.date | None, end: dt.date | None) -> UsageList:
+    """The answer of both usage routes: the admin's (any tenant) and a tenant's own."""
+    return UsageList(
+        start=start,
+        end=end,
+        data=[
+            UsageOut(
+                tenant_id=r.tenant_id,
+                model=r.model,
+                day=r.day,
+                prompt_tokens=r.prompt_tokens,
+                completion_tokens=r.completion_tokens,
+                total_tokens=r.total_tokens,
+                requests=r.requests,
+            )
+            for r in rows
+        ],
+    )
 
 
 class AuditOut(msgspec.Struct, kw_only=True):

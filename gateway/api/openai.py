@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency, Provide
-from litestar.openapi import ResponseSpec
 from litestar.params import FromQuery, JSONBody
 from litestar.response import Stream
 
-from sluice.gateway.admin.schemas import UsageList, UsageOut
-from sluice.gateway.api.generation import GenerationService
+from sluice.gateway.admin.schemas import UsageList, usage_list
+from sluice.gateway.api.generation import Flight, GenerationService, Prepared
 from sluice.gateway.api.streaming import complete_chat, complete_text, stream_chat, stream_completion
 from sluice.gateway.auth import TenantContext, current_tenant, tenant_guard
-from sluice.gateway.errors import ErrorResponse, OpenAIError
+from sluice.gateway.errors import OpenAIError, error_responses
 from sluice.gateway.quotas import QuotaService
 from sluice.gateway.schemas import (
     ChatCompletion,
@@ -31,18 +30,17 @@ from sluice.gateway.usage import UsageService
 
 T = TypeVar("T")
 
-_ERRORS = {
-    code: ResponseSpec(data_container=ErrorResponse, description=text)
-    for code, text in (
-        (400, "Invalid request (OpenAI error object)"),
-        (401, "Missing or invalid API key"),
-        (403, "Model or tenant not allowed"),
-        (404, "Unknown model"),
-        (413, "Body too large"),
-        (429, "Rate limit (retry-after) or insufficient_quota (x-should-retry: false)"),
-        (503, "No worker can serve the request"),
-    )
-}
+_ERRORS = error_responses(
+    {
+        400: "Invalid request (OpenAI error object)",
+        401: "Missing or invalid API key",
+        403: "Model or tenant not allowed",
+        404: "Unknown model",
+        413: "Body too large",
+        429: "Rate limit (retry-after) or insufficient_quota (x-should-retry: false)",
+        503: "No worker can serve the request",
+    }
+)
 _SSE_NOTE = (
     " With `stream: true` the answer is `text/event-stream`: one `data: <chunk JSON>` event per "
     "delta, then `data: [DONE]`."
@@ -74,8 +72,25 @@ async def _unless_disconnected(request: Request[Any, Any, Any], work: Coroutine[
     return task.result()
 
 
-def _stream_headers(quotas: QuotaService, tenant: TenantContext) -> dict[str, str]:
-    return {**quotas.headers(tenant), "cache-control": "no-cache", "x-accel-buffering": "no"}
+async def _answer(
+    request: Request[Any, Any, Any],
+    generation: GenerationService,
+    tenant: TenantContext,
+    prepared: Prepared,
+    stream: Callable[[Flight], AsyncIterator[bytes]],
+    complete: Callable[[Flight], Coroutine[Any, Any, T]],
+) -> Response[T]:
+    """Launches a prepared request; answers with an SSE stream when it asked for one, else the whole body."""
+    flight = await generation.launch(tenant, prepared)
+    quotas = generation.quotas
+    if prepared.stream:
+        return Stream(
+            stream(flight),
+            media_type="text/event-stream",  # type: ignore[return-value]
+            headers={**quotas.headers(tenant), "cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+    body = await _unless_disconnected(request, complete(flight))
+    return Response(body, headers=quotas.headers(tenant))
 
 
 class OpenAIController(Controller):
@@ -112,15 +127,7 @@ class OpenAIController(Controller):
     ) -> Response[ChatCompletion]:
         generation: GenerationService = request.app.state.generation
         prepared = generation.prepare_chat(tenant, data)
-        flight = await generation.launch(tenant, prepared)
-        if prepared.stream:
-            return Stream(
-                stream_chat(flight),
-                media_type="text/event-stream",  # type: ignore[return-value]
-                headers=_stream_headers(generation.quotas, tenant),
-            )
-        body = await _unless_disconnected(request, complete_chat(flight))
-        return Response(body, headers=generation.quotas.headers(tenant))
+        return await _answer(request, generation, tenant, prepared, stream_chat, complete_chat)
 
     @post(
         "/completions",
@@ -137,15 +144,7 @@ class OpenAIController(Controller):
     ) -> Response[Completion]:
         generation: GenerationService = request.app.state.generation
         prepared = generation.prepare_completion(tenant, data)
-        flight = await generation.launch(tenant, prepared)
-        if prepared.stream:
-            return Stream(
-                stream_completion(flight),
-                media_type="text/event-stream",  # type: ignore[return-value]
-                headers=_stream_headers(generation.quotas, tenant),
-            )
-        body = await _unless_disconnected(request, complete_text(flight))
-        return Response(body, headers=generation.quotas.headers(tenant))
+        return await _answer(request, generation, tenant, prepared, stream_completion, complete_text)
 
     @get("/usage", summary="Your own token usage per model and UTC day", responses=_ERRORS)
     async def usage(
@@ -157,21 +156,5 @@ class OpenAIController(Controller):
     ) -> Response[UsageList]:
         usage: UsageService = request.app.state.usage
         rows = await usage.query(tenant.id, start, end)  # always this tenant's own rows, never another's
-        body = UsageList(
-            start=start,
-            end=end,
-            data=[
-                UsageOut(
-                    tenant_id=r.tenant_id,
-                    model=r.model,
-                    day=r.day,
-                    prompt_tokens=r.prompt_tokens,
-                    completion_tokens=r.completion_tokens,
-                    total_tokens=r.total_tokens,
-                    requests=r.requests,
-                )
-                for r in rows
-            ],
-        )
         quotas: QuotaService = request.app.state.quotas
-        return Response(body, headers=quotas.headers(tenant))
+        return Response(usage_list(rows, start, end), headers=quotas.headers(tenant))

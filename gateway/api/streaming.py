@@ -9,9 +9,11 @@ msgspec JSON never contains a raw newline, so one `data:` line per event is alwa
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 
 import msgspec
+from msgspec.structs import replace
 
 from sluice.gateway.api.generation import Flight
 from sluice.gateway.errors import OpenAIError
@@ -32,8 +34,9 @@ from sluice.gateway.schemas import (
     Usage,
 )
 from sluice.gateway.tokenization import ModelTokenizer
-from sluice.protocol import FinishReason, PositionLogprobs
+from sluice.protocol import FinishReason, PositionLogprobs, RequestDelta
 
+_ChunkT = TypeVar("_ChunkT", ChatCompletionChunk, CompletionChunk)
 _encode = msgspec.json.Encoder().encode
 DONE = b"data: [DONE]\n\n"
 
@@ -113,52 +116,52 @@ def completion_logprobs(
 # ---- streaming ---------------------------------------------------------------------------------
 
 
-async def stream_chat(flight: Flight) -> AsyncIterator[bytes]:
-    prepared = flight.prepared
-    request = prepared.request
-    usage_field: Usage | msgspec.UnsetType | None = None if prepared.include_usage else msgspec.UNSET
-    want_logprobs = request.sampling.logprobs
-    top_n = request.sampling.top_logprobs
+def _envelope(flight: Flight) -> dict[str, Any]:
+    """The fields every answer and chunk of one request repeats (the choices and usage vary)."""
+    request = flight.prepared.request
+    return {
+        "id": request.request_id,
+        "created": flight.created,
+        "model": request.model,
+        "service_tier": flight.prepared.tier,
+    }
 
-    def chunk(delta: ChunkDelta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> bytes:
-        return sse(
-            ChatCompletionChunk(
-                id=request.request_id,
-                created=flight.created,
-                model=request.model,
-                service_tier=prepared.tier,
-                choices=[ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)],
-                usage=usage_field,
-            )
-        )
 
+def _template(flight: Flight, chunk_type: type[_ChunkT]) -> _ChunkT:
+    """A stream's chunk without choices; every chunk is a copy of it with its own choices
+    (`replace` is several times cheaper than building each chunk from keyword arguments).
+
+    Its usage is null when include_usage is set (only the last chunk carries it), else absent.
+    """
+    usage = None if flight.prepared.include_usage else msgspec.UNSET
+    return chunk_type(**_envelope(flight), choices=[], usage=usage)
+
+
+async def _stream(
+    flight: Flight,
+    template: ChatCompletionChunk | CompletionChunk,
+    frames: Callable[[RequestDelta], Iterator[bytes]],
+    opening: bytes | None = None,
+) -> AsyncIterator[bytes]:
+    """The SSE loop of both endpoints: `frames` turns one delta into its chunks.
+
+    An error delta becomes an error event that ends the stream (no [DONE]); with include_usage,
+    the template chunk (no choices) carrying the usage follows the finishing delta's chunks.
+    """
     aborted = True
     try:
-        yield chunk(ChunkDelta(role="assistant", content=""))
+        if opening is not None:
+            yield opening
         async for delta in flight.submission:
             flight.observe(delta)
             if delta.finish_reason is FinishReason.ERROR:
                 aborted = False
-                yield sse(_error_body(flight))  # an error event, then the stream ends (no [DONE])
+                yield sse(_error_body(flight))
                 return
-            logprobs = None
-            if want_logprobs and delta.logprobs:
-                logprobs = ChoiceLogprobs(content=chat_logprobs(prepared.tokenizer, delta.logprobs, top_n))
-            if delta.text or logprobs is not None:
-                yield chunk(ChunkDelta(content=delta.text), None, logprobs)
-            if delta.finish_reason is not None:
-                yield chunk(ChunkDelta(), _finish(delta.finish_reason))
-                if prepared.include_usage:
-                    yield sse(
-                        ChatCompletionChunk(
-                            id=request.request_id,
-                            created=flight.created,
-                            model=request.model,
-                            service_tier=prepared.tier,
-                            choices=[],
-                            usage=_usage(flight),
-                        )
-                    )
+            for frame in frames(delta):
+                yield frame
+            if delta.finish_reason is not None and flight.prepared.include_usage:
+                yield sse(replace(template, usage=_usage(flight)))
         aborted = False
         yield DONE
     finally:
@@ -166,70 +169,62 @@ async def stream_chat(flight: Flight) -> AsyncIterator[bytes]:
         flight.finish(aborted=aborted and flight.finish_reason is None)
 
 
-async def stream_completion(flight: Flight) -> AsyncIterator[bytes]:
+def stream_chat(flight: Flight) -> AsyncIterator[bytes]:
     prepared = flight.prepared
-    request = prepared.request
-    usage_field: Usage | msgspec.UnsetType | None = None if prepared.include_usage else msgspec.UNSET
-    want_logprobs = request.sampling.logprobs
-    top_n = request.sampling.top_logprobs
-    offset = 0
+    sampling = prepared.request.sampling
+    template = _template(flight, ChatCompletionChunk)
 
-    def chunk(text: str, finish: str | None, logprobs: CompletionLogprobs | None = None) -> bytes:
-        return sse(
-            CompletionChunk(
-                id=request.request_id,
-                created=flight.created,
-                model=request.model,
-                service_tier=prepared.tier,
-                choices=[CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish)],
-                usage=usage_field,
+    def chunk(delta: ChunkDelta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> bytes:
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
+        return sse(replace(template, choices=[choice]))
+
+    def frames(delta: RequestDelta) -> Iterator[bytes]:
+        logprobs = None
+        if sampling.logprobs and delta.logprobs:
+            logprobs = ChoiceLogprobs(content=chat_logprobs(prepared.tokenizer, delta.logprobs, sampling.top_logprobs))
+        if delta.text or logprobs is not None:
+            yield chunk(ChunkDelta(content=delta.text), None, logprobs)
+        if delta.finish_reason is not None:
+            yield chunk(ChunkDelta(), _finish(delta.finish_reason))
+
+    opening = chunk(ChunkDelta(role="assistant", content=""))  # OpenAI's first chunk names the role
+    return _stream(flight, template, frames, opening)
+
+
+def stream_completion(flight: Flight) -> AsyncIterator[bytes]:
+    prepared = flight.prepared
+    sampling = prepared.request.sampling
+    template = _template(flight, CompletionChunk)
+    offset = 0  # of the next delta's text in the whole completion
+
+    def frames(delta: RequestDelta) -> Iterator[bytes]:
+        nonlocal offset
+        logprobs = None
+        if sampling.logprobs and delta.logprobs:
+            logprobs = completion_logprobs(prepared.tokenizer, delta.logprobs, sampling.top_logprobs, offset)
+        if delta.text or logprobs is not None or delta.finish_reason is not None:
+            choice = CompletionChoice(
+                index=0, text=delta.text, logprobs=logprobs, finish_reason=_finish(delta.finish_reason)
             )
-        )
+            yield sse(replace(template, choices=[choice]))
+            offset += len(delta.text)
 
-    aborted = True
-    try:
-        async for delta in flight.submission:
-            flight.observe(delta)
-            if delta.finish_reason is FinishReason.ERROR:
-                aborted = False
-                yield sse(_error_body(flight))  # an error event, then the stream ends (no [DONE])
-                return
-            logprobs = None
-            if want_logprobs and delta.logprobs:
-                logprobs = completion_logprobs(prepared.tokenizer, delta.logprobs, top_n, offset)
-            if delta.text or logprobs is not None or delta.finish_reason is not None:
-                yield chunk(delta.text, _finish(delta.finish_reason), logprobs)
-                offset += len(delta.text)
-            if delta.finish_reason is not None and prepared.include_usage:
-                yield sse(
-                    CompletionChunk(
-                        id=request.request_id,
-                        created=flight.created,
-                        model=request.model,
-                        service_tier=prepared.tier,
-                        choices=[],
-                        usage=_usage(flight),
-                    )
-                )
-        aborted = False
-        yield DONE
-    finally:
-        flight.finish(aborted=aborted and flight.finish_reason is None)
+    return _stream(flight, template, frames)
 
 
 # ---- whole responses ---------------------------------------------------------------------------
 
 
-async def _collect(flight: Flight) -> tuple[str, list[tuple[PositionLogprobs, ...]]]:
+async def _collect(flight: Flight) -> tuple[str, tuple[PositionLogprobs, ...]]:
+    """The whole text and every position's logprobs, once the request has ended."""
     texts: list[str] = []
-    logprobs: list[tuple[PositionLogprobs, ...]] = []
+    positions: list[PositionLogprobs] = []
     aborted = True
     try:
         async for delta in flight.submission:
             flight.observe(delta)
             texts.append(delta.text)
-            if delta.logprobs:
-                logprobs.append(delta.logprobs)
+            positions.extend(delta.logprobs)
         aborted = False
     except asyncio.CancelledError:
         raise
@@ -242,49 +237,28 @@ async def _collect(flight: Flight) -> tuple[str, list[tuple[PositionLogprobs, ..
             type="server_error",
             code="generation_failed",
         )
-    return "".join(texts), logprobs
+    return "".join(texts), tuple(positions)
 
 
 async def complete_chat(flight: Flight) -> ChatCompletion:
     text, positions = await _collect(flight)
     prepared = flight.prepared
-    request = prepared.request
+    sampling = prepared.request.sampling
     logprobs = None
-    if request.sampling.logprobs:
-        flat = tuple(p for group in positions for p in group)
-        logprobs = ChoiceLogprobs(
-            content=chat_logprobs(prepared.tokenizer, flat, request.sampling.top_logprobs)
-        )
-    return ChatCompletion(
-        id=request.request_id,
-        created=flight.created,
-        model=request.model,
-        service_tier=prepared.tier,
-        choices=[
-            ChatChoice(
-                index=0,
-                message=AssistantMessage(content=text),
-                logprobs=logprobs,
-                finish_reason=flight.finish_reason,
-            )
-        ],
-        usage=_usage(flight),
+    if sampling.logprobs:
+        logprobs = ChoiceLogprobs(content=chat_logprobs(prepared.tokenizer, positions, sampling.top_logprobs))
+    choice = ChatChoice(
+        index=0, message=AssistantMessage(content=text), logprobs=logprobs, finish_reason=flight.finish_reason
     )
+    return ChatCompletion(**_envelope(flight), choices=[choice], usage=_usage(flight))
 
 
 async def complete_text(flight: Flight) -> Completion:
     text, positions = await _collect(flight)
     prepared = flight.prepared
-    request = prepared.request
+    sampling = prepared.request.sampling
     logprobs = None
-    if request.sampling.logprobs:
-        flat = tuple(p for group in positions for p in group)
-        logprobs = completion_logprobs(prepared.tokenizer, flat, request.sampling.top_logprobs, 0)
-    return Completion(
-        id=request.request_id,
-        created=flight.created,
-        model=request.model,
-        service_tier=prepared.tier,
-        choices=[CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=flight.finish_reason)],
-        usage=_usage(flight),
-    )
+    if sampling.logprobs:
+        logprobs = completion_logprobs(prepared.tokenizer, positions, sampling.top_logprobs, 0)
+    choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=flight.finish_reason)
+    return Completion(**_envelope(flight), choices=[choice], usage=_usage(flight))

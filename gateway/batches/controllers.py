@@ -12,6 +12,7 @@ from litestar.params import FromPath, FromQuery, JSONBody
 
 from sluice.gateway.auth import TenantContext, current_tenant, tenant_guard
 from sluice.gateway.batches.service import BatchService
+from sluice.gateway.batches.views import file_view
 from sluice.gateway.errors import OpenAIError
 
 
@@ -64,8 +65,6 @@ class FilesController(Controller):
     async def retrieve(
         self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], file_id: FromPath[str]
     ) -> dict[str, Any]:
-        from sluice.gateway.batches.service import file_view
-
         return file_view(await _service(request).file_row(tenant.id, file_id))
 
     @get("/{file_id:str}/content", summary="Download a file's content")

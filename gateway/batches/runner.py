@@ -22,7 +22,8 @@ from sqlalchemy.exc import IntegrityError
 
 from sluice.gateway.auth import TenantContext, tenant_context
 from sluice.gateway.batches.models import Batch, BatchResult
-from sluice.gateway.batches.service import RUNNABLE, BatchService, line_number
+from sluice.gateway.batches.service import RUNNABLE, BatchService
+from sluice.gateway.batches.views import line_number
 from sluice.gateway.db.base import utcnow
 from sluice.gateway.db.models import Quota, Tenant
 from sluice.gateway.kafka_backend import Defer
@@ -95,6 +96,10 @@ class BatchRunner:
                 await self._store_error(
                     request, batch.endpoint, "batch_cancelled", "The batch was cancelled."
                 )
+            return False
+        if utcnow() > batch.expires_at:  # past its completion window: answered, not run
+            await self._store_error(request, batch.endpoint, "batch_expired",
+                                    "The batch expired before this request could run.")
             return False
         tenant = await self._tenant(request.tenant_id)
         if tenant is None:

@@ -1,4 +1,4 @@
-"""Files and batches: storage, validation, enqueue, cancellation, finalization, JSON views.
+"""Files and batches: storage, validation, enqueue, cancellation, finalization.
 
 `create_batch` answers only once every line is durably in Kafka: the batch row is committed
 first (status `validating`), then each line is appended to the batch topic (acks=all), then the
@@ -25,6 +25,7 @@ from sluice.gateway.auth import TenantContext
 from sluice.gateway.backend import BackendUnavailable
 from sluice.gateway.batches.models import Batch, BatchResult, FileObject
 from sluice.gateway.batches.validation import ENDPOINTS, InvalidBatchFile, parse_batch_file
+from sluice.gateway.batches.views import batch_view, file_view, line_request_id, not_found, page
 from sluice.gateway.db.base import new_id, utcnow
 from sluice.gateway.errors import OpenAIError
 from sluice.protocol import GenerateRequest, Priority
@@ -36,66 +37,6 @@ FINAL = ("completed", "failed", "cancelled", "expired")
 COMPLETION_WINDOWS = {"24h": dt.timedelta(hours=24)}
 ENQUEUE_CONCURRENCY = 64
 MAX_METADATA_KEYS = 16
-
-
-def not_found(what: str, ident: str) -> OpenAIError:
-    return OpenAIError(404, f"No {what} found with id '{ident}'.", code="not_found")
-
-
-def _ts(value: dt.datetime | None) -> int | None:
-    return None if value is None else int(value.timestamp())
-
-
-def file_view(row: FileObject) -> dict[str, Any]:
-    return {
-        "id": row.id,
-        "object": "file",
-        "bytes": row.size_bytes,
-        "created_at": _ts(row.created_at),
-        "filename": row.filename,
-        "purpose": row.purpose,
-        "status": "processed",
-        "status_details": None,
-        "expires_at": None,
-    }
-
-
-def batch_view(row: Batch, completed: int, failed: int) -> dict[str, Any]:
-    errors = None
-    if row.errors:
-        errors = {"object": "list", "data": row.errors}
-    return {
-        "id": row.id,
-        "object": "batch",
-        "endpoint": row.endpoint,
-        "errors": errors,
-        "input_file_id": row.input_file_id,
-        "completion_window": row.completion_window,
-        "status": row.status,
-        "output_file_id": row.output_file_id,
-        "error_file_id": row.error_file_id,
-        "created_at": _ts(row.created_at),
-        "in_progress_at": _ts(row.in_progress_at),
-        "expires_at": _ts(row.expires_at),
-        "finalizing_at": _ts(row.finalizing_at),
-        "completed_at": _ts(row.completed_at),
-        "failed_at": _ts(row.failed_at),
-        "expired_at": _ts(row.expired_at),
-        "cancelling_at": _ts(row.cancelling_at),
-        "cancelled_at": _ts(row.cancelled_at),
-        "request_counts": {"total": row.total, "completed": completed, "failed": failed},
-        "metadata": row.metadata_,
-    }
-
-
-def line_request_id(batch_id: str, line_no: int) -> str:
-    """Deterministic per line (a replayed line keeps its id) and carries the line number."""
-    return f"batch_req_{batch_id.removeprefix('batch_')}_{line_no}"
-
-
-def line_number(request_id: str) -> int:
-    """The input line number encoded by `line_request_id`."""
-    return int(request_id.rsplit("_", 1)[1])
 
 
 class BatchService:
@@ -175,7 +116,7 @@ class BatchService:
         if purpose:
             query = query.where(FileObject.purpose == purpose)
         rows, has_more = await self._page(query, FileObject, tenant_id, after, limit)
-        return _list([file_view(r) for r in rows], has_more)
+        return page([file_view(r) for r in rows], has_more)
 
     async def delete_file(self, tenant_id: str, file_id: str) -> dict[str, Any]:
         async with self.sessions() as session, session.begin():
@@ -245,7 +186,7 @@ class BatchService:
         rows, has_more = await self._page(
             select(Batch).where(Batch.tenant_id == tenant_id), Batch, tenant_id, after, limit
         )
-        return _list([await self.view(r) for r in rows], has_more)
+        return page([await self.view(r) for r in rows], has_more)
 
     def _line_request(self, tenant: TenantContext, batch_id: str, line: Any) -> GenerateRequest:
         body = line.body
@@ -434,8 +375,10 @@ class BatchService:
             ok = [r.line for r in results if r.ok]
             bad = [r.line for r in results if not r.ok]
             now = utcnow()
+            if target == "completed" and bad and now > row.expires_at:
+                target = "expired"  # lines answered `batch_expired` after the completion window
             values: dict[str, Any] = {"status": target, "finalizing_at": row.finalizing_at or now}
-            values["cancelled_at" if target == "cancelled" else "completed_at"] = now
+            values[{"cancelled": "cancelled_at", "expired": "expired_at"}.get(target, "completed_at")] = now
             if ok:
                 values["output_file_id"] = (
                     await self._store_file(
@@ -480,13 +423,3 @@ class BatchService:
 
 class _LostRace(Exception):
     """Another task finalized the batch first."""
-
-
-def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }

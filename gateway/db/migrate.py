@@ -8,9 +8,12 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
+import sluice
 from sluice.gateway.db.session import normalize_url
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+# sluice/migrations links to the repository's migrations/ and is packaged with sluice, so this
+# works from a checkout and from an installed wheel alike.
+MIGRATIONS_DIR = Path(sluice.__file__).resolve().parent / "migrations"
 
 
 def alembic_config(url: str) -> Config:

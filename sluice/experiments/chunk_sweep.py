@@ -27,8 +27,8 @@ from sluice.telemetry import RequestRecord
 
 @dataclass(frozen=True, slots=True)
 class SweepLoad:
-    duration_s: float = 15.0
-    rate: float = 1.5  # requests/s, Poisson
+    duration_s: float = 20.0
+    rate: float = 1.0  # requests/s, Poisson: below the CPU demo's saturation, so no runaway backlog
     long_fraction: float = 0.3
     short_prompt: tuple[int, int] = (32, 256)
     long_prompt: tuple[int, int] = (1024, 2048)

@@ -12,9 +12,10 @@ Separately, the latency Kafka adds to admission is measured directly against the
 broker: produce with acks=all (what the gateway waits for before accepting a request), and
 produce -> consume.
 
-The worker's engine gets `max_num_seqs` above the concurrency, so requests are not held for
-capacity and queueing does not masquerade as overhead. Requests are short (small prompt, a few
-output tokens) so the run measures the serving path, not the model.
+The worker's engine gets `max_num_seqs` above the concurrency and the per-worker waiting cap is
+lifted, so requests are not held for capacity and queueing does not masquerade as overhead.
+Requests are short (small prompt, a few output tokens) so the run measures the serving path,
+not the model.
 """
 
 from __future__ import annotations
@@ -149,10 +150,12 @@ def measure_overhead(stack: Stack, levels: list[int], per_level: int | None,
 
 def run_overhead(model_dir: Path, config_dir: str, levels: list[int], per_level: int | None,
                  workdir: Path) -> dict[str, Any]:
-    # Engine capacity above the concurrency: requests are never held for a free slot.
+    # Engine capacity above the concurrency, and no cap on a worker's own waiting queue: requests
+    # are never held for a free slot, so queueing does not masquerade as gateway overhead.
     max_seqs = max(levels) + 8
     env = {"SLUICE_ENGINE_MAX_NUM_SEQS": str(max_seqs),
-           "SLUICE_ENGINE_MAX_NUM_BATCHED_TOKENS": str(max(512, 16 * max_seqs))}
+           "SLUICE_ENGINE_MAX_NUM_BATCHED_TOKENS": str(max(512, 16 * max_seqs)),
+           "SLUICE_DISPATCH_MAX_WORKER_WAITING": str(max_seqs)}
     with start_stack(config_dir, workdir, model_dir, env=env) as stack:
         summary = measure_overhead(stack, levels, per_level)
     summary["model"] = str(model_dir)

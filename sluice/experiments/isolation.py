@@ -38,8 +38,8 @@ from sluice.telemetry import percentile
 @dataclass(frozen=True, slots=True)
 class IsolationLoad:
     flood: int = 2000
-    interactive_requests: int = 40
-    interactive_rate: float = 1.0  # requests/s
+    interactive_requests: int = 30
+    interactive_rate: float = 1.5  # requests/s
     interactive_prompt: int = 64
     interactive_output: int = 16
     flood_prompt: int = 64
@@ -103,8 +103,8 @@ def run_arm(priority: bool, model_dir: Path, config_dir: str, load: IsolationLoa
                                                   default_class="interactive")
         batch_key = stack.create_tenant_key("bench-batch", ceiling="batch", default_class="batch")
         scenario = _interactive_scenario(stack.model, interactive_key, load, seed)
-        # Warm-up: the first requests pay for lazy imports and Kafka metadata.
-        warm_up = dataclasses.replace(scenario, max_requests=3)
+        # Warm-up: the first requests pay for lazy imports, Kafka metadata and first-shape costs.
+        warm_up = dataclasses.replace(scenario, max_requests=max(3, load.interactive_requests // 3))
         asyncio.run(run_scenario(warm_up, stack.base_url, progress=False))
         baseline = asyncio.run(run_scenario(scenario, stack.base_url, progress=False))
         submitted = time.time()

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sluice.protocol import Priority, SamplingParams
 from sluice.telemetry import RequestRecord, records_from_results
@@ -39,11 +40,11 @@ class ReplayResult:
     num_steps: int
 
 
-def build_engine(model_dir: Path, *, cpu_threads: int = 1, **overrides: object) -> LLMEngine:
+def build_engine(model_dir: Path, *, cpu_threads: int = 1, **overrides: Any) -> LLMEngine:
     """An engine for an experiment. On CPU, torch's intra-op threads are pinned to `cpu_threads`:
     on a shared machine, spinning worker threads that wait for busy cores slow a step down by
     an order of magnitude and make every timing noise (1 thread is the reproducible choice)."""
-    settings: dict[str, object] = {"device": "cpu", "seed": 0, **overrides}
+    settings: dict[str, Any] = {"device": "cpu", "seed": 0, **overrides}
     if settings["device"] == "cpu":
         import torch
 

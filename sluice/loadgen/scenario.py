@@ -274,10 +274,8 @@ def parse_scenario(data: dict[str, Any], path: str = "<scenario>", base: Path | 
             btable = ctx.table(burst, bwhere, {"at_s", "count"})
             bursts.append(Burst(ctx.number(btable, "at_s", bwhere, allow_zero=True),
                                 ctx.integer(btable, "count", bwhere)))
-        if api == "batch":
-            arrival = Arrival("batch")
-        else:
-            arrival = _arrival(ctx, table.get("arrival"), f"{where}.arrival")
+        # A batch workload is one submission, not an arrival process.
+        arrival = Arrival("batch") if api == "batch" else _arrival(ctx, table.get("arrival"), f"{where}.arrival")
         workloads.append(Workload(
             name=ctx.string(table, "name", where, default=f"workload{i}"),
             tenant=tenants[tenant_name], arrival=arrival,

@@ -14,7 +14,7 @@ from sluice.broker import free_port
 from sluice.gateway.app import create_app
 from sluice.gateway.batches import batch_components
 from sluice.gateway.kafka_backend import KafkaBackend
-from sluice.settings import AdminSettings, DatabaseSettings, TenantSeed
+from sluice.settings import AdminSettings, DatabaseSettings, QuotaSeed, TenantSeed
 
 from .conftest import make_settings, wait_for
 
@@ -52,7 +52,8 @@ async def gateway(bootstrap_servers: str, demo_model_dir: Path, database_url: st
         demo_model_dir,
         database=DatabaseSettings(url=database_url),
         admin=AdminSettings(token=ADMIN_TOKEN),
-        tenants=(TenantSeed(name="acme", default_class="standard"), TenantSeed(name="other")),
+        tenants=(TenantSeed(name="acme", default_class="standard"), TenantSeed(name="other"),
+                 TenantSeed(name="narrow", quotas=QuotaSeed(max_concurrent=2))),
     )
     batches = batch_components(settings)
     backend = KafkaBackend(settings, batch_handler=batches.handler, worker_port=worker_port)
@@ -70,7 +71,7 @@ async def gateway(bootstrap_servers: str, demo_model_dir: Path, database_url: st
         tenants = (await client.get("/admin/tenants", headers=admin)).json()
         ids = {t["name"]: t["id"] for t in (tenants["data"] if isinstance(tenants, dict) else tenants)}
         keys = {}
-        for name in ("acme", "other"):
+        for name in ("acme", "other", "narrow"):
             created = await client.post(
                 f"/admin/tenants/{ids[name]}/keys", json={"name": "test"}, headers=admin
             )
@@ -173,3 +174,15 @@ async def test_cancel_ends_the_batch_with_each_line_answered_once(gateway) -> No
             ]
     assert sorted(ids) == sorted(f"c{i}" for i in range(30))
     assert done.request_counts.completed + done.request_counts.failed == 30
+
+
+async def test_lines_over_a_rate_limit_wait_instead_of_failing(gateway) -> None:
+    sdk, backend = gateway
+    narrow = sdk["narrow"]  # at most 2 requests in flight: the other lines are deferred, not failed
+    uploaded = await narrow.files.create(file=("in.jsonl", jsonl(6, max_tokens=8)), purpose="batch")
+    batch = await narrow.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    done = await wait_done(narrow, batch.id)
+    assert done.status == "completed"
+    assert done.request_counts.completed == 6 and done.request_counts.failed == 0
+    assert backend.deferrals_total > 0 and backend.deferred == 0

@@ -74,9 +74,10 @@ async def test_stream_completes_with_every_token(backend: KafkaBackend) -> None:
 
 
 async def test_interactive_jumps_the_batch_queue_and_preempts(backend: KafkaBackend) -> None:
-    batch = [await backend.submit(request(f"bulk{i % 2}", Priority.BATCH, 48)) for i in range(8)]
+    batch = [await backend.submit(request(f"bulk{i % 2}", Priority.BATCH, 160)) for i in range(7)]
     first_token: dict[str, float] = {}
     finished: dict[str, float] = {}
+    reasons: dict[str, FinishReason] = {}
 
     async def watch(sub) -> None:
         async for delta in sub:
@@ -84,23 +85,34 @@ async def test_interactive_jumps_the_batch_queue_and_preempts(backend: KafkaBack
                 first_token[sub.request_id] = time.monotonic()
             if delta.finish_reason is not None:
                 finished[sub.request_id] = time.monotonic()
+                reasons[sub.request_id] = delta.finish_reason
 
     watchers = [asyncio.create_task(watch(s)) for s in batch]
-    # Saturate: both engine slots busy with batch work, and batch work queued at the gateway.
+    # Saturate: both engine slots busy with batch work, two more waiting at the worker, and batch
+    # work queued at the gateway.
     await wait_for(lambda: len(first_token) >= 2, 60, "batch work to start")
-    queued_at_submit = {job.request_id for job in (p.payload for p in backend.dispatcher.scheduler.items())}
-    assert len(queued_at_submit) >= 3
     running_at_submit = set(first_token) - set(finished)
     interactive = await backend.submit(request("chat", Priority.INTERACTIVE, 4))
     await asyncio.wait_for(watch(interactive), 60)
+    ij = interactive.job
+    assert ij is not None and ij.dispatch_time is not None
+    # No batch request went out between the interactive one entering the scheduler and its dispatch
+    # (FIFO would have sent the batch head first), and batch work queued then went out after it.
+    later = [s for s in batch if s.dispatch_time is None or s.dispatch_time > ij.queued_at]
+    assert later
+    assert all(s.dispatch_time is None or s.dispatch_time >= ij.dispatch_time for s in later)
+    # Served while batch work held both engine slots: with max_num_seqs 2, a third stream can only
+    # run if the engine preempted one of them for it.
     inter_first = first_token[interactive.request_id]
-    # Dispatched ahead of every batch request still queued at the gateway ...
-    assert all(first_token.get(rid, float("inf")) > inter_first for rid in queued_at_submit)
-    # ... and served while the engine's slots were held by batch work (it was preempted for it).
-    assert any(finished.get(rid, float("inf")) > inter_first for rid in running_at_submit)
-    assert backend.dispatcher.workers["w1"].capacity.num_preemptions > 0
+    still_running = [rid for rid in running_at_submit if finished.get(rid, float("inf")) > inter_first]
+    assert still_running
+    if len(still_running) == 2:
+        assert backend.dispatcher.workers["w1"].capacity.num_preemptions > 0
+    for sub in batch:  # enough seen: end the rest early
+        await sub.abort()
     await asyncio.wait_for(asyncio.gather(*watchers), 120)
-    assert len(finished) == 9  # nothing lost
+    assert len(finished) == 8  # every stream ended with a final delta: nothing lost
+    assert set(reasons.values()) <= {FinishReason.LENGTH, FinishReason.ABORT}
 
 
 async def test_equal_weights_light_tenant_is_not_starved(backend: KafkaBackend) -> None:

@@ -43,3 +43,14 @@ def test_gateway_address_parsing() -> None:
     for bad in ("8100", "host:", "host:0", "host:99999", ":80"):
         with pytest.raises(ValueError, match="HOST:PORT"):
             parse_address(bad)
+
+
+def test_worker_command_rejects_bad_flags_in_one_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from sluice.cli import main
+
+    assert main(["worker", "--model", str(tmp_path / "none"), "--gateway", "127.0.0.1:8100"]) == 2
+    assert "model directory" in capsys.readouterr().err
+    assert main(["worker", "--model", str(tmp_path), "--gateway", "nowhere"]) == 2
+    assert "HOST:PORT" in capsys.readouterr().err
+    assert main(["worker", "--model", str(tmp_path), "--gateway", "h:1", "--heartbeat-interval", "0"]) == 2
+    assert "--heartbeat-interval" in capsys.readouterr().err

@@ -93,5 +93,5 @@ def test_bad_environment_override_names_the_variable(config_dir: Path) -> None:
 
 def test_binary_garbage_is_a_clear_error(config_dir: Path) -> None:
     (config_dir / "sluice.toml").write_bytes(b"\xff\xfe\x00garbage")
-    with pytest.raises(ConfigError, match="sluice.toml"):
+    with pytest.raises(ConfigError, match=r"sluice\.toml"):
         load_settings(config_dir, environ={})

@@ -23,12 +23,18 @@ class Clock:
         return self.now
 
 
-def tenant(**limits: int | None) -> TenantContext:
+def tenant(
+    tenant_id: str = "t1",
+    *,
+    ceiling: Priority = Priority.STANDARD,
+    default: Priority = Priority.STANDARD,
+    **limits: int | None,
+) -> TenantContext:
     return TenantContext(
-        id="t1",
-        name="t1",
-        priority_ceiling=Priority.STANDARD,
-        default_class=Priority.STANDARD,
+        id=tenant_id,
+        name=tenant_id,
+        priority_ceiling=ceiling,
+        default_class=default,
         weight=1.0,
         allowed_models=frozenset(),
         enabled=True,
@@ -121,27 +127,9 @@ async def test_per_request_caps_are_400() -> None:
 
 
 def test_priority_is_capped_by_ceiling() -> None:
-    batch_only = TenantContext(
-        id="b",
-        name="b",
-        priority_ceiling=Priority.BATCH,
-        default_class=Priority.BATCH,
-        weight=1.0,
-        allowed_models=frozenset(),
-        enabled=True,
-        limits=QuotaLimits(),
-    )
+    batch_only = tenant("b", ceiling=Priority.BATCH, default=Priority.BATCH)
     assert resolve_priority(batch_only, "priority") is Priority.BATCH
-    vip = TenantContext(
-        id="v",
-        name="v",
-        priority_ceiling=Priority.INTERACTIVE,
-        default_class=Priority.STANDARD,
-        weight=1.0,
-        allowed_models=frozenset(),
-        enabled=True,
-        limits=QuotaLimits(),
-    )
+    vip = tenant("v", ceiling=Priority.INTERACTIVE, default=Priority.STANDARD)
     assert resolve_priority(vip, "priority") is Priority.INTERACTIVE
     assert resolve_priority(vip, None) is Priority.STANDARD
     assert resolve_priority(vip, "flex") is Priority.BATCH

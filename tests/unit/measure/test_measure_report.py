@@ -1,0 +1,43 @@
+"""Report arithmetic on hand-made client results: goodput, grouping, error counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.loadgen.client import ClientResult, RequestSpec
+from sluice.loadgen.report import meets_slo, summarize
+from sluice.loadgen.scenario import Slo
+
+pytestmark = pytest.mark.unit
+
+
+def _result(sent: float, token_times: list[float], error: str = "", tenant: str = "t") -> ClientResult:
+    spec = RequestSpec(local_id="x", workload="w", tenant=tenant, api_key="sk-secret", prompt="p", max_tokens=4,
+                       service_tier="priority", ignore_eos=True, temperature=0.0)
+    return ClientResult(spec=spec, sent=sent, request_id=f"id-{sent}",
+                        first_token=token_times[0] if token_times else None, token_times=token_times,
+                        finish=(token_times or [sent])[-1], completion_tokens=len(token_times), error=error)
+
+
+def test_goodput_counts_requests_meeting_both_slos() -> None:
+    slo = Slo(ttft_s=1.0, itl_s=0.2)
+    fast = _result(0.0, [0.5, 0.6, 0.7])
+    slow_start = _result(0.0, [1.5, 1.6])
+    stalling = _result(0.0, [0.1, 0.2, 1.2])  # one 1 s gap: its own ITL p95 is above 0.2 s
+    single = _result(0.0, [0.3])  # one token: no gaps, meets the ITL SLO trivially
+    failed = _result(0.0, [], error="http_429")
+    assert [meets_slo(r, slo) for r in (fast, slow_start, stalling, single, failed)] == [
+        True, False, False, True, False]
+    summary = summarize([fast, slow_start, stalling, single, failed], wall_s=2.0, slo=slo)
+    assert summary["goodput_rps"] == pytest.approx(1.0)
+    assert summary["slo_attainment"] == pytest.approx(2 / 5)
+    assert summary["errors"] == {"http_429": 1}
+    assert summary["succeeded"] == 4
+    assert summary["max_itl_s"] == pytest.approx(1.0)
+    assert summary["output_token_throughput_tps"] == pytest.approx(9 / 2.0)
+
+
+def test_the_record_of_a_client_result_carries_no_key_or_prompt() -> None:
+    record = _result(0.0, [0.5, 0.6]).to_record("m")
+    encoded = repr(record)
+    assert "sk-secret" not in encoded and record.ttft_s == pytest.approx(0.5)
