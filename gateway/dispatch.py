@@ -238,8 +238,12 @@ class Dispatcher:
     def _pick_worker(self, job: Job) -> WorkerConn | None:
         limit = self.settings.dispatch.max_worker_waiting
         request = job.request
-        candidates = [w for w in self.workers.values()
-                      if request.model in w.models and w.has_room_for(request.priority, limit)]
+        if self.settings.scheduler.priority_enabled:
+            candidates = [w for w in self.workers.values()
+                          if request.model in w.models and w.has_room_for(request.priority, limit)]
+        else:  # one class at the engine too: nothing may overtake, the plain queue bound applies
+            candidates = [w for w in self.workers.values()
+                          if request.model in w.models and w.est_waiting < limit]
         return min(candidates, key=lambda w: w.load, default=None)
 
     def dispatch_ready(self) -> int:

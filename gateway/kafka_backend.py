@@ -216,7 +216,8 @@ class KafkaBackend:
             return
         sink: DeltaSink
         if request.batch_id is not None:
-            verdict = False if self.batch_handler is None else await self.batch_handler.prepare(request)
+            handler = self.batch_handler
+            verdict = False if handler is None else await handler.prepare(request)
             if isinstance(verdict, Defer):
                 # Later, without holding up the consumer: other tenants' lines keep flowing. It
                 # counts toward the class's in-memory backlog meanwhile (a rate-limited flood pauses
@@ -229,7 +230,8 @@ class KafkaBackend:
             if not verdict:
                 self._finish_ref(ref)
                 return
-            sink = self.batch_handler.collector(request)
+            assert handler is not None  # verdict True implies a handler; for the type checker
+            sink = handler.collector(request)
         else:
             stream = self._streams.get(request.request_id)
             if stream is None or stream.aborted:

@@ -410,7 +410,14 @@ class BatchService:
         log.info("batch %s %s: %d ok, %d failed", batch_id, target, len(ok), len(bad))
 
     async def recover(self) -> None:
-        """At start-up: finish batches whose results were all stored before a crash."""
+        """At start-up: fail batches whose queueing a crash interrupted (their creator never got an
+        answer, and some lines never reached Kafka), and finish batches whose results were all
+        stored before a crash. One gateway owns the batches (several replicas would need a lease)."""
+        async with self.sessions() as session, session.begin():
+            await session.execute(update(Batch).where(Batch.status == "validating").values(
+                status="failed", failed_at=utcnow(),
+                errors=[{"code": "interrupted", "param": None, "line": None,
+                         "message": "The gateway restarted while queueing this batch; submit it again."}]))
         async with self.sessions() as session:
             ids = (
                 await session.scalars(
