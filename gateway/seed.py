@@ -24,6 +24,7 @@ async def seed_tenants(
     With `demo_key_for` naming a seed tenant that has no usable key, creates one key for it and
     returns it (to be printed once); otherwise returns None. Never creates other keys.
     """
+    created = 0
     for seed in seeds:
         if await admin.find_tenant_id(seed.name) is not None:
             continue
@@ -37,7 +38,10 @@ async def seed_tenants(
             quotas=Quotas(**{f: getattr(seed.quotas, f) for f in QUOTA_FIELDS}),
         )
         tenant = await admin.create_tenant(body, actor=SEED_ACTOR)
-        log.info("seeded tenant %s (%s)", seed.name, tenant.id)
+        log.debug("seeded tenant %s (%s)", seed.name, tenant.id)
+        created += 1
+    if created:
+        log.info("seeded %d tenant(s); %d already existed", created, len(seeds) - created)
     if demo_key_for is None:
         return None
     tenant_id = await admin.find_tenant_id(demo_key_for)

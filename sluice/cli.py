@@ -121,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Libraries that narrate every start-up step at INFO; their warnings still show.
+    for noisy in ("alembic", "aiokafka"):
+        logging.getLogger(noisy).setLevel(max(logging.getLogger().level, logging.WARNING))
     try:
         return int(args.handler(args) or 0)
     except (SluiceError, ValueError) as exc:

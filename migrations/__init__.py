@@ -1,0 +1,1 @@
+"""Alembic revisions of the gateway database (packaged as sluice.migrations)."""
