@@ -10,17 +10,18 @@ position seq_lens[b] - q_len_b + i and attends causally to positions 0..that pos
 
 Two torch implementations live here: `paged_attention_ref`, a per-sequence loop that is the
 ground truth every other implementation is tested against, and `paged_attention_torch`, the
-batched CPU hot path (padded gather + one masked softmax per group of sequences) that
-`Ops("torch")` uses. The Triton kernels live in `paged_decode.py` and `paged_prefill.py`.
+batched CPU hot path (padded gather + one fused masked attention call per group of sequences)
+that `Ops("torch")` uses. The Triton kernels live in `paged_decode.py` and `paged_prefill.py`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,9 @@ class AttentionMetadata:
     # Host-side copies so the torch path never synchronises with the device.
     query_start_loc_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    # Per-step scratch: `paged_attention_torch` keeps its gather plan here, so the other layers of
+    # the step reuse what the first one built (the metadata of a step is never mutated).
+    plan_cache: dict[tuple[object, ...], list[_GroupPlan]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -80,9 +84,9 @@ def paged_attention_ref(
     return out
 
 
-# Upper bound on the float32 elements one padded group may materialise (scores plus gathered
-# K and V): 2**25 elements = 128 MiB. Larger batches are split into several groups, and a chunk
-# too large on its own is split by query rows.
+# Upper bound on the float32 elements one padded group may materialise (scores or mask, plus
+# gathered K and V): 2**25 elements = 128 MiB. Larger batches are split into several groups, and
+# a chunk too large on its own is split by query rows.
 _GROUP_ELEMENT_BUDGET = 1 << 25
 
 
@@ -96,6 +100,23 @@ class _Piece(NamedTuple):
     context_len: int
 
 
+class _GroupPlan(NamedTuple):
+    """The layer-independent part of one group's attention: built once per step."""
+
+    num_pieces: int  # G
+    rows_per_piece: int  # R: query rows per piece, padded to the group's longest
+    blocks: torch.Tensor  # [G * num_blocks] int64: the pieces' block tables, flattened
+    # [G * R] int64 token row of each (piece, row), padded rows repeat a real one; None when the
+    # group is G consecutive decode tokens starting at `first_token`.
+    token_index: torch.Tensor | None
+    first_token: int
+    # float32 additive mask, 0 where a key is visible and -inf where not: [G, 1, 1, L] for decodes,
+    # [G, 1, R * group, L] for chunks, broadcast over the KV heads by the attention call.
+    mask: torch.Tensor
+    # Rows of the [G * R] result that are real (None: all of them); they go to those token rows.
+    real_rows: torch.Tensor | None
+
+
 def paged_attention_torch(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -106,13 +127,44 @@ def paged_attention_torch(
     """Batched torch implementation with the same semantics as `paged_attention_ref`.
 
     Sequences are split into decodes (one query token) and chunks (several), and each kind is
-    cut into groups that fit `_GROUP_ELEMENT_BUDGET`; each group gathers its K/V into a padded
-    [G, L, Hkv, D] tensor and runs one masked softmax per KV head, so a decode batch costs a
-    handful of large matmuls instead of one small matmul chain per sequence.
+    cut into groups that fit `_GROUP_ELEMENT_BUDGET`. Each group gathers its K/V blocks into a
+    padded [G, L, Hkv, D] tensor and runs one fused `scaled_dot_product_attention` with an
+    additive mask; the query heads that share a KV head are stacked as extra query rows, so K/V
+    are never repeated. The plan (grouping, block indices, masks) depends only on the metadata:
+    the first layer of a step builds it and the others reuse it.
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    key = (num_q_heads, num_kv_heads, head_dim, block_size, q.device)
+    plan = meta.plan_cache.get(key)
+    if plan is None:
+        plan = _build_plan(meta, num_q_heads, num_kv_heads, head_dim, block_size, q.device)
+        meta.plan_cache[key] = plan
+    num_tokens = q.shape[0]
+    if len(plan) == 1 and plan[0].token_index is None and plan[0].num_pieces == num_tokens:
+        # A decode-only batch in one group (the common step): the result rows are the output.
+        return _attend_group(q, k_cache, v_cache, plan[0], scale).to(q.dtype)
     out = torch.empty_like(q)
+    for group in plan:
+        attn = _attend_group(q, k_cache, v_cache, group, scale)  # [G * R, Hq, D]
+        if group.token_index is None:
+            out[group.first_token:group.first_token + group.num_pieces] = attn
+            continue
+        dst = group.token_index
+        if group.real_rows is not None:
+            attn, dst = attn.index_select(0, group.real_rows), dst.index_select(0, group.real_rows)
+        out.index_copy_(0, dst, attn.to(out.dtype))
+    return out
+
+
+def _build_plan(
+    meta: AttentionMetadata,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    device: torch.device,
+) -> list[_GroupPlan]:
     starts = meta.query_start_loc_host
     decodes: list[_Piece] = []
     chunks: list[_Piece] = []
@@ -127,10 +179,11 @@ def paged_attention_torch(
         for first in range(0, q_len, rows):
             n = min(rows, q_len - first)
             chunks.append(_Piece(b, starts[b] + first, n, seq_len - q_len + first + n))
+    plan: list[_GroupPlan] = []
     for pieces in (decodes, chunks):
         for group in _split_by_budget(pieces, num_q_heads, num_kv_heads, head_dim):
-            _attend_group(q, k_cache, v_cache, meta, scale, group, out)
-    return out
+            plan.append(_plan_group(meta, group, num_q_heads // num_kv_heads, block_size, device))
+    return plan
 
 
 def _split_by_budget(
@@ -153,58 +206,58 @@ def _split_by_budget(
     return groups
 
 
-def _attend_group(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    group: list[_Piece],
-    out: torch.Tensor,
-) -> None:
-    """Padded attention for the pieces in `group`; writes their rows of `out`."""
-    device = q.device
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group_size = num_q_heads // num_kv_heads
-    max_q = max(p.num_rows for p in group)
-    max_len = max(p.context_len for p in group)
+def _plan_group(
+    meta: AttentionMetadata, group: list[_Piece], group_size: int, block_size: int, device: torch.device
+) -> _GroupPlan:
     num_pieces = len(group)
-
-    q_starts = torch.tensor([p.token_start for p in group], device=device)
-    q_lens = torch.tensor([p.num_rows for p in group], device=device)
-    ctx_lens = torch.tensor([p.context_len for p in group], device=device)
-    rows = torch.arange(max_q, device=device)
-    valid_rows = rows[None, :] < q_lens[:, None]  # [G, max_q]
-    token_idx = torch.where(valid_rows, q_starts[:, None] + rows[None, :], 0)  # [G, max_q]
-
-    # qh: [G, Hkv, max_q * group, D], rows ordered (query token, head in group); padded rows
-    # repeat token 0 and are dropped at the end.
-    qg = q[token_idx].float().view(num_pieces, max_q, num_kv_heads, group_size, head_dim)
-    qh = qg.permute(0, 2, 1, 3, 4).reshape(num_pieces, num_kv_heads, max_q * group_size, head_dim)
-
-    # k, v: [G, L, Hkv, D] gathered through the block tables; padded table entries are masked.
-    num_blocks = (max_len + block_size - 1) // block_size
+    max_q = max(p.num_rows for p in group)
+    num_blocks = (max(p.context_len for p in group) + block_size - 1) // block_size
     index = torch.tensor([p.seq for p in group], device=meta.block_tables.device)
     blocks = meta.block_tables[index, :num_blocks].to(device=device, dtype=torch.long).flatten()
-    k = k_cache.index_select(0, blocks).view(num_pieces, -1, num_kv_heads, head_dim)[:, :max_len].float()
-    v = v_cache.index_select(0, blocks).view(num_pieces, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    ctx_lens = torch.tensor([p.context_len for p in group], device=device)
+    k_pos = torch.arange(num_blocks * block_size, device=device)
+    first = group[0].token_start
+    if max_q == 1:
+        consecutive = all(p.token_start == first + i for i, p in enumerate(group))
+        token_index = None if consecutive else torch.tensor([p.token_start for p in group], device=device)
+        hidden = (k_pos[None, :] >= ctx_lens[:, None])[:, None, None, :]  # [G, 1, 1, L]
+        real_rows = None
+    else:
+        q_lens = torch.tensor([p.num_rows for p in group], device=device)
+        rows = torch.arange(max_q, device=device)
+        valid = rows[None, :] < q_lens[:, None]  # [G, max_q]
+        starts = torch.tensor([p.token_start for p in group], device=device)
+        token_index = torch.where(valid, starts[:, None] + rows[None, :], starts[:, None]).flatten()
+        real_rows = None if bool(valid.all()) else valid.flatten().nonzero().flatten()
+        q_pos = (ctx_lens - q_lens)[:, None] + rows[None, :]  # [G, max_q]
+        # Key j is visible to row i when j <= pos(i) and j < context_len; a padded row (i >= rows)
+        # has pos >= context_len, so it still sees every real key and never yields NaN.
+        visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
+        hidden = ~visible.repeat_interleave(group_size, dim=1)[:, None]  # [G, 1, max_q * group, L]
+    mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
+    return _GroupPlan(num_pieces, max_q, blocks, token_index, first, mask, real_rows)
 
-    q_pos = (ctx_lens - q_lens)[:, None] + rows[None, :]  # [G, max_q]
-    k_pos = torch.arange(max_len, device=device)
-    # Key j is visible to row i when j <= pos(i) and j < context_len; a padded row (i >= rows)
-    # has pos >= context_len, so it still sees every real key and never yields NaN.
-    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
-    hidden = ~visible.repeat_interleave(group_size, dim=1)  # [G, max_q * group, L]
 
-    # One batched matmul pair per KV head: k[:, :, h] is a strided [G, L, D] view that bmm
-    # reads in place, where a single 5-D einsum would first copy K and V into a new layout.
-    attn = torch.empty(num_pieces, num_kv_heads, max_q * group_size, head_dim, device=device)
-    for h in range(num_kv_heads):
-        scores = torch.matmul(qh[:, h], k[:, :, h].transpose(1, 2)) * scale  # [G, max_q * group, L]
-        scores.masked_fill_(hidden, float("-inf"))
-        attn[:, h] = torch.matmul(torch.softmax(scores, dim=-1), v[:, :, h])
-    # attn -> [G, max_q, Hq, D]
-    attn = attn.view(num_pieces, num_kv_heads, max_q, group_size, head_dim).permute(0, 2, 1, 3, 4)
-    attn = attn.reshape(num_pieces, max_q, num_q_heads, head_dim)
-    out[token_idx[valid_rows]] = attn[valid_rows].to(out.dtype)
+def _attend_group(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _GroupPlan, scale: float
+) -> torch.Tensor:
+    """Attention for one planned group: returns [G * R, Hq, D] float32 in (piece, row) order."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group_size = num_q_heads // num_kv_heads
+    num_pieces, max_q = group.num_pieces, group.rows_per_piece
+    if group.token_index is None:
+        qg = q[group.first_token:group.first_token + num_pieces]
+    else:
+        qg = q.index_select(0, group.token_index)
+    # qh: [G, Hkv, R * group, D], rows ordered (query token, head in group): the query heads that
+    # share a KV head become extra query rows of it.
+    qh = qg.float().reshape(num_pieces, max_q, num_kv_heads, group_size, head_dim)
+    qh = qh.transpose(1, 2).reshape(num_pieces, num_kv_heads, max_q * group_size, head_dim)
+    # k, v: [G, Hkv, L, D], strided views of the gathered blocks (SDPA reads them in place).
+    k = k_cache.index_select(0, group.blocks).float().view(num_pieces, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, group.blocks).float().view(num_pieces, -1, num_kv_heads, head_dim).transpose(1, 2)
+    attn = F.scaled_dot_product_attention(qh, k, v, attn_mask=group.mask, scale=scale)
+    # attn: [G, Hkv, R * group, D] -> [G * R, Hq, D]
+    attn = attn.view(num_pieces, num_kv_heads, max_q, group_size, head_dim).transpose(1, 2)
+    return attn.reshape(num_pieces * max_q, num_q_heads, head_dim)
