@@ -74,8 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="running-request counts for the scheduler CPU-time measurement")
     # One thread by default: on a shared host, intra-op threads waiting for each other dominate the
     # small ops of a small model and make both sides' numbers swing tenfold between runs.
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads for both HF and sluice (default 1; 0 = all cores)")
+    # Both sides get the same threads. All cores is the honest default for "this machine"; on a
+    # machine shared with other work, --threads 1 keeps one process from starving the other.
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads for both HF and sluice (default 0 = all cores)")
 
 
 def make_requests(num: int, seed: int, prompt_len: LengthDist, output_len: LengthDist,
