@@ -35,13 +35,13 @@ class PoliciesLoad:
     stream_output: int = 160
     long_prompt: int = 3072
     long_output: int = 16
-    long_at_s: float = 1.0  # the streams are all decoding by then
+    long_after_tokens: int = 16  # the long prompt arrives once every stream has this many tokens
     chunk: int = 256
 
     @classmethod
     def quick(cls) -> PoliciesLoad:
         return cls(streams=3, stream_prompt=16, stream_output=32, long_prompt=256, long_output=4,
-                   long_at_s=0.2, chunk=64)
+                   long_after_tokens=8, chunk=64)
 
     def requests(self, vocab: int, seed: int) -> list[TimedRequest]:
         rng = random.Random(seed)
@@ -49,10 +49,11 @@ class PoliciesLoad:
         def prompt(n: int) -> tuple[int, ...]:
             return tuple(rng.randrange(16, vocab) for _ in range(n))  # skip special-token ids
 
-        reqs = [TimedRequest(f"stream-{i}", 0.01 * i, prompt(self.stream_prompt), self.stream_output)
+        # The streams arrive together, so static batching runs them as one batch, as the others do.
+        reqs = [TimedRequest(f"stream-{i}", 0.0, prompt(self.stream_prompt), self.stream_output)
                 for i in range(self.streams)]
-        reqs.append(TimedRequest("long", self.long_at_s, prompt(self.long_prompt), self.long_output,
-                                 role="long"))
+        reqs.append(TimedRequest("long", 0.0, prompt(self.long_prompt), self.long_output, role="long",
+                                 after=("stream", self.long_after_tokens)))
         return reqs
 
 
@@ -109,7 +110,8 @@ def run_policies(
                              and stall_ratio >= 3.0 and ttft_ratio <= 1.5),
         "load": {"streams": load.streams, "stream_prompt_tokens": load.stream_prompt,
                  "stream_output_tokens": load.stream_output, "long_prompt_tokens": load.long_prompt,
-                 "long_output_tokens": load.long_output, "long_arrives_at_s": load.long_at_s,
+                 "long_output_tokens": load.long_output,
+                 "long_arrives_after_stream_tokens": load.long_after_tokens,
                  "chunk": load.chunk, "seed": seed, "model": str(model_dir), "device": device,
                  "cpu_threads": cpu_threads},
         "policies": per_policy,
@@ -129,8 +131,9 @@ def plot_policies(summary: dict[str, Any], runs: dict[str, ReplayResult], path: 
                 for a, b in itertools.pairwise(times):
                     xs.append(b - start)
                     ys.append(b - a)
-        timeline.scatter(xs, ys, s=4, label=policy)
-    timeline.axvline(summary["load"]["long_arrives_at_s"], color="grey", linestyle="--", linewidth=1)
+        points = timeline.scatter(xs, ys, s=4, label=policy)
+        long = next(r for r in run.records if run.roles[r.request_id] == "long")
+        timeline.axvline(long.arrival - start, color=points.get_facecolor()[0], linestyle="--", linewidth=1)
     timeline.set(yscale="log", xlabel="time (s)", ylabel="gap between stream tokens (s)",
                  title="Streams' inter-token gaps; dashed = long prompt arrives")
     timeline.legend(fontsize=8)

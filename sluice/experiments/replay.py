@@ -29,6 +29,10 @@ class TimedRequest:
     max_tokens: int
     role: str = "stream"  # free-form tag the experiment uses to group results
     priority: Priority = Priority.STANDARD
+    # (role, n): arrive only once every request of that role has streamed n tokens (and the
+    # offset has passed). Ties an arrival to the load's progress rather than to the clock, so
+    # "a long prompt arrives while streams decode" holds on a slow CPU and on a fast GPU alike.
+    after: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,33 +64,42 @@ def warm_up(engine: LLMEngine, prompt_len: int) -> None:
 
 def replay(engine: LLMEngine, requests: Sequence[TimedRequest], *, model: str = "demo",
            time_limit_s: float = 600.0) -> ReplayResult:
-    """Run `requests` to completion, adding each at its offset; steps back to back meanwhile."""
+    """Run `requests` to completion, adding each at its offset (or trigger); steps back to back."""
     pending = sorted(requests, key=lambda r: r.offset_s)
     results: dict[str, GenerationResult] = {}
     roles = {r.request_id: r.role for r in pending}
     start = time.time()
     steps = 0
-    i = 0
-    while i < len(pending) or engine.has_work:
+
+    def due(req: TimedRequest, now: float) -> bool:
+        if req.offset_s > now - start:
+            return False
+        if req.after is None:
+            return True
+        role, n = req.after
+        started = [results[rid] for rid, r in roles.items() if r == role and rid in results]
+        return bool(started) and all(len(result.token_ids) >= n for result in started)
+
+    while pending or engine.has_work:
         now = time.time()
         if now - start > time_limit_s:
             raise RuntimeError(f"the replay did not finish within {time_limit_s:.0f} s")
-        while i < len(pending) and pending[i].offset_s <= now - start:
-            req = pending[i]
+        for req in [r for r in pending if due(r, now)]:
+            pending.remove(req)
             sampling = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
-            arrival = start + req.offset_s
+            # A timed arrival is charged from its scheduled time; a triggered one from now.
+            arrival = now if req.after is not None else start + req.offset_s
             engine.add_request(req.request_id, list(req.prompt_token_ids), sampling,
                                priority=req.priority, arrival_time=arrival)
             results[req.request_id] = GenerationResult(req.request_id, list(req.prompt_token_ids),
                                                        arrival_time=arrival)
-            i += 1
         if engine.has_work:
             for delta in engine.step():
                 if delta.request_id in results:
                     accumulate(results[delta.request_id], delta)
             steps += 1
-        elif i < len(pending):
-            time.sleep(max(0.0, start + pending[i].offset_s - time.time()))
+        elif pending:  # idle: wait for the next timed arrival (a trigger cannot fire while idle)
+            time.sleep(max(0.0, start + min(r.offset_s for r in pending) - time.time()))
     wall = time.time() - start
     records = records_from_results(results.values(), model=model)
     return ReplayResult(records=records, token_times={k: v.token_times for k, v in results.items()},
