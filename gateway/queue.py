@@ -226,6 +226,7 @@ class ClassConsumer:
             auto_offset_reset="earliest",
             max_partition_fetch_bytes=s.max_request_bytes,
             fetch_max_bytes=max(s.max_request_bytes, 50 * 2**20),
+            fetch_max_wait_ms=s.fetch_max_wait_ms,
         )
         await self._consumer.start()
         # Manual assignment of every partition, with the group used only for committed offsets:
