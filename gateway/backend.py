@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -64,17 +64,25 @@ class GenerationBackend(Protocol):
 # ---- in-process engine backend -----------------------------------------------------------------
 
 
-class _LocalSubmission:
-    """Deltas arrive from the engine thread through `_deliver` (called on the event loop)."""
+class QueuedSubmission:
+    """A Submission fed on the event loop through `deliver`; `abort` calls `on_abort` once.
 
-    def __init__(self, request_id: str, runner: _EngineThread) -> None:
+    Both backends stream this way: the local one from its engine thread, the Kafka one from the
+    dispatcher's worker connections.
+    """
+
+    def __init__(self, request_id: str, on_abort: Callable[[str], None]) -> None:
         self.request_id = request_id
-        self._runner = runner
+        self._on_abort = on_abort
         self._queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._finished = False
         self._aborted = False
 
-    def _deliver(self, delta: RequestDelta) -> None:
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def deliver(self, delta: RequestDelta) -> None:
         self._queue.put_nowait(delta)
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
@@ -88,7 +96,7 @@ class _LocalSubmission:
         if self._aborted or self._finished:
             return
         self._aborted = True
-        self._runner.abort(self.request_id)
+        self._on_abort(self.request_id)
 
 
 class _EngineThread:
@@ -105,7 +113,7 @@ class _EngineThread:
         self._commands: deque[tuple[str, Any]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
-        self._subs: dict[str, _LocalSubmission] = {}  # touched on the event loop only
+        self._subs: dict[str, QueuedSubmission] = {}  # touched on the event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.steps = 0
@@ -131,10 +139,10 @@ class _EngineThread:
     def live_requests(self) -> int:
         return len(self._subs)
 
-    def submit(self, request: GenerateRequest) -> _LocalSubmission:
+    def submit(self, request: GenerateRequest) -> QueuedSubmission:
         if request.request_id in self._subs:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        sub = _LocalSubmission(request.request_id, self)
+        sub = QueuedSubmission(request.request_id, self.abort)
         self._subs[request.request_id] = sub
         self._push(("add", request))
         return sub
@@ -154,7 +162,7 @@ class _EngineThread:
                 continue
             if delta.finish_reason is not None:
                 del self._subs[delta.request_id]
-            sub._deliver(delta)
+            sub.deliver(delta)
 
     def _apply(self, command: tuple[str, Any], out: list[RequestDelta]) -> None:
         kind, arg = command

@@ -17,13 +17,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from sluice import telemetry
-from sluice.gateway.backend import BackendUnavailable, ServedModel, Submission
+from sluice.gateway.backend import BackendUnavailable, QueuedSubmission, ServedModel, Submission
 from sluice.gateway.dispatch import DeltaSink, Dispatcher, Job
 from sluice.gateway.queue import ClassConsumer, QueueUnavailable, RecordRef, RequestLog, ensure_topics
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta
@@ -59,20 +58,12 @@ class BatchLineHandler(Protocol):
         ...
 
 
-class StreamSubmission:
+class StreamSubmission(QueuedSubmission):
     """A client's stream: deltas delivered by the dispatcher, read by the HTTP handler."""
 
     def __init__(self, request_id: str, backend: KafkaBackend) -> None:
-        self.request_id = request_id
-        self._backend = backend
-        self._queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self._finished = False
-        self._aborted = False
+        super().__init__(request_id, backend._abort)
         self.job: Job | None = None  # set once consumed from Kafka
-
-    @property
-    def aborted(self) -> bool:
-        return self._aborted
 
     @property
     def worker(self) -> str:
@@ -83,22 +74,6 @@ class StreamSubmission:
     def dispatch_time(self) -> float | None:
         """When it was sent to its worker (unix s): records split TTFT into gateway and engine parts."""
         return self.job.dispatch_time if self.job is not None else None
-
-    def deliver(self, delta: RequestDelta) -> None:
-        self._queue.put_nowait(delta)
-
-    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
-        while not self._finished:
-            delta = await self._queue.get()
-            if delta.finish_reason is not None:
-                self._finished = True
-            yield delta
-
-    async def abort(self) -> None:
-        if self._aborted or self._finished:
-            return
-        self._aborted = True
-        self._backend._abort(self.request_id)
 
 
 def _model_max_len(path: str, engine_options: dict[str, Any]) -> int:
