@@ -73,6 +73,16 @@ def key_out(key: ApiKey) -> KeyOut:
     )
 
 
+async def tenant_with_quota(session: AsyncSession, tenant_id: str) -> tuple[Tenant, Quota | None] | None:
+    """The tenant and its quota row (None when it has none), or None when there is no such tenant."""
+    row = (
+        await session.execute(
+            select(Tenant, Quota).outerjoin(Quota, Quota.tenant_id == Tenant.id).where(Tenant.id == tenant_id)
+        )
+    ).first()
+    return None if row is None else (row[0], row[1])
+
+
 class AdminService:
     def __init__(self, session_factory: async_sessionmaker[AsyncSession], auth: AuthService) -> None:
         self._sessions = session_factory
@@ -361,16 +371,10 @@ class AdminService:
 
     @staticmethod
     async def _load(session: AsyncSession, tenant_id: str) -> tuple[Tenant, Quota | None]:
-        row = (
-            await session.execute(
-                select(Tenant, Quota)
-                .outerjoin(Quota, Quota.tenant_id == Tenant.id)
-                .where(Tenant.id == tenant_id)
-            )
-        ).first()
-        if row is None:
+        found = await tenant_with_quota(session, tenant_id)
+        if found is None:
             raise _not_found("tenant", tenant_id)
-        return row[0], row[1]
+        return found
 
     @staticmethod
     async def _key(session: AsyncSession, tenant_id: str, key_id: str) -> ApiKey:

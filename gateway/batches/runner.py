@@ -20,12 +20,12 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from sluice.gateway.admin.service import tenant_with_quota
 from sluice.gateway.auth import TenantContext, tenant_context
 from sluice.gateway.batches.models import Batch, BatchResult
 from sluice.gateway.batches.service import RUNNABLE, BatchService
 from sluice.gateway.batches.views import line_number
 from sluice.gateway.db.base import utcnow
-from sluice.gateway.db.models import Quota, Tenant
 from sluice.gateway.kafka_backend import Defer
 from sluice.gateway.quotas import QuotaExceeded, QuotaService, Reservation
 from sluice.gateway.usage import UsageService
@@ -58,16 +58,10 @@ class BatchRunner:
         if cached is not None and time.monotonic() - cached[0] < TENANT_CACHE_S:
             return cached[1]
         async with self.service.sessions() as session:
-            row = (
-                await session.execute(
-                    select(Tenant, Quota)
-                    .outerjoin(Quota, Quota.tenant_id == Tenant.id)
-                    .where(Tenant.id == tenant_id)
-                )
-            ).first()
-        if row is None:
+            found = await tenant_with_quota(session, tenant_id)
+        if found is None:
             return None
-        context = tenant_context(row[0], row[1])
+        context = tenant_context(*found)
         self._tenants[tenant_id] = (time.monotonic(), context)
         return context
 
