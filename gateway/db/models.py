@@ -24,16 +24,11 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from sluice.gateway.db.base import Base, UTCDateTime, utcnow
+from sluice.settings import QuotaSeed
 
-QUOTA_FIELDS = (
-    "requests_per_minute",
-    "tokens_per_minute",
-    "tokens_per_day",
-    "max_concurrent",
-    "max_queued",
-    "max_prompt_tokens",
-    "max_output_tokens",
-)
+# The seven limits, named once (the seed file's struct); the table, the admin schemas and the
+# quota service spell the same names, which tests/unit/gateway/test_quota_fields.py holds together.
+QUOTA_FIELDS: tuple[str, ...] = QuotaSeed.__struct_fields__
 
 
 class Tenant(Base):
