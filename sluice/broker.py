@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -151,9 +150,3 @@ class EmbeddedBroker:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def broker_binary_available() -> bool:
-    try:
-        return shutil.which(str(find_broker_binary())) is not None
-    except CLIError:
-        return False

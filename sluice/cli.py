@@ -11,6 +11,7 @@ import importlib
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from sluice.errors import SluiceError
@@ -99,16 +100,13 @@ def _run_broker(args: argparse.Namespace) -> int:
     broker = EmbeddedBroker(host=args.host, port=args.port, storage=args.storage).start()
     print(f"sluice broker: Kafka protocol on {broker.bootstrap_servers} (storage {args.storage}); Ctrl-C stops it",
           flush=True)
-    stop = {"now": False}
-
-    def _stop(*_: object) -> None:
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
     try:
-        while not stop["now"] and broker.running:
-            signal.pause() if hasattr(signal, "pause") else None
+        # Polls rather than sleeping on a signal, so a broker that dies ends this command too.
+        while broker.running and not stopping.wait(0.5):
+            pass
     finally:
         broker.stop()
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,28 @@ def test_broker_with_missing_binary_is_one_line(tmp_path: Path) -> None:
     result = run_cli("broker", "--port", "0", env={"SLUICE_BROKER_BIN": str(tmp_path / "nope")})
     assert result.returncode == 2
     assert "not an executable file" in result.stderr
+
+
+def _wait_for_line(process: subprocess.Popen[str], needle: str) -> str:
+    assert process.stdout is not None
+    for line in process.stdout:
+        if needle in line:
+            return line
+    raise AssertionError(f"{needle!r} never printed")
+
+
+def test_foreground_broker_ends_when_the_broker_dies(tmp_path: Path) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "broker", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+    )
+    try:
+        _wait_for_line(process, "Kafka protocol on")
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        assert len(children) == 1
+        os.kill(int(children[0]), signal.SIGKILL)  # the Tansu process dies under the command
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
