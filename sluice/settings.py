@@ -269,7 +269,7 @@ def load_settings(config_dir: str | Path | None = None, environ: dict[str, str] 
         for key, (variable, value) in overrides.items():
             _check_keys(section, {key: value}, f"environment variable {variable}")
             values[key] = value
-            sources[section] = f"{sources.get(section, 'defaults')} + environment (SLUICE_{section.upper()}_*)"
+        sources[section] = f"{sources.get(section, 'defaults')} + environment (SLUICE_{section.upper()}_*)"
         data[section] = values
     data["config_dir"] = str(directory)
     try:

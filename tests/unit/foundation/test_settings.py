@@ -95,3 +95,9 @@ def test_binary_garbage_is_a_clear_error(config_dir: Path) -> None:
     (config_dir / "sluice.toml").write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ConfigError, match=r"sluice\.toml"):
         load_settings(config_dir, environ={})
+
+
+def test_error_names_the_environment_once_with_several_overrides(config_dir: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(config_dir, environ={"SLUICE_GATEWAY_PORT": "x", "SLUICE_GATEWAY_HOST": "h"})
+    assert str(caught.value).count("environment") == 1
