@@ -180,10 +180,58 @@ def _build_plan(
             n = min(rows, q_len - first)
             chunks.append(_Piece(b, starts[b] + first, n, seq_len - q_len + first + n))
     plan: list[_GroupPlan] = []
-    for pieces in (decodes, chunks):
-        for group in _split_by_budget(pieces, num_q_heads, num_kv_heads, head_dim):
+    for bucket in [*_bucket_by_length(decodes, block_size, num_kv_heads * head_dim), chunks]:
+        for group in _split_by_budget(bucket, num_q_heads, num_kv_heads, head_dim):
             plan.append(_plan_group(meta, group, num_q_heads // num_kv_heads, block_size, device))
     return plan
+
+
+# What one more group costs (its own gather, mask and attention call), in the currency of padded
+# K/V elements: about what reading and writing 2**15 float32 elements costs on a CPU.
+_GROUP_OVERHEAD_ELEMENTS = 1 << 15
+# Distinct lengths the bucketing distinguishes; longer tails are merged into coarser buckets.
+_MAX_LENGTH_CLASSES = 48
+
+
+def _bucket_by_length(pieces: list[_Piece], block_size: int, kv_row_elements: int) -> list[list[_Piece]]:
+    """Cut decodes into groups of similar context length, so a short context is not padded to
+    the longest one in the batch.
+
+    Pieces are sorted by length in blocks (longest first) and cut where the padding saved outweighs
+    `_GROUP_OVERHEAD_ELEMENTS` per extra group: an exact dynamic programme over the distinct
+    lengths, of which there are at most `_MAX_LENGTH_CLASSES` (coarser classes beyond that).
+    """
+    if len(pieces) < 2:
+        return [pieces] if pieces else []
+    ordered = sorted(pieces, key=lambda p: -p.context_len)
+    longest = -(-ordered[0].context_len // block_size)
+    step = -(-longest // _MAX_LENGTH_CLASSES)  # blocks per length class
+    classes: list[int] = []  # padded length (blocks) of each class, descending
+    ends: list[int] = []  # index into `ordered` one past each class
+    for i, piece in enumerate(ordered):
+        padded = -(-piece.context_len // (block_size * step)) * step
+        if classes and classes[-1] == padded:
+            ends[-1] = i + 1
+        else:
+            classes.append(padded)
+            ends.append(i + 1)
+    slot_cost = block_size * kv_row_elements
+    # best[j]: cheapest cost of the classes before j; cut[j]: where its last group starts.
+    best = [0.0] + [float("inf")] * len(classes)
+    cut = [0] * (len(classes) + 1)
+    for j in range(1, len(classes) + 1):
+        for i in range(j):
+            first = ends[i - 1] if i else 0
+            cost = best[i] + _GROUP_OVERHEAD_ELEMENTS + (ends[j - 1] - first) * classes[i] * slot_cost
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups: list[list[_Piece]] = []
+    j = len(classes)
+    while j:
+        i = cut[j]
+        groups.append(ordered[ends[i - 1] if i else 0:ends[j - 1]])
+        j = i
+    return groups[::-1]
 
 
 def _split_by_budget(

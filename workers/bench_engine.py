@@ -3,10 +3,15 @@
 One seeded request set (prompt and output lengths drawn from configurable distributions, random
 token ids, ignore_eos so every output has its drawn length) runs through
   (a) HF `generate` in static batches, left-padded, greedy, each batch generating until its
-      longest member is done (tokens past a request's own length are waste, not counted);
+      longest member is done (tokens past a request's own length are waste, not counted), at
+      each of several batch sizes: the comparison is against the best of them, so no choice of
+      batch size flatters sluice;
   (b) our engine under each policy.
 All in one process, one run each; throughput = useful output tokens / wall time. Also times the
 scheduler alone (schedule() + update(), CPU time per step) with synthetic decode batches.
+
+The default lengths are long-tailed (lognormal), as chat traffic is: most answers are short and a
+few are long. That tail is what static batching pays for, and what a uniform distribution hides.
 """
 
 from __future__ import annotations
@@ -14,48 +19,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sluice.errors import CLIError
+from sluice.loadgen.prompts import LengthDist
 from sluice.protocol import SamplingParams
 
 POLICIES = ("chunked", "prefill_first", "static")
+DEFAULT_PROMPT_LEN = "lognormal:80:0.6:8:512"
+DEFAULT_OUTPUT_LEN = "lognormal:96:0.8:8:1024"
 
 
-@dataclass(frozen=True, slots=True)
-class LengthDist:
-    """"fixed:N", "uniform:LO:HI" (inclusive) or "normal:MEAN:STD" (rounded, clamped to >= 1)."""
-
-    kind: str
-    a: float
-    b: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> LengthDist:
-        parts = text.split(":")
-        try:
-            nums = [float(p) for p in parts[1:]]
-        except ValueError:
-            nums = []
-        ok = (parts[0] == "fixed" and len(nums) == 1 and nums[0] >= 1) or (
-            parts[0] in ("uniform", "normal") and len(nums) == 2 and nums[0] >= 1 and nums[1] >= 0
-            and (parts[0] == "normal" or nums[1] >= nums[0]))
-        if not ok:
-            raise CLIError(f"bad length distribution {text!r}; use fixed:N, uniform:LO:HI or normal:MEAN:STD")
-        return cls(parts[0], nums[0], nums[1] if len(nums) > 1 else 0.0)
-
-    def sample(self, n: int, gen: torch.Generator) -> list[int]:
-        if self.kind == "fixed":
-            return [int(self.a)] * n
-        if self.kind == "uniform":
-            return torch.randint(int(self.a), int(self.b) + 1, (n,), generator=gen).tolist()
-        values = torch.normal(self.a, self.b, (n,), generator=gen).round().clamp(min=1)
-        return [int(v) for v in values.tolist()]
+def _length_dist(spec: str) -> LengthDist:
+    try:
+        return LengthDist.parse(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,26 +49,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     # Defaults shaped like chat traffic: modest prompts, answers of widely varying length (the
     # variance static batching pays for in padding and idle rows).
-    parser.add_argument("--prompt-len", type=LengthDist.parse, default=LengthDist.parse("uniform:8:128"))
-    parser.add_argument("--output-len", type=LengthDist.parse, default=LengthDist.parse("uniform:16:256"))
+    parser.add_argument("--prompt-len", type=_length_dist, default=LengthDist.parse(DEFAULT_PROMPT_LEN),
+                        help=f"prompt length distribution (default {DEFAULT_PROMPT_LEN})")
+    parser.add_argument("--output-len", type=_length_dist, default=LengthDist.parse(DEFAULT_OUTPUT_LEN),
+                        help=f"output length distribution (default {DEFAULT_OUTPUT_LEN})")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
-    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-batch-sizes", default="16,32,64",
+                        help="HF static batch sizes to run; sluice is compared with the fastest")
     parser.add_argument("--skip-hf", action="store_true", help="run sluice only")
     parser.add_argument("--scheduler-sizes", default="16,64,256",
                         help="running-request counts for the scheduler CPU-time measurement")
-    # One thread by default: on a shared host, intra-op threads waiting for each other dominate the
-    # small ops of a small model and make both sides' numbers swing tenfold between runs.
-    # Both sides get the same threads. All cores is the honest default for "this machine"; on a
-    # machine shared with other work, --threads 1 keeps one process from starving the other.
+    # Both sides get the same threads: all cores by default; --threads 1 on a machine shared with
+    # other work keeps the numbers from swinging with it.
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads for both HF and sluice (default 0 = all cores)")
 
 
 def make_requests(num: int, seed: int, prompt_len: LengthDist, output_len: LengthDist,
                   vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    prompt_lens = [prompt_len.sample(rng) for _ in range(num)]
+    output_lens = [output_len.sample(rng) for _ in range(num)]
     gen = torch.Generator().manual_seed(seed)
-    prompt_lens = prompt_len.sample(num, gen)
-    output_lens = output_len.sample(num, gen)
     # Skip the lowest ids, where tokenizers keep their special tokens.
     low = min(16, vocab - 1)
     return [(torch.randint(low, vocab, (p,), generator=gen).tolist(), o)
@@ -170,18 +156,26 @@ def scheduler_step_cpu_ms(num_running: int, policy: str = "chunked", steps: int 
     return (time.process_time() - start) * 1000 / steps
 
 
+def _positive_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise CLIError(f"{flag} must be comma-separated positive integers, got {text!r}")
+    return values
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from sluice.workers.model.config import ModelConfig
 
-    if args.num_requests < 1 or args.hf_batch_size < 1:
-        raise CLIError("--num-requests and --hf-batch-size must be positive")
+    if args.num_requests < 1:
+        raise CLIError("--num-requests must be positive")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or any(p not in POLICIES for p in policies):
         raise CLIError(f"--policies must be a comma-separated subset of {', '.join(POLICIES)}")
-    try:
-        sizes = [int(s) for s in args.scheduler_sizes.split(",") if s.strip()]
-    except ValueError:
-        raise CLIError("--scheduler-sizes must be comma-separated integers") from None
+    sizes = _positive_ints(args.scheduler_sizes, "--scheduler-sizes")
+    hf_batches = _positive_ints(args.hf_batch_sizes, "--hf-batch-sizes")
     if not Path(args.model).is_dir():
         raise CLIError(f"model directory {args.model} does not exist")
     if args.threads < 0:
@@ -192,15 +186,19 @@ def run_bench(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "config": {"num_requests": args.num_requests, "seed": args.seed, "device": args.device,
                    "threads": torch.get_num_threads(), "prompt_tokens": sum(len(p) for p, _ in requests),
-                   "output_tokens": sum(o for _, o in requests), "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "output_tokens": sum(o for _, o in requests), "max_output_tokens": max(o for _, o in requests),
+                   "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    # Shared machines: a high load average marks the numbers as noisy.
                    "load_average_at_start": os.getloadavg()[0]},
         "sluice": {},
     }
     if not args.skip_hf:
-        report["hf_static"] = run_hf_static(args.model, requests, args.hf_batch_size, args.device)
-        print(f"hf_static        {report['hf_static']['output_tokens_per_s']:10.1f} output tok/s")
+        by_batch = {}
+        for batch in hf_batches:
+            by_batch[str(batch)] = run_hf_static(args.model, requests, batch, args.device)
+            print(f"hf_static batch {batch:<4} {by_batch[str(batch)]['output_tokens_per_s']:10.1f} output tok/s")
+        report["hf_static_by_batch"] = by_batch
+        report["hf_static"] = max(by_batch.values(), key=lambda r: r["output_tokens_per_s"])
     for policy in policies:
         result = run_sluice(args, policy, requests)
         report["sluice"][policy] = result
@@ -210,7 +208,8 @@ def run_bench(args: argparse.Namespace) -> int:
         base = report["hf_static"]["output_tokens_per_s"]
         report["speedup_vs_hf"] = {p: r["output_tokens_per_s"] / base for p, r in report["sluice"].items()}
         for p, ratio in report["speedup_vs_hf"].items():
-            print(f"speedup {p:<13} {ratio:6.2f}x vs HF static")
+            print(f"speedup {p:<13} {ratio:6.2f}x vs HF static (its best batch, "
+                  f"{report['hf_static']['batch_size']})")
     report["scheduler_cpu_ms_per_step"] = {str(n): scheduler_step_cpu_ms(n) for n in sizes}
     for n, ms in report["scheduler_cpu_ms_per_step"].items():
         print(f"scheduler step with {n:>4} running: {ms:.3f} ms CPU")

@@ -43,6 +43,34 @@ class LengthDist:
     sigma: float = 0.0
     values: tuple[int, ...] = ()
 
+    @classmethod
+    def parse(cls, spec: str) -> LengthDist:
+        """A command-line spec: "fixed:N", "uniform:MIN:MAX" or "lognormal:MEDIAN:SIGMA[:MIN:MAX]"
+        (ValueError naming the spec otherwise)."""
+        kind, *fields = spec.split(":")
+        try:
+            nums = [float(f) for f in fields]
+        except ValueError:
+            nums = []
+        counts = {"fixed": (1,), "uniform": (2,), "lognormal": (2, 4)}
+        if kind not in counts or len(nums) not in counts[kind]:
+            raise ValueError(f"bad length distribution {spec!r}; use fixed:N, uniform:MIN:MAX or "
+                             "lognormal:MEDIAN:SIGMA[:MIN:MAX]")
+        if kind == "lognormal":
+            median, sigma, *bounds = nums
+            low, high = (int(b) for b in bounds) if bounds else (1, 1_000_000)
+            dist = cls("lognormal", low=low, high=high, median=median, sigma=sigma)
+            ok = median >= 1 and sigma >= 0 and 1 <= low <= high
+        elif kind == "uniform":
+            dist = cls("uniform", low=int(nums[0]), high=int(nums[1]))
+            ok = 1 <= dist.low <= dist.high
+        else:
+            dist = cls("fixed", value=int(nums[0]))
+            ok = dist.value >= 1
+        if not ok or any(n != int(n) for n in nums if kind != "lognormal"):
+            raise ValueError(f"bad length distribution {spec!r}: lengths must be positive integers, min <= max")
+        return dist
+
     def sample(self, rng: random.Random) -> int:
         if self.kind == "fixed":
             return self.value

@@ -64,3 +64,38 @@ def test_bf16_inputs_accumulate_in_float32() -> None:
     out = paged_attention_torch(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=1e-2)
+
+
+def test_decodes_of_very_different_lengths_are_bucketed_and_exact() -> None:
+    """Short contexts are not padded to the longest: decodes split into length buckets, same result."""
+    lengths = [3, 400, 17, 390, 16, 385, 33, 200, 1, 210, 64, 5]
+    batch = make_paged_batch([(1, n) for n in lengths] + [(9, 60)], block_size=16, num_q_heads=8,
+                             num_kv_heads=2, head_dim=32)
+    ref = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.17)
+    out = paged_attention_torch(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.17)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    (plan,) = batch.meta.plan_cache.values()
+    decode_groups = [g for g in plan if g.rows_per_piece == 1]
+    assert len(decode_groups) >= 2
+    assert sum(g.num_pieces for g in decode_groups) == len(lengths)
+
+
+def _decode_pieces(lengths: list[int]) -> list[attention._Piece]:
+    return [attention._Piece(seq=i, token_start=i, num_rows=1, context_len=n) for i, n in enumerate(lengths)]
+
+
+def test_bucketing_covers_every_piece_once_longest_first() -> None:
+    lengths = [5, 700, 33, 650, 18, 90, 1, 1024, 300, 16, 17, 512]
+    groups = attention._bucket_by_length(_decode_pieces(lengths), block_size=16, kv_row_elements=64)
+    flat = [p for g in groups for p in g]
+    assert sorted(p.seq for p in flat) == list(range(len(lengths)))
+    assert [p.context_len for p in flat] == sorted(lengths, reverse=True)
+    assert len(groups) > 1
+
+
+def test_bucketing_keeps_similar_lengths_together() -> None:
+    """Padding a couple of blocks costs less than another group: these lengths stay one group."""
+    groups = attention._bucket_by_length(_decode_pieces([97, 100, 120, 130, 140]), block_size=16,
+                                         kv_row_elements=64)
+    assert len(groups) == 1
+    assert attention._bucket_by_length([], block_size=16, kv_row_elements=64) == []

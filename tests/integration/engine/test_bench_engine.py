@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
 from sluice.cli import main
-from sluice.workers.bench_engine import LengthDist, scheduler_step_cpu_ms
+from sluice.loadgen.prompts import LengthDist
+from sluice.workers.bench_engine import scheduler_step_cpu_ms
 
 pytestmark = pytest.mark.integration
 
@@ -16,12 +18,15 @@ pytestmark = pytest.mark.integration
 def test_bench_engine_writes_report(tmp_path: Path, demo_model_dir: Path) -> None:
     out = tmp_path / "bench.json"
     code = main(["bench", "engine", "--model", str(demo_model_dir), "--json", str(out), "--num-requests", "4",
-                 "--prompt-len", "uniform:4:20", "--output-len", "fixed:3", "--hf-batch-size", "2",
+                 "--prompt-len", "uniform:4:20", "--output-len", "fixed:3", "--hf-batch-sizes", "2,4",
                  "--policies", "chunked,static", "--scheduler-sizes", "4", "--max-model-len", "128",
                  "--num-kv-blocks", "32"])
     assert code == 0
     report = json.loads(out.read_text())
     assert report["hf_static"]["output_tokens"] == 12 and report["hf_static"]["output_tokens_per_s"] > 0
+    by_batch = report["hf_static_by_batch"]
+    assert set(by_batch) == {"2", "4"}
+    assert report["hf_static"] == max(by_batch.values(), key=lambda r: r["output_tokens_per_s"])
     assert set(report["sluice"]) == {"chunked", "static"}
     for policy, result in report["sluice"].items():
         assert result["output_tokens"] == 12
@@ -31,14 +36,30 @@ def test_bench_engine_writes_report(tmp_path: Path, demo_model_dir: Path) -> Non
 
 
 def test_length_distributions() -> None:
-    import torch
+    rng = random.Random(0)
+    assert [LengthDist.parse("fixed:7").sample(rng) for _ in range(3)] == [7, 7, 7]
+    assert all(5 <= LengthDist.parse("uniform:5:9").sample(rng) <= 9 for _ in range(50))
+    tail = [LengthDist.parse("lognormal:20:1.0:4:300").sample(rng) for _ in range(500)]
+    assert min(tail) >= 4 and max(tail) <= 300 and max(tail) > 5 * sorted(tail)[250]  # long-tailed
+    assert LengthDist.parse("lognormal:20:0.5").high == 1_000_000
 
-    gen = torch.Generator().manual_seed(0)
-    assert LengthDist.parse("fixed:7").sample(3, gen) == [7, 7, 7]
-    assert all(5 <= n <= 9 for n in LengthDist.parse("uniform:5:9").sample(50, gen))
-    assert all(n >= 1 for n in LengthDist.parse("normal:3:10").sample(50, gen))
-    with pytest.raises(Exception, match="bad length distribution"):
-        LengthDist.parse("uniform:9:5")
+
+@pytest.mark.parametrize("spec", ["uniform:9:5", "fixed:0", "fixed:2.5", "normal:3:10", "lognormal:0:1",
+                                  "lognormal:10:-1", "lognormal:10:1:5", "lognormal:10:1:9:3", "uniform:a:b", ""])
+def test_bad_length_distribution_is_one_cli_line(spec: str, demo_model_dir: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "engine", "--model", str(demo_model_dir), "--output-len", spec])
+    assert exc.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("sluice: error:")]
+    assert len(errors) == 1 and "bad length distribution" in errors[0]  # after argparse's usage lines
+
+
+@pytest.mark.parametrize("flag", ["--hf-batch-sizes", "--scheduler-sizes"])
+def test_bad_size_lists_are_one_cli_line(flag: str, demo_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "engine", "--model", str(demo_model_dir), flag, "8,0", "--skip-hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err
 
 
 def test_scheduler_timing_runs_decodes() -> None:
