@@ -80,7 +80,9 @@ def make_requests(num: int, seed: int, prompt_len: LengthDist, output_len: Lengt
 def run_hf_static(model_dir: str, requests: list[tuple[list[int], int]], batch_size: int,
                   device: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per batch size clutters the report
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]
