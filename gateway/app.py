@@ -79,7 +79,7 @@ def create_app(
     quotas = QuotaService(usage.day_total)
     tokenizers = TokenizerRegistry()
     generation = GenerationService(backend, tokenizers, quotas, usage)
-    admin = AdminService(session_factory, auth)
+    admin = AdminService(session_factory, auth, usage.flush)
     state = State(
         {
             "settings": settings,
@@ -115,6 +115,7 @@ def create_app(
     async def shutdown(app: Litestar) -> None:
         await backend.stop()
         await generation.drain()
+        await usage.close()
         await auth.drain()
         if owned_engine is not None:
             await owned_engine.dispose()

@@ -1,9 +1,15 @@
 """`KafkaBackend`: the production GenerationBackend (durable queue, fair scheduler, remote workers).
 
 submit(): the request's stream is registered in the hub, then the request is written to its class
-topic (acks=all); only then is it "accepted". The backend's own consumers read the class topics
-back, and each request becomes a dispatcher job:
-- a streaming request whose client is still here is dispatched and streamed to its Submission;
+topic (acks=all); only then is it "accepted". A streaming request then goes straight to the
+dispatcher while its class is under its in-memory bound: reading it back from Kafka first would only
+add a consumer round trip to its TTFT. When the consumer later reads that record, it just finishes
+the offset. That is safe because a streaming request is only ever served to the client that is
+waiting for it: were this process to die, a replay would finish it without generation anyway.
+The backend's own consumers read the class topics back, and each record not already dispatched
+becomes a dispatcher job:
+- a streaming request whose client is still here is dispatched and streamed to its Submission
+  (its class was at its bound when it was accepted, or the consumer read it first);
 - one whose client is gone (aborted before dispatch, or accepted by a gateway process that has
   since died, i.e. a replay) is finished without generation;
 - a batch line goes through the `BatchLineHandler` (de-duplication by (batch_id, custom_id),
@@ -102,6 +108,8 @@ class KafkaBackend:
         self.dispatcher = Dispatcher(settings, self._on_finished)
         self._consumers: dict[Priority, ClassConsumer] = {}
         self._streams: dict[str, StreamSubmission] = {}  # accepted by this process, not yet finished
+        # Streaming requests dispatched at acceptance whose record the consumer has not read yet.
+        self._dispatched_on_accept: set[str] = set()
         self._backlog: dict[Priority, int] = dict.fromkeys(Priority, 0)
         self._models: list[ServedModel] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -168,6 +176,12 @@ class KafkaBackend:
         except QueueUnavailable as exc:
             self._streams.pop(request.request_id, None)
             raise BackendUnavailable(str(exc)) from exc
+        consumer = self._consumers.get(request.priority)
+        under_bound = self._backlog[request.priority] < self.settings.scheduler.max_backlog_per_class
+        if stream.job is None and not stream.aborted and consumer is not None and not consumer.paused \
+                and under_bound:
+            self._dispatched_on_accept.add(request.request_id)
+            self._enqueue(request, stream.deliver, ref=None)
         return stream
 
     async def enqueue_batch_line(self, request: GenerateRequest) -> None:
@@ -186,6 +200,10 @@ class KafkaBackend:
     # ---- consuming -----------------------------------------------------------------------------
 
     async def _on_request(self, request: GenerateRequest, ref: RecordRef) -> None:
+        if request.request_id in self._dispatched_on_accept:
+            self._dispatched_on_accept.discard(request.request_id)
+            self._finish_ref(ref)  # dispatched (maybe finished) already; see the module docstring
+            return
         if request.request_id in self.dispatcher:
             self._finish_ref(ref)  # a re-delivered duplicate of a job we already hold
             return
@@ -214,6 +232,9 @@ class KafkaBackend:
                 self._finish_ref(ref)
                 return
             sink = stream.deliver
+        self._enqueue(request, sink, ref)
+
+    def _enqueue(self, request: GenerateRequest, sink: DeltaSink, ref: RecordRef | None) -> None:
         job = Job(request=request, sink=sink, ref=ref,
                   enqueued_at=min(time.time(), request.arrival_time or time.time()))
         if request.batch_id is None:
@@ -244,7 +265,9 @@ class KafkaBackend:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _finish_ref(self, ref: RecordRef) -> None:
+    def _finish_ref(self, ref: RecordRef | None) -> None:
+        if ref is None:  # dispatched on acceptance: the consumer finishes its record when it reads it
+            return
         consumer = self._consumers.get(ref.priority)
         if consumer is not None:
             consumer.finish(ref)

@@ -5,7 +5,7 @@ and evicts this process's auth cache, so a change applies to the very next reque
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from msgspec import UNSET as _UNSET
@@ -84,9 +84,11 @@ async def tenant_with_quota(session: AsyncSession, tenant_id: str) -> tuple[Tena
 
 
 class AdminService:
-    def __init__(self, session_factory: async_sessionmaker[AsyncSession], auth: AuthService) -> None:
+    def __init__(self, session_factory: async_sessionmaker[AsyncSession], auth: AuthService,
+                 flush_usage: Callable[[], Awaitable[None]] | None = None) -> None:
         self._sessions = session_factory
         self._auth = auth
+        self._flush_usage = flush_usage  # usage is written behind; history checks must see all of it
 
     # ---- tenants -------------------------------------------------------------------------------
 
@@ -179,6 +181,8 @@ class AdminService:
         return tenant_out(tenant, quota)
 
     async def delete_tenant(self, tenant_id: str, actor: str = ADMIN_ACTOR) -> TenantDeleted:
+        if self._flush_usage is not None:
+            await self._flush_usage()
         async with self._sessions() as session, session.begin():
             tenant, _ = await self._load(session, tenant_id)
             if await self._has_history(session, tenant_id):

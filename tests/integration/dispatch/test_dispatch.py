@@ -73,6 +73,20 @@ async def test_stream_completes_with_every_token(backend: KafkaBackend) -> None:
     assert snap["queues"]["classes"]["standard"]["depth"] == 0
 
 
+async def test_stream_is_dispatched_on_acceptance_and_its_record_finished_later(backend: KafkaBackend) -> None:
+    """No consumer round trip before dispatch: the job exists once submit() returns; the consumer
+    reading the record afterwards only finishes its offset (not an orphan, not a second job)."""
+    sub = await backend.submit(request("alice", Priority.INTERACTIVE, 4))
+    assert sub.job is not None and sub.job.ref is None
+    deltas = await asyncio.wait_for(drain(sub), 60)
+    assert deltas[-1].num_output_tokens == 4
+    consumer = backend._consumers[Priority.INTERACTIVE]
+    await wait_for(lambda: not backend._dispatched_on_accept and consumer.num_unfinished == 0, 30,
+                   "the consumer to read and finish the record")
+    assert backend.replayed_orphans == 0 and backend.dispatcher.num_jobs == 0
+    assert backend.dispatcher.workers["w1"].sent >= 1
+
+
 async def test_interactive_jumps_the_batch_queue_and_preempts(backend: KafkaBackend) -> None:
     batch = [await backend.submit(request(f"bulk{i % 2}", Priority.BATCH, 160)) for i in range(7)]
     first_token: dict[str, float] = {}

@@ -27,7 +27,8 @@ async def services(database_url: str):
     engine = make_engine(database_url)
     sessions = make_session_factory(engine)
     auth = AuthService(sessions, cache_ttl_s=300.0)
-    yield sessions, auth, AdminService(sessions, auth), UsageService(sessions)
+    usage = UsageService(sessions)
+    yield sessions, auth, AdminService(sessions, auth, usage.flush), usage
     await auth.drain()
     await engine.dispose()
 
