@@ -53,5 +53,5 @@ async def seed_tenants(
         )
     if active is not None:
         return None
-    created = await admin.create_key(tenant_id, KeyCreate(name="demo"), actor=SEED_ACTOR)
-    return created.key
+    demo = await admin.create_key(tenant_id, KeyCreate(name="demo"), actor=SEED_ACTOR)
+    return demo.key

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 from sluice.errors import SluiceError
 
@@ -31,7 +32,7 @@ _BENCH_REGISTRARS: tuple[tuple[str, str], ...] = (
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, then exit 2 (argparse prints usage too)
+    def error(self, message: str) -> NoReturn:  # one line, then exit 2 (argparse prints usage too)
         self.print_usage(sys.stderr)
         self.exit(2, f"sluice: error: {message}\n")
 
@@ -82,7 +83,7 @@ def _check_config(args: argparse.Namespace) -> int:
     from sluice.settings import load_settings
 
     settings = load_settings(args.config)
-    classes = {}
+    classes: dict[str, int] = {}
     for tenant in settings.tenants:
         classes[tenant.priority_ceiling] = classes.get(tenant.priority_ceiling, 0) + 1
     kafka = settings.kafka.bootstrap_servers or "embedded broker"
