@@ -186,3 +186,40 @@ async def test_lines_over_a_rate_limit_wait_instead_of_failing(gateway) -> None:
     assert done.status == "completed"
     assert done.request_counts.completed == 6 and done.request_counts.failed == 0
     assert backend.deferrals_total > 0 and backend.deferred == 0
+
+
+async def test_lines_left_after_the_completion_window_expire_the_batch(gateway, database_url: str) -> None:
+    """Lines that have not run when the window closes are answered `batch_expired`, each exactly
+    once; the batch ends `expired` (OpenAI semantics), with the lines that did run in its output."""
+    import datetime as dt
+
+    from sqlalchemy import update
+
+    from sluice.gateway.batches.models import Batch
+    from sluice.gateway.db.session import make_engine
+
+    sdk, _ = gateway
+    narrow = sdk["narrow"]  # two lines in flight at a time: most are still waiting when it expires
+    uploaded = await narrow.files.create(file=("in.jsonl", jsonl(16, max_tokens=48)), purpose="batch")
+    batch = await narrow.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    # The window closes now: the 24 hours pass in the database, not in the test.
+    engine = make_engine(database_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(update(Batch).where(Batch.id == batch.id)
+                               .values(expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)))
+    finally:
+        await engine.dispose()
+    done = await wait_done(narrow, batch.id)
+    assert done.status == "expired" and done.expired_at is not None
+    assert done.request_counts.failed >= 1
+    assert done.request_counts.completed + done.request_counts.failed == 16
+    rows = []
+    for file_id in (done.output_file_id, done.error_file_id):
+        if file_id:
+            rows += [json.loads(x) for x in (await narrow.files.content(file_id)).content.decode().splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == sorted(f"c{i}" for i in range(16))
+    expired = [r for r in rows if r["error"] is not None]
+    assert len(expired) == done.request_counts.failed
+    assert all(r["error"]["code"] == "batch_expired" for r in expired)
