@@ -176,13 +176,17 @@ class KafkaBackend:
         except QueueUnavailable as exc:
             self._streams.pop(request.request_id, None)
             raise BackendUnavailable(str(exc)) from exc
-        consumer = self._consumers.get(request.priority)
-        under_bound = self._backlog[request.priority] < self.settings.scheduler.max_backlog_per_class
-        if stream.job is None and not stream.aborted and consumer is not None and not consumer.paused \
-                and under_bound:
+        if stream.job is None and not stream.aborted and self._has_room(request.priority):
             self._dispatched_on_accept.add(request.request_id)
             self._enqueue(request, stream.deliver, ref=None)
         return stream
+
+    def _has_room(self, priority: Priority) -> bool:
+        """Whether a class takes a job straight from acceptance: its consumer runs (so no older
+        record of the class waits in Kafka behind a pause) and its in-memory backlog is under bound."""
+        consumer = self._consumers.get(priority)
+        return (consumer is not None and not consumer.paused
+                and self._backlog[priority] < self.settings.scheduler.max_backlog_per_class)
 
     async def enqueue_batch_line(self, request: GenerateRequest) -> None:
         """Durably queue one batch line (the Batch API calls this before answering)."""

@@ -56,20 +56,20 @@ class LengthDist:
         if kind not in counts or len(nums) not in counts[kind]:
             raise ValueError(f"bad length distribution {spec!r}; use fixed:N, uniform:MIN:MAX or "
                              "lognormal:MEDIAN:SIGMA[:MIN:MAX]")
-        if kind == "lognormal":
-            median, sigma, *bounds = nums
-            low, high = (int(b) for b in bounds) if bounds else (1, 1_000_000)
-            dist = cls("lognormal", low=low, high=high, median=median, sigma=sigma)
-            ok = median >= 1 and sigma >= 0 and 1 <= low <= high
-        elif kind == "uniform":
-            dist = cls("uniform", low=int(nums[0]), high=int(nums[1]))
-            ok = 1 <= dist.low <= dist.high
-        else:
-            dist = cls("fixed", value=int(nums[0]))
-            ok = dist.value >= 1
-        if not ok or any(n != int(n) for n in nums if kind != "lognormal"):
-            raise ValueError(f"bad length distribution {spec!r}: lengths must be positive integers, min <= max")
-        return dist
+        lengths = nums[2:] if kind == "lognormal" else nums  # the fields that are token counts
+        if any(n != int(n) or n < 1 for n in lengths):
+            raise ValueError(f"bad length distribution {spec!r}: lengths must be positive integers")
+        if kind == "fixed":
+            return cls("fixed", value=int(nums[0]))
+        low, high = (int(n) for n in lengths) if lengths else (1, 1_000_000)
+        if high < low:
+            raise ValueError(f"bad length distribution {spec!r}: MIN must not exceed MAX")
+        if kind == "uniform":
+            return cls("uniform", low=low, high=high)
+        median, sigma = nums[0], nums[1]
+        if median < 1 or sigma < 0:
+            raise ValueError(f"bad length distribution {spec!r}: MEDIAN must be >= 1 and SIGMA >= 0")
+        return cls("lognormal", low=low, high=high, median=median, sigma=sigma)
 
     def sample(self, rng: random.Random) -> int:
         if self.kind == "fixed":

@@ -45,7 +45,8 @@ def test_length_distributions() -> None:
 
 
 @pytest.mark.parametrize("spec", ["uniform:9:5", "fixed:0", "fixed:2.5", "normal:3:10", "lognormal:0:1",
-                                  "lognormal:10:-1", "lognormal:10:1:5", "lognormal:10:1:9:3", "uniform:a:b", ""])
+                                  "lognormal:10:-1", "lognormal:10:1:5", "lognormal:10:1:9:3", "lognormal:10:1:2.5:9",
+                                  "uniform:a:b", ""])
 def test_bad_length_distribution_is_one_cli_line(spec: str, demo_model_dir: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
