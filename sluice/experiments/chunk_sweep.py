@@ -28,7 +28,7 @@ from sluice.telemetry import RequestRecord
 @dataclass(frozen=True, slots=True)
 class SweepLoad:
     duration_s: float = 20.0
-    rate: float = 1.0  # requests/s, Poisson: below the CPU demo's saturation, so no runaway backlog
+    rate: float = 2.0  # requests/s, Poisson: loaded enough that chunk sizes differ, short of runaway backlog
     long_fraction: float = 0.3
     short_prompt: tuple[int, int] = (32, 256)
     long_prompt: tuple[int, int] = (1024, 2048)
