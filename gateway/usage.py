@@ -72,12 +72,15 @@ class UsageService:
             self._timer = asyncio.get_running_loop().create_task(self._flush_later())
 
     async def _flush_later(self) -> None:
-        await asyncio.sleep(self._interval)
-        try:
-            await self.flush()
-        except Exception:
-            log.error("could not write usage; kept for the next flush", exc_info=True)
-            self._timer = asyncio.get_running_loop().create_task(self._flush_later())
+        """Flushes every interval while anything is pending (including what arrived mid-flush)."""
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.flush()
+            except Exception:
+                log.error("could not write usage; kept for the next flush", exc_info=True)
+            if not self._pending:
+                return
 
     async def flush(self) -> None:
         """Writes everything recorded so far (on failure it stays pending and the error propagates)."""

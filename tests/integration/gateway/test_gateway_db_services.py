@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 
 import pytest
@@ -11,7 +12,7 @@ from sluice.gateway.admin.schemas import KeyCreate, Quotas, QuotasPatch, TenantC
 from sluice.gateway.admin.service import AdminService
 from sluice.gateway.auth import AuthService, hash_secret
 from sluice.gateway.db.migrate import migrate
-from sluice.gateway.db.models import AdminToken, ApiKey, AuditLog
+from sluice.gateway.db.models import AdminToken, ApiKey, AuditLog, UsageDaily
 from sluice.gateway.db.session import make_engine, make_session_factory
 from sluice.gateway.errors import OpenAIError
 from sluice.gateway.seed import seed_tenants
@@ -171,3 +172,34 @@ async def test_daily_budget_survives_restart(services) -> None:
         await restarted.admit(context, 30, 20, Priority.STANDARD)  # 60 used + 50 > 100
     assert exc.value.code == "insufficient_quota"
     await restarted.admit(context, 20, 20, Priority.STANDARD)
+
+
+async def test_usage_is_written_behind_in_one_row_per_day(services) -> None:
+    """Requests ending within one interval become one upsert; what arrives later is written too,
+    without a read to force it; close() writes the rest."""
+    sessions, _, admin, _ = services
+    usage = UsageService(sessions, flush_interval_s=0.2)
+    tenant = await admin.create_tenant(TenantCreate(name="written-behind"))
+
+    async def stored() -> list[tuple[int, int, int]]:
+        async with sessions() as session:
+            rows = (await session.execute(select(UsageDaily).where(UsageDaily.tenant_id == tenant.id))).scalars()
+            return [(r.prompt_tokens, r.completion_tokens, r.requests) for r in rows]
+
+    await usage.record(tenant.id, "demo", 3, 4)
+    await usage.record(tenant.id, "demo", 1, 1)
+    assert await stored() == []  # nothing written per request
+    for _ in range(100):
+        if await stored():
+            break
+        await asyncio.sleep(0.05)
+    assert await stored() == [(4, 5, 2)]
+    await usage.record(tenant.id, "demo", 10, 0)
+    for _ in range(100):
+        if await stored() != [(4, 5, 2)]:
+            break
+        await asyncio.sleep(0.05)
+    assert await stored() == [(14, 5, 3)]
+    await usage.record(tenant.id, "demo", 0, 1)
+    await usage.close()
+    assert await stored() == [(14, 6, 4)]
