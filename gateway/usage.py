@@ -14,6 +14,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from sluice import telemetry
 from sluice.gateway.db.models import UsageDaily
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class UsageService:
         totals[0] += prompt_tokens
         totals[1] += completion_tokens
         totals[2] += 1
+        telemetry.USAGE_PENDING.set(len(self._pending))
         if self._timer is None or self._timer.done():
             self._timer = asyncio.get_running_loop().create_task(self._flush_later())
 
@@ -100,7 +102,10 @@ class UsageService:
                     totals[0] += p
                     totals[1] += c
                     totals[2] += n
+                telemetry.USAGE_WRITE_FAILURES.inc()
                 raise
+            finally:
+                telemetry.USAGE_PENDING.set(len(self._pending))
 
     async def close(self) -> None:
         """Final flush at shutdown."""

@@ -227,6 +227,12 @@ WORKER_RUNNING = Gauge("sluice:worker_num_requests_running", "Requests running i
                        ("worker",), registry=REGISTRY)
 WORKER_WAITING = Gauge("sluice:worker_num_requests_waiting", "Requests waiting inside a worker's engine.",
                        ("worker",), registry=REGISTRY)
+# Usage is written behind (gateway/usage.py): a count that keeps growing means the database is not
+# taking the writes.
+USAGE_PENDING = Gauge("sluice:usage_pending_rows", "(tenant, model, day) usage rows not yet written.",
+                      registry=REGISTRY)
+USAGE_WRITE_FAILURES = Counter("sluice:usage_write_failures_total", "Failed usage writes (retried later).",
+                               registry=REGISTRY)
 
 
 class _BoundedLabel:

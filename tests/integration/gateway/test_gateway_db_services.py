@@ -203,3 +203,34 @@ async def test_usage_is_written_behind_in_one_row_per_day(services) -> None:
     await usage.record(tenant.id, "demo", 0, 1)
     await usage.close()
     assert await stored() == [(14, 6, 4)]
+
+
+async def test_usage_survives_a_database_that_refuses_writes(tmp_path) -> None:
+    """A real fault: the usage table is gone. The write fails, is counted, and keeps the
+    increments; once the table is back the next flush writes them all."""
+    from sluice import telemetry
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'broken.db'}"
+    await migrate(url)
+    engine = make_engine(url)
+    sessions = make_session_factory(engine)
+    usage = UsageService(sessions, flush_interval_s=60.0)
+    failures = telemetry.REGISTRY.get_sample_value("sluice:usage_write_failures_total") or 0.0
+    try:
+        tenant = await AdminService(sessions, AuthService(sessions)).create_tenant(TenantCreate(name="t"))
+        async with engine.begin() as conn:
+            await conn.run_sync(UsageDaily.__table__.drop)
+        await usage.record(tenant.id, "demo", 5, 6)
+        with pytest.raises(Exception, match="usage_daily"):
+            await usage.flush()
+        assert telemetry.REGISTRY.get_sample_value("sluice:usage_write_failures_total") == failures + 1
+        assert telemetry.REGISTRY.get_sample_value("sluice:usage_pending_rows") == 1
+        await usage.record(tenant.id, "demo", 1, 0)
+        async with engine.begin() as conn:
+            await conn.run_sync(UsageDaily.__table__.create)
+        rows = await usage.query(tenant.id, None, None)
+        assert [(r.prompt_tokens, r.completion_tokens, r.requests) for r in rows] == [(6, 6, 2)]
+        assert telemetry.REGISTRY.get_sample_value("sluice:usage_pending_rows") == 0
+    finally:
+        await usage.close()
+        await engine.dispose()
