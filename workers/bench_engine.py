@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from sluice.errors import CLIError
+from sluice.experiments.cli import positive_int_list
 from sluice.loadgen.prompts import LengthDist
 from sluice.protocol import SamplingParams
 
@@ -54,10 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=_length_dist, default=LengthDist.parse(DEFAULT_OUTPUT_LEN),
                         help=f"output length distribution (default {DEFAULT_OUTPUT_LEN})")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
-    parser.add_argument("--hf-batch-sizes", default="16,32,64",
+    parser.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 32, 64],
                         help="HF static batch sizes to run; sluice is compared with the fastest")
     parser.add_argument("--skip-hf", action="store_true", help="run sluice only")
-    parser.add_argument("--scheduler-sizes", default="16,64,256",
+    parser.add_argument("--scheduler-sizes", type=positive_int_list, default=[16, 64, 256],
                         help="running-request counts for the scheduler CPU-time measurement")
     # Both sides get the same threads: all cores by default; --threads 1 on a machine shared with
     # other work keeps the numbers from swinging with it.
@@ -158,16 +159,6 @@ def scheduler_step_cpu_ms(num_running: int, policy: str = "chunked", steps: int 
     return (time.process_time() - start) * 1000 / steps
 
 
-def _positive_ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise CLIError(f"{flag} must be comma-separated positive integers, got {text!r}")
-    return values
-
-
 def run_bench(args: argparse.Namespace) -> int:
     from sluice.workers.model.config import ModelConfig
 
@@ -176,8 +167,6 @@ def run_bench(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or any(p not in POLICIES for p in policies):
         raise CLIError(f"--policies must be a comma-separated subset of {', '.join(POLICIES)}")
-    sizes = _positive_ints(args.scheduler_sizes, "--scheduler-sizes")
-    hf_batches = _positive_ints(args.hf_batch_sizes, "--hf-batch-sizes")
     if not Path(args.model).is_dir():
         raise CLIError(f"model directory {args.model} does not exist")
     if args.threads < 0:
@@ -196,7 +185,7 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     if not args.skip_hf:
         by_batch = {}
-        for batch in hf_batches:
+        for batch in args.hf_batch_sizes:
             by_batch[str(batch)] = run_hf_static(args.model, requests, batch, args.device)
             print(f"hf_static batch {batch:<4} {by_batch[str(batch)]['output_tokens_per_s']:10.1f} output tok/s")
         report["hf_static_by_batch"] = by_batch
@@ -212,7 +201,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for p, ratio in report["speedup_vs_hf"].items():
             print(f"speedup {p:<13} {ratio:6.2f}x vs HF static (its best batch, "
                   f"{report['hf_static']['batch_size']})")
-    report["scheduler_cpu_ms_per_step"] = {str(n): scheduler_step_cpu_ms(n) for n in sizes}
+    report["scheduler_cpu_ms_per_step"] = {str(n): scheduler_step_cpu_ms(n) for n in args.scheduler_sizes}
     for n, ms in report["scheduler_cpu_ms_per_step"].items():
         print(f"scheduler step with {n:>4} running: {ms:.3f} ms CPU")
     report["config"]["load_average_at_end"] = os.getloadavg()[0]

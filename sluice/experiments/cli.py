@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def _int_list(text: str) -> list[int]:
+def positive_int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -41,7 +41,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
 
     sweep = bench_subparsers.add_parser(
         "chunk-sweep", help="chunked prefill: TTFT/ITL trade-off per chunk size, recommended chunk")
-    sweep.add_argument("--chunks", type=_int_list, default=[64, 128, 256, 512, 1024])
+    sweep.add_argument("--chunks", type=positive_int_list, default=[64, 128, 256, 512, 1024])
     _engine_args(sweep)
     # Tight enough for the CPU demo model that chunk sizes differ in goodput; on a GPU with a real
     # model pass the service's own SLO (e.g. the chat scenario's ttft=3s,itl=300ms).
@@ -62,7 +62,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
 
     overhead = bench_subparsers.add_parser(
         "gateway-overhead", help="client-seen minus worker-seen TTFT at given concurrencies (full stack)")
-    overhead.add_argument("--concurrency", type=_int_list, default=[50, 200])
+    overhead.add_argument("--concurrency", type=positive_int_list, default=[50, 200])
     overhead.add_argument("--requests-per-level", type=int, help="requests per concurrency level")
     overhead.add_argument("--model")
     overhead.add_argument("--config-dir", default="config")
