@@ -200,6 +200,7 @@ def _bucket_by_length(pieces: list[_Piece], block_size: int, kv_row_elements: in
     Pieces are sorted by length in blocks (longest first) and cut where the padding saved outweighs
     `_GROUP_OVERHEAD_ELEMENTS` per extra group: an exact dynamic programme over the distinct
     lengths, of which there are at most `_MAX_LENGTH_CLASSES` (coarser classes beyond that).
+    When no cut pays, the one group keeps the pieces' token order.
     """
     if len(pieces) < 2:
         return [pieces] if pieces else []
@@ -225,6 +226,8 @@ def _bucket_by_length(pieces: list[_Piece], block_size: int, kv_row_elements: in
             cost = best[i] + _GROUP_OVERHEAD_ELEMENTS + (ends[j - 1] - first) * classes[i] * slot_cost
             if cost < best[j]:
                 best[j], cut[j] = cost, i
+    if cut[len(classes)] == 0:
+        return [pieces]  # one group: keep token order, so a decode-only batch needs no reordering
     groups: list[list[_Piece]] = []
     j = len(classes)
     while j:

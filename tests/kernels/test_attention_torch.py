@@ -95,7 +95,7 @@ def test_bucketing_covers_every_piece_once_longest_first() -> None:
 
 def test_bucketing_keeps_similar_lengths_together() -> None:
     """Padding a couple of blocks costs less than another group: these lengths stay one group."""
-    groups = attention._bucket_by_length(_decode_pieces([97, 100, 120, 130, 140]), block_size=16,
-                                         kv_row_elements=64)
-    assert len(groups) == 1
+    pieces = _decode_pieces([97, 100, 120, 130, 140])
+    groups = attention._bucket_by_length(pieces, block_size=16, kv_row_elements=64)
+    assert groups == [pieces]  # one group, in token order: the decode-only fast path still applies
     assert attention._bucket_by_length([], block_size=16, kv_row_elements=64) == []
