@@ -12,6 +12,10 @@ fewer than `max_worker_waiting` jobs of its class or more urgent are unstarted t
 interactive request reach a worker saturated by batch work, where the engine's priority scheduler
 preempts batch work for it, while batch work alone never piles up in a worker's queue.
 
+Draining: `drain(worker_id)` stops sending new jobs to a worker; what it already holds runs to the
+end (so it can be stopped or upgraded without failing a request). The mark is kept by worker id, so
+a draining worker that reconnects stays drained until `undrain`.
+
 Deltas from a worker go straight to the job's sink (a client stream or a batch collector); there
 is no per-token round trip through Kafka. A worker that disconnects or misses heartbeats is
 dropped: its batch jobs are re-queued (they complete elsewhere), the others end with an error.
@@ -120,7 +124,7 @@ class WorkerConn:
     def send(self, message: GenerateRequest | AbortRequest) -> None:
         self.writer.write(encode_frame(message))
 
-    def view(self) -> dict[str, Any]:
+    def view(self, draining: bool = False) -> dict[str, Any]:
         cap = self.capacity
         return {
             "worker_id": self.worker_id, "models": sorted(self.models), "device": self.device,
@@ -130,6 +134,7 @@ class WorkerConn:
             "inflight": len(self.inflight), "load": round(self.load, 3),
             "num_preemptions": cap.num_preemptions,
             "last_heartbeat_age_s": round(time.monotonic() - self.last_seen, 3),
+            "draining": draining,
         }
 
 
@@ -145,6 +150,7 @@ class Dispatcher:
             min_share={Priority.STANDARD: sched.min_share_standard, Priority.BATCH: sched.min_share_batch},
         ))
         self.workers: dict[str, WorkerConn] = {}
+        self.draining: set[str] = set()  # worker ids that get no new jobs (see the module docstring)
         self._on_finished = on_finished
         self._jobs: dict[str, Job] = {}  # every job queued or on a worker, by request id
         self._wake = asyncio.Event()
@@ -222,6 +228,21 @@ class Dispatcher:
         if worker is not None:
             worker.send(AbortRequest(request_id))
 
+    def drain(self, worker_id: str) -> bool:
+        """No new jobs for this worker; its running ones finish. False when no such worker is connected."""
+        if worker_id not in self.workers:
+            return False
+        self.draining.add(worker_id)
+        return True
+
+    def undrain(self, worker_id: str) -> bool:
+        """Back in service. False when it was not draining."""
+        if worker_id not in self.draining:
+            return False
+        self.draining.discard(worker_id)
+        self._wake.set()
+        return True
+
     def queue_depth(self, priority: Priority) -> int:
         return self.scheduler.depth(priority)
 
@@ -238,12 +259,12 @@ class Dispatcher:
     def _pick_worker(self, job: Job) -> WorkerConn | None:
         limit = self.settings.dispatch.max_worker_waiting
         request = job.request
+        serving = [w for w in self.workers.values()
+                   if request.model in w.models and w.worker_id not in self.draining]
         if self.settings.scheduler.priority_enabled:
-            candidates = [w for w in self.workers.values()
-                          if request.model in w.models and w.has_room_for(request.priority, limit)]
+            candidates = [w for w in serving if w.has_room_for(request.priority, limit)]
         else:  # one class at the engine too: nothing may overtake, the plain queue bound applies
-            candidates = [w for w in self.workers.values()
-                          if request.model in w.models and w.est_waiting < limit]
+            candidates = [w for w in serving if w.est_waiting < limit]
         return min(candidates, key=lambda w: w.load, default=None)
 
     def dispatch_ready(self) -> int:
@@ -371,6 +392,7 @@ class Dispatcher:
         if new_tokens > 0:
             job.num_output_tokens = delta.num_output_tokens
             self.scheduler.charge(job.request.tenant_id, job.request.priority, new_tokens)
+            telemetry.count_worker_tokens(worker.worker_id, new_tokens)
         if delta.finish_reason is None:
             job.sink(delta)
             return
@@ -408,4 +430,4 @@ class Dispatcher:
     # ---- views ---------------------------------------------------------------------------------
 
     def workers_view(self) -> list[dict[str, Any]]:
-        return [w.view() for w in self.workers.values()]
+        return [w.view(w.worker_id in self.draining) for w in self.workers.values()]

@@ -229,15 +229,18 @@ class FairScheduler(Generic[T]):
         classes: dict[str, object] = {}
         for p in Priority:
             per_tenant: dict[str, int] = {}
-            oldest: float | None = None
+            oldest_by_tenant: dict[str, float] = {}
             for item in self.items():
                 if item.priority != p:
                     continue
                 per_tenant[item.tenant] = per_tenant.get(item.tenant, 0) + 1
-                oldest = item.enqueued_at if oldest is None else min(oldest, item.enqueued_at)
+                oldest_by_tenant[item.tenant] = min(oldest_by_tenant.get(item.tenant, item.enqueued_at),
+                                                    item.enqueued_at)
+            oldest = min(oldest_by_tenant.values(), default=None)
             classes[p.label] = {
                 "depth": sum(per_tenant.values()),
                 "tenants": per_tenant,
                 "oldest_wait_s": None if oldest is None else max(0.0, now - oldest),
+                "tenant_oldest_wait_s": {t: max(0.0, now - at) for t, at in oldest_by_tenant.items()},
             }
         return {"priority_enabled": self.policy.priority_enabled, "classes": classes}

@@ -378,13 +378,13 @@ class GenerationService:
                 tenant, len(request.prompt_token_ids), request.sampling.max_tokens, request.priority
             )
         except QuotaExceeded as exc:
-            telemetry.count_rejection(tenant.name, exc.code or "rate_limit_exceeded")
+            telemetry.count_rejection(tenant.name, exc.code or "rate_limit_exceeded", request.priority.label)
             raise
         try:
             submission = await self.backend.submit(request)
         except BackendUnavailable as exc:
             self.quotas.release(reservation)
-            telemetry.count_rejection(tenant.name, "unavailable")
+            telemetry.count_rejection(tenant.name, "unavailable", request.priority.label)
             raise OpenAIError(
                 503,
                 str(exc) or "No worker can serve this request now.",
@@ -394,4 +394,5 @@ class GenerationService:
         except BaseException:
             self.quotas.release(reservation)
             raise
+        telemetry.count_admission(tenant.name, request.priority.label)
         return Flight(self, prepared, tenant, reservation, submission)

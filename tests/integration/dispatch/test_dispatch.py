@@ -172,6 +172,29 @@ async def test_client_disconnect_frees_blocks_within_a_step(backend: KafkaBacken
                    and dispatcher.num_jobs == 0, 30, "the worker to free the request's blocks")
 
 
+async def test_draining_worker_finishes_its_jobs_and_gets_no_new_ones(backend: KafkaBackend) -> None:
+    dispatcher = backend.dispatcher
+    running = await backend.submit(request("alice", Priority.STANDARD, 40))
+    iterator = running.__aiter__()
+    await asyncio.wait_for(iterator.__anext__(), 60)  # on the worker now
+    assert dispatcher.drain("w1") and not dispatcher.drain("no-such-worker")
+    assert backend.snapshot()["workers"][0]["draining"] is True
+    waiting = await backend.submit(request("bob", Priority.STANDARD, 4))
+    rest = await asyncio.wait_for(drain_iter(iterator), 60)
+    assert rest[-1].finish_reason == FinishReason.LENGTH and rest[-1].num_output_tokens == 40
+    await asyncio.sleep(1.0)  # heartbeats come and go; the drained worker still gets nothing
+    assert waiting.job is not None and waiting.job.worker == ""
+    assert backend.snapshot()["queues"]["classes"]["standard"]["depth"] == 1
+    assert dispatcher.undrain("w1") and not dispatcher.undrain("w1")
+    deltas = await asyncio.wait_for(drain(waiting), 60)
+    assert deltas[-1].num_output_tokens == 4 and dispatcher.num_jobs == 0
+    assert backend.snapshot()["workers"][0]["draining"] is False
+
+
+async def drain_iter(iterator) -> list[RequestDelta]:
+    return [delta async for delta in iterator]
+
+
 async def test_worker_death_ends_streams_with_an_error(bootstrap_servers: str, demo_model_dir: Path,
                                                        start_worker) -> None:
     port = free_port()

@@ -128,7 +128,8 @@ def test_snapshot_counts_per_class_and_tenant() -> None:
     sched.push(item("b", "t2", Priority.BATCH, at=3.0))
     sched.push(item("c", "t1", Priority.INTERACTIVE, at=2.0))
     snap = sched.snapshot(now=11.0)
-    assert snap["classes"]["batch"] == {"depth": 2, "tenants": {"t1": 1, "t2": 1}, "oldest_wait_s": 10.0}
+    assert snap["classes"]["batch"] == {"depth": 2, "tenants": {"t1": 1, "t2": 1}, "oldest_wait_s": 10.0,
+                                        "tenant_oldest_wait_s": {"t1": 10.0, "t2": 8.0}}
     assert snap["classes"]["interactive"]["depth"] == 1
     assert snap["classes"]["standard"]["depth"] == 0
 
