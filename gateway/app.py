@@ -1,7 +1,7 @@
 """The gateway's Litestar application: OpenAI routes, admin API, health, metrics.
 
 `create_app` builds every service once and stores it on `app.state` (quotas, usage, auth, admin,
-generation, tokenizers, session_factory, backend); DISPATCH's Batch API controllers join through
+generation, tokenizers, session_factory, backend); the Batch API controllers (`gateway/batches`) join through
 `extra_route_handlers` and reuse `tenant_guard` / `current_tenant` and the quota/usage services.
 """
 

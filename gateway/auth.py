@@ -275,5 +275,5 @@ async def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRou
 
 
 def current_tenant(request: ASGIConnection[Any, Any, Any, Any]) -> TenantContext:
-    """Dependency for tenant routes behind `tenant_guard` (DISPATCH's batch routes use it too)."""
+    """Dependency for tenant routes behind `tenant_guard` (the Batch API routes use it too)."""
     return request.state.tenant

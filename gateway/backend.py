@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -305,10 +305,3 @@ class LocalEngineBackend:
             "queues": {"backend": "local", "in_flight": sum(r.live_requests for r in self._runners.values())},
             "workers": workers,
         }
-
-
-def local_backend_from_specs(
-    specs: Sequence[Any], engine_options: Mapping[str, Any] | None = None
-) -> LocalEngineBackend:
-    """Builds a LocalEngineBackend from settings.models (`ModelSpec`s with name and path)."""
-    return LocalEngineBackend({spec.name: spec.path for spec in specs}, engine_options)

@@ -1,4 +1,4 @@
-"""Workers and dispatch: the worker port, the registry, the dispatch loop and the stream hub.
+"""Workers and dispatch: the worker port, the registry, the dispatch loop, and deltas routed to each job's sink.
 
 Workers connect to the gateway's worker port (msgspec frames, `sluice.protocol`), register, and
 report `WorkerCapacity` on every change and as a heartbeat. Queued jobs wait in the fair
@@ -242,9 +242,6 @@ class Dispatcher:
         self.draining.discard(worker_id)
         self._wake.set()
         return True
-
-    def queue_depth(self, priority: Priority) -> int:
-        return self.scheduler.depth(priority)
 
     def _finish(self, job: Job, delta: RequestDelta) -> None:
         self._jobs.pop(job.request_id, None)

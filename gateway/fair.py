@@ -221,9 +221,6 @@ class FairScheduler(Generic[T]):
 
     # ---- views ---------------------------------------------------------------------------------
 
-    def counters(self, priority: Priority) -> dict[str, float]:
-        return dict(self._classes[self._lane(priority)].counters)
-
     def snapshot(self, now: float) -> dict[str, object]:
         """Depth per class and tenant, and the oldest wait, for the admin live views."""
         classes: dict[str, object] = {}

@@ -1,6 +1,6 @@
 """`KafkaBackend`: the production GenerationBackend (durable queue, fair scheduler, remote workers).
 
-submit(): the request's stream is registered in the hub, then the request is written to its class
+submit(): the request's stream is registered (`_streams`), then the request is written to its class
 topic (acks=all); only then is it "accepted". A streaming request then goes straight to the
 dispatcher while its class is under its in-memory bound: reading it back from Kafka first would only
 add a consumer round trip to its TTFT. When the consumer later reads that record, it just finishes

@@ -143,14 +143,6 @@ class UsageService:
             for r in rows
         ]
 
-    async def has_usage(self, tenant_id: str) -> bool:
-        await self.flush()
-        async with self._sessions() as session:
-            found = await session.scalar(
-                select(UsageDaily.id).where(UsageDaily.tenant_id == tenant_id).limit(1)
-            )
-        return found is not None
-
 
 @functools.cache
 def _upsert(dialect: str) -> Any:

@@ -7,19 +7,15 @@ The URL comes from the Config attribute `sqlalchemy.url` (set by sluice.gateway.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 
 from alembic import context
 from sqlalchemy.engine import Connection
 
+from sluice.gateway.batches import models as _batch_models  # noqa: F401  (registers the Batch API's tables)
 from sluice.gateway.db import models as _models  # noqa: F401  (registers the tables)
 from sluice.gateway.db.base import Base
 from sluice.gateway.db.session import make_engine
-
-# The Batch API's tables live on the same Base when that package is present.
-with contextlib.suppress(ModuleNotFoundError):
-    from sluice.gateway.batches import models as _batch_models  # noqa: F401
 
 config = context.config
 target_metadata = Base.metadata

@@ -38,13 +38,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _call(module_name: str, function: str, target: argparse._SubParsersAction) -> None:
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:  # that area is not installed in this build
-            return
-        raise
-    getattr(module, function)(target)
+    getattr(importlib.import_module(module_name), function)(target)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -184,14 +184,6 @@ _HEADER = struct.Struct("!I")
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
-def encode(message: Message) -> bytes:
-    return _encoder.encode(message)
-
-
-def decode(data: bytes) -> Message:
-    return _decoder.decode(data)
-
-
 def encode_frame(message: Message) -> bytes:
     body = _encoder.encode(message)
     return _HEADER.pack(len(body)) + body

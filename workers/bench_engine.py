@@ -30,6 +30,9 @@ from sluice.errors import CLIError
 from sluice.experiments.cli import positive_int_list
 from sluice.loadgen.prompts import LengthDist
 from sluice.protocol import SamplingParams
+from sluice.workers.config import SchedulerConfig
+from sluice.workers.request import Request
+from sluice.workers.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 
 POLICIES = ("chunked", "prefill_first", "static")
 DEFAULT_PROMPT_LEN = "lognormal:80:0.6:8:512"
@@ -128,12 +131,8 @@ def run_sluice(args: argparse.Namespace, policy: str,
             "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None}
 
 
-def scheduler_step_cpu_ms(num_running: int, policy: str = "chunked", steps: int = 50) -> float:
-    """CPU milliseconds of schedule() + update() per step with `num_running` decoding requests."""
-    from sluice.workers.config import SchedulerConfig
-    from sluice.workers.request import Request
-    from sluice.workers.scheduler import RunnerOutput, Scheduler
-
+def steady_decode_scheduler(num_running: int, policy: str, steps: int) -> Scheduler:
+    """A scheduler with `num_running` prefilled requests, each with room for `steps` more decodes."""
     block_size, prompt_len = 16, 32
     max_len = prompt_len + steps + 64
     blocks_per_req = -(-max_len // block_size)
@@ -145,17 +144,25 @@ def scheduler_step_cpu_ms(num_running: int, policy: str = "chunked", steps: int 
     for i in range(num_running):
         tokens = [(i * 7919 + j) % 1000 + 16 for j in range(prompt_len)]  # distinct: no prefix hits
         scheduler.add_request(Request(f"r{i}", tokens, sampling, arrival_time=float(i)))
-
-    def one_step(now: float) -> None:
-        out = scheduler.schedule(now)
-        sampled = {c.request.request_id: 1 for c in out.chunks if c.sample}
-        scheduler.update(out, RunnerOutput(sampled_token_ids=sampled), now)
-
     for k in range(4):  # prefill everything, reach steady decode
-        one_step(float(k))
+        schedule_and_update(scheduler, float(k))
+    return scheduler
+
+
+def schedule_and_update(scheduler: Scheduler, now: float) -> SchedulerOutput:
+    """One engine step without a model: every sampled position gets token 1."""
+    out = scheduler.schedule(now)
+    sampled = {c.request.request_id: 1 for c in out.chunks if c.sample}
+    scheduler.update(out, RunnerOutput(sampled_token_ids=sampled), now)
+    return out
+
+
+def scheduler_step_cpu_ms(num_running: int, policy: str = "chunked", steps: int = 50) -> float:
+    """CPU milliseconds of schedule() + update() per step with `num_running` decoding requests."""
+    scheduler = steady_decode_scheduler(num_running, policy, steps)
     start = time.process_time()
     for k in range(steps):
-        one_step(100.0 + k)
+        schedule_and_update(scheduler, 100.0 + k)
     return (time.process_time() - start) * 1000 / steps
 
 

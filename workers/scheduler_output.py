@@ -31,10 +31,6 @@ class SchedulerOutput:
     preempted_ids: tuple[str, ...]
     num_batched_tokens: int
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
 
 @dataclass(frozen=True, slots=True)
 class RunnerOutput:
@@ -51,10 +47,6 @@ class SchedulerStats:
     num_priority_preemptions: int = 0  # of those, on behalf of a waiting higher-priority request
     prefix_queried_tokens: int = 0  # tokens looked up in the prefix cache at admission
     prefix_hit_tokens: int = 0  # of those, tokens served from cached blocks
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
 
 class StepBuilder:

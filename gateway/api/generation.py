@@ -139,29 +139,28 @@ class Flight:
             await self.service.usage.record(self.tenant.id, request.model, prompt, self.completion_tokens)
         except Exception:
             log.error("could not record usage of %s", self.request_id, exc_info=True)
-        if self.service.emit_records:
-            try:
-                record = telemetry.make_record(
-                    request_id=request.request_id,
-                    tenant=self.tenant.name,
-                    model=request.model,
-                    priority_class=request.priority.label,
-                    worker=getattr(self.submission, "worker", ""),
-                    arrival=request.arrival_time,
-                    dispatch_time=getattr(self.submission, "dispatch_time", None),
-                    first_token_time=self.first_token_time,
-                    finish_time=time.time(),
-                    token_times=self.token_times,
-                    prompt_tokens=prompt,
-                    completion_tokens=self.completion_tokens,
-                    cached_tokens=self.cached_tokens,
-                    finish_reason=self.finish_reason or "abort",
-                    engine_first_scheduled=self.engine_first_scheduled,
-                    engine_first_token=self.engine_first_token,
-                )
-                telemetry.emit_record(record, self.token_times)
-            except Exception:
-                log.warning("could not emit the record of %s", self.request_id, exc_info=True)
+        try:
+            record = telemetry.make_record(
+                request_id=request.request_id,
+                tenant=self.tenant.name,
+                model=request.model,
+                priority_class=request.priority.label,
+                worker=getattr(self.submission, "worker", ""),
+                arrival=request.arrival_time,
+                dispatch_time=getattr(self.submission, "dispatch_time", None),
+                first_token_time=self.first_token_time,
+                finish_time=time.time(),
+                token_times=self.token_times,
+                prompt_tokens=prompt,
+                completion_tokens=self.completion_tokens,
+                cached_tokens=self.cached_tokens,
+                finish_reason=self.finish_reason or "abort",
+                engine_first_scheduled=self.engine_first_scheduled,
+                engine_first_token=self.engine_first_token,
+            )
+            telemetry.emit_record(record, self.token_times)
+        except Exception:
+            log.warning("could not emit the record of %s", self.request_id, exc_info=True)
 
 
 class GenerationService:
@@ -176,8 +175,6 @@ class GenerationService:
         self.tokenizers = tokenizers
         self.quotas = quotas
         self.usage = usage
-        # A backend that emits per-request records itself (e.g. the dispatch stream hub) sets this.
-        self.emit_records = not getattr(backend, "emits_records", False)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def spawn(self, coro: Any) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from sluice.cli import main
 from sluice.loadgen.prompts import LengthDist
-from sluice.workers.bench_engine import scheduler_step_cpu_ms
+from sluice.workers.bench_engine import POLICIES, schedule_and_update, steady_decode_scheduler
 
 pytestmark = pytest.mark.integration
 
@@ -65,5 +65,11 @@ def test_bad_size_lists_are_one_cli_line(flag: str, demo_model_dir: Path, capsys
     assert len(errors) == 1 and flag in errors[0]  # after argparse's usage lines
 
 
-def test_scheduler_timing_runs_decodes() -> None:
-    assert scheduler_step_cpu_ms(8, steps=5) >= 0
+@pytest.mark.parametrize("policy", POLICIES)
+def test_scheduler_timing_runs_decodes(policy: str) -> None:
+    """The steps the scheduler timing measures are pure decode steps of every running request."""
+    scheduler = steady_decode_scheduler(8, policy, steps=5)
+    for k in range(5):
+        out = schedule_and_update(scheduler, 100.0 + k)
+        assert len(out.chunks) == 8 and all(chunk.is_decode for chunk in out.chunks)
+        assert not out.preempted_ids

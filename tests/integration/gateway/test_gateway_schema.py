@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
+from sluice.gateway.batches import models as _batch_models  # noqa: F401
 from sluice.gateway.db import models as _models  # noqa: F401
 from sluice.gateway.db.base import Base
 from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.session import make_engine
-
-with contextlib.suppress(ModuleNotFoundError):
-    from sluice.gateway.batches import models as _batch_models  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
