@@ -205,13 +205,13 @@ class Dispatcher:
         request = job.request
         if request.request_id in self._jobs:
             raise ValueError(f"request {request.request_id} is already queued or running")
-        self._jobs[request.request_id] = job
         job.queued_at = time.time()
-        self.scheduler.push(Pending(
+        self.scheduler.push(Pending(  # first: it refuses a bad item, which must leave no trace here
             request_id=request.request_id, tenant=request.tenant_id, priority=request.priority,
             enqueued_at=job.enqueued_at, payload=job, prompt_tokens=len(request.prompt_token_ids),
             weight=request.tenant_weight,
         ))
+        self._jobs[request.request_id] = job
         self._wake.set()
 
     def cancel(self, request_id: str) -> None:

@@ -36,6 +36,11 @@ from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# Storing a batch line's result is retried while the database fails, backed off up to this.
+PERSIST_RETRY_FIRST_S = 0.25
+PERSIST_RETRY_MAX_S = 5.0
+PREPARE_RETRY_S = 1.0  # a batch line whose preparation failed is asked about again after this
+
 
 @dataclass(frozen=True, slots=True)
 class Defer:
@@ -110,6 +115,7 @@ class KafkaBackend:
         self._streams: dict[str, StreamSubmission] = {}  # accepted by this process, not yet finished
         # Streaming requests dispatched at acceptance whose record the consumer has not read yet.
         self._dispatched_on_accept: set[str] = set()
+        self._prepare_failing: set[str] = set()  # batch lines whose preparation failed (logged once)
         self._backlog: dict[Priority, int] = dict.fromkeys(Priority, 0)
         self._models: list[ServedModel] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -204,6 +210,26 @@ class KafkaBackend:
     # ---- consuming -----------------------------------------------------------------------------
 
     async def _on_request(self, request: GenerateRequest, ref: RecordRef) -> None:
+        """One consumed record. Whatever goes wrong with it ends that request alone (with an error
+        its client or batch sees), never the consumer."""
+        try:
+            await self._route(request, ref)
+        except Exception as exc:
+            log.exception("could not handle request %s; ending it with an error", request.request_id)
+            self._fail_record(request, ref, f"the gateway could not handle this request ({type(exc).__name__})")
+
+    def _fail_record(self, request: GenerateRequest, ref: RecordRef, message: str) -> None:
+        final = RequestDelta(request_id=request.request_id, finish_reason=FinishReason.ERROR, error=message)
+        if request.batch_id is not None and self.batch_handler is not None:
+            # Its error result is stored like any finished line's, then the offset is committed.
+            self._spawn(self._persist_then_commit(request, ref, final))
+            return
+        stream = self._streams.pop(request.request_id, None)
+        if stream is not None and stream.job is None:
+            stream.deliver(final)
+        self._finish_ref(ref)
+
+    async def _route(self, request: GenerateRequest, ref: RecordRef) -> None:
         if request.request_id in self._dispatched_on_accept:
             self._dispatched_on_accept.discard(request.request_id)
             self._finish_ref(ref)  # dispatched (maybe finished) already; see the module docstring
@@ -214,7 +240,7 @@ class KafkaBackend:
         sink: DeltaSink
         if request.batch_id is not None:
             handler = self.batch_handler
-            verdict = False if handler is None else await handler.prepare(request)
+            verdict = False if handler is None else await self._prepare(handler, request)
             if isinstance(verdict, Defer):
                 # Later, without holding up the consumer: other tenants' lines keep flowing. It
                 # counts toward the class's in-memory backlog meanwhile (a rate-limited flood pauses
@@ -238,12 +264,26 @@ class KafkaBackend:
             sink = stream.deliver
         self._enqueue(request, sink, ref)
 
+    async def _prepare(self, handler: BatchLineHandler, request: GenerateRequest) -> bool | Defer:
+        """The handler's verdict; while it fails (the database is down) the line waits and asks
+        again, it is neither run nor failed."""
+        try:
+            verdict = await handler.prepare(request)
+        except Exception as exc:
+            if request.request_id not in self._prepare_failing:
+                self._prepare_failing.add(request.request_id)
+                log.warning("preparing batch line %s failed (%r); it waits and is tried again",
+                            request.request_id, exc)
+            return Defer(PREPARE_RETRY_S)
+        self._prepare_failing.discard(request.request_id)
+        return verdict
+
     def _enqueue(self, request: GenerateRequest, sink: DeltaSink, ref: RecordRef | None) -> None:
         job = Job(request=request, sink=sink, ref=ref,
                   enqueued_at=min(time.time(), request.arrival_time or time.time()))
+        self.dispatcher.enqueue(job)  # first: a request it refuses leaves no trace here
         if request.batch_id is None:
             self._streams[request.request_id].job = job
-        self.dispatcher.enqueue(job)
         self._adjust_backlog(request.priority, +1)
 
     def _adjust_backlog(self, priority: Priority, change: int) -> None:
@@ -284,20 +324,30 @@ class KafkaBackend:
             self._finish_ref(job.ref)
             return
         self._emit_record(job, final)
-        self._spawn(self._persist_then_commit(job, final))
+        self._spawn(self._persist_then_commit(request, job.ref, final))
 
-    async def _persist_then_commit(self, job: Job, final: RequestDelta) -> None:
+    async def _persist_then_commit(self, request: GenerateRequest, ref: RecordRef | None,
+                                   final: RequestDelta) -> None:
+        """Stores a batch line's result, retrying (backed off, without limit) while the database
+        fails; only a stored result lets its offset be committed. The handler keeps the line's
+        output until it is stored, so every retry writes the real result, billed once."""
         assert self.batch_handler is not None  # batch jobs exist only with a handler
-        for attempt in range(5):
+        delay = PERSIST_RETRY_FIRST_S
+        failures = 0
+        while True:
             try:
-                await self.batch_handler.persist(job.request, final)
+                await self.batch_handler.persist(request, final)
                 break
-            except Exception:
-                log.exception("storing the result of %s failed (attempt %d)", job.request_id, attempt + 1)
-                await asyncio.sleep(0.5 * (attempt + 1))
-        else:
-            return  # not committed: a restart replays it
-        self._finish_ref(job.ref)
+            except Exception as exc:
+                failures += 1
+                if failures == 1:
+                    log.warning("storing the result of %s failed (%r); retrying until it is stored",
+                                request.request_id, exc, exc_info=True)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, PERSIST_RETRY_MAX_S)
+        if failures:
+            log.info("stored the result of %s after %d failed attempt(s)", request.request_id, failures)
+        self._finish_ref(ref)
 
     def _emit_record(self, job: Job, final: RequestDelta) -> None:
         request = job.request

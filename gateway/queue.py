@@ -307,7 +307,14 @@ class ClassConsumer:
                         log.error("skipping an undecodable record at %s:%d (%s)", tp, record.offset, exc)
                         self.finish(ref)
                         continue
-                    await self._on_request(request, ref)
+                    try:
+                        await self._on_request(request, ref)
+                    except Exception:
+                        # One record must never stop consumption: `on_request` deals with what it
+                        # can (see KafkaBackend); anything that still escapes skips this record.
+                        log.exception("handling the record at %s:%d (%s) failed; skipping it",
+                                      tp, record.offset, request.request_id)
+                        self.finish(ref)
 
     async def _commit_loop(self) -> None:
         consumer = self._consumer

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 TENANT_CACHE_S = 30.0
 MAX_RATE_WAIT_S = 60.0
+_ABORT_MESSAGES = {
+    "batch_cancelled": "The batch was cancelled.",
+}
 
 
 @dataclass(slots=True)
@@ -43,6 +46,8 @@ class _Line:
     reservation: Reservation | None
     texts: list[str] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
+    stored: bool | None = None  # None: its row is not stored yet; then whether this call inserted it
+    abort_code: str = "batch_cancelled"  # the error an aborted line is answered with
 
 
 class BatchRunner:
@@ -87,18 +92,16 @@ class BatchRunner:
             return False  # batch deleted, or a replay of a line already answered
         if batch.status not in RUNNABLE:
             if batch.status == "cancelling":
-                await self._store_error(
-                    request, batch.endpoint, "batch_cancelled", "The batch was cancelled."
-                )
+                await self._store_error(request, "batch_cancelled", _ABORT_MESSAGES["batch_cancelled"])
             return False
         if utcnow() > batch.expires_at:  # past its completion window: answered, not run
-            await self._store_error(request, batch.endpoint, "batch_expired",
+            await self._store_error(request, "batch_expired",
                                     "The batch expired before this request could run.")
             return False
         tenant = await self._tenant(request.tenant_id)
         if tenant is None:
             return False
-        reservation = await self._admit(tenant, request, batch.endpoint)
+        reservation = await self._admit(tenant, request)
         if reservation is None:
             return False
         if isinstance(reservation, Defer):
@@ -106,14 +109,13 @@ class BatchRunner:
         self._lines[request.request_id] = _Line(batch.endpoint, reservation)
         return True
 
-    async def _admit(self, tenant: TenantContext, request: GenerateRequest, endpoint: str
-                     ) -> Reservation | Defer | None:
+    async def _admit(self, tenant: TenantContext, request: GenerateRequest) -> Reservation | Defer | None:
         try:
             return await self.quotas.admit(tenant, len(request.prompt_token_ids),
                                            request.sampling.max_tokens, request.priority)
         except QuotaExceeded as exc:
             if exc.retry_after is None:  # a budget, not a rate: waiting will not help today
-                await self._store_error(request, endpoint, exc.code or "insufficient_quota", exc.message)
+                await self._store_error(request, exc.code or "insufficient_quota", exc.message)
                 return None
             return Defer(min(float(exc.retry_after), MAX_RATE_WAIT_S))
 
@@ -127,60 +129,61 @@ class BatchRunner:
         return sink
 
     async def persist(self, request: GenerateRequest, final: RequestDelta) -> None:
-        line = self._lines.pop(request.request_id, None)
-        endpoint = line.endpoint if line is not None else "/v1/chat/completions"
-        prompt = final.num_prompt_tokens or len(request.prompt_token_ids)
-        completion = final.num_output_tokens
-        if line is not None and line.reservation is not None:
-            self.quotas.settle(line.reservation, prompt, completion)
+        """Stores the line's result; raises when the database fails, and may then be called again
+        with the same arguments: the line's output stays here until its row is stored, so a retry
+        writes the real result, and the tokens are billed once, by the call that stored it."""
+        line = self._lines.get(request.request_id)
+        if line is None:  # nothing prepared it here (e.g. a record this gateway could not route)
+            line = self._lines[request.request_id] = _Line("", None)  # answered with an error
+        if line.stored is None:
+            ran = final.num_output_tokens > 0 or final.first_scheduled_time is not None
+            prompt = (final.num_prompt_tokens or len(request.prompt_token_ids)) if ran else 0
+            completion = final.num_output_tokens
+            ok, result = self._result_line(request, line, final, prompt, completion)
+            line.stored = await self._insert(request, ok, result)
+            # Settled (and billed) once, by the call that stored the row; a line that never ran
+            # (cancelled or failed before dispatch) costs nothing.
+            if line.reservation is not None:
+                if ran:
+                    self.quotas.settle(line.reservation, prompt, completion)
+                else:
+                    self.quotas.release(line.reservation)
+            if line.stored and (prompt or completion):
+                try:
+                    await self.usage.record(request.tenant_id, request.model, prompt, completion)
+                except Exception:
+                    log.error("could not record usage of %s", request.request_id, exc_info=True)
+        assert request.batch_id is not None  # batch lines only
+        await self.service.maybe_finalize(request.batch_id)
+        del self._lines[request.request_id]
+
+    def _result_line(self, request: GenerateRequest, line: _Line, final: RequestDelta,
+                     prompt: int, completion: int) -> tuple[bool, dict[str, Any]]:
         if final.finish_reason == FinishReason.ABORT:
-            await self._store_error(request, endpoint, "batch_cancelled", "The batch was cancelled.")
-        elif final.finish_reason == FinishReason.ERROR:
-            await self._store_error(
-                request, endpoint, "generation_failed", f"Generation failed: {final.error or 'backend error'}"
-            )
-        else:
-            text = "".join(line.texts) if line is not None else ""
-            body = _response_body(
-                request,
-                endpoint,
-                text,
-                str(final.finish_reason),
-                prompt,
-                completion,
-                line.created if line is not None else int(time.time()),
-            )
-            await self._store(
-                request,
-                True,
-                {
-                    "id": request.request_id,
-                    "custom_id": request.custom_id,
-                    "response": {"status_code": 200, "request_id": request.request_id, "body": body},
-                    "error": None,
-                },
-            )
-        if completion or prompt:
-            try:
-                await self.usage.record(request.tenant_id, request.model, prompt, completion)
-            except Exception:
-                log.error("could not record usage of %s", request.request_id, exc_info=True)
+            return False, _error_line(request, line.abort_code, _ABORT_MESSAGES[line.abort_code])
+        if final.finish_reason == FinishReason.ERROR:
+            return False, _error_line(request, "generation_failed",
+                                      f"Generation failed: {final.error or 'backend error'}")
+        body = _response_body(request, line.endpoint, "".join(line.texts), str(final.finish_reason),
+                              prompt, completion, line.created)
+        return True, {
+            "id": request.request_id,
+            "custom_id": request.custom_id,
+            "response": {"status_code": 200, "request_id": request.request_id, "body": body},
+            "error": None,
+        }
 
     # ---- storage -------------------------------------------------------------------------------
 
-    async def _store_error(self, request: GenerateRequest, endpoint: str, code: str, message: str) -> None:
-        await self._store(
-            request,
-            False,
-            {
-                "id": request.request_id,
-                "custom_id": request.custom_id,
-                "response": None,
-                "error": {"code": code, "message": message},
-            },
-        )
+    async def _store_error(self, request: GenerateRequest, code: str, message: str) -> None:
+        """An error result for a line answered without running (cancelled, expired, over budget)."""
+        await self._insert(request, False, _error_line(request, code, message))
+        assert request.batch_id is not None  # batch lines only
+        await self.service.maybe_finalize(request.batch_id)
 
-    async def _store(self, request: GenerateRequest, ok: bool, line: dict[str, Any]) -> None:
+    async def _insert(self, request: GenerateRequest, ok: bool, line: dict[str, Any]) -> bool:
+        """Stores the line's row; False when it was stored already (a replay raced its original):
+        exactly one result stands per (batch_id, custom_id)."""
         assert request.batch_id is not None and request.custom_id is not None  # batch lines only
         row = BatchResult(
             batch_id=request.batch_id,
@@ -194,8 +197,17 @@ class BatchRunner:
             async with self.service.sessions() as session, session.begin():
                 session.add(row)
         except IntegrityError:
-            return  # stored already (a replayed line raced its original): exactly one result stands
-        await self.service.maybe_finalize(request.batch_id)
+            return False
+        return True
+
+
+def _error_line(request: GenerateRequest, code: str, message: str) -> dict[str, Any]:
+    return {
+        "id": request.request_id,
+        "custom_id": request.custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
 
 
 def _response_body(
