@@ -5,6 +5,7 @@ and evicts this process's auth cache, so a change applies to the very next reque
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ from sluice.gateway.db.base import Base, new_id, utcnow
 from sluice.gateway.db.models import QUOTA_FIELDS, ApiKey, AuditLog, Quota, Tenant
 from sluice.gateway.errors import OpenAIError
 from sluice.protocol import Priority
+
+log = logging.getLogger(__name__)
 
 ADMIN_ACTOR = "admin"
 
@@ -89,6 +92,15 @@ class AdminService:
         self._sessions = session_factory
         self._auth = auth
         self._flush_usage = flush_usage  # usage is written behind; history checks must see all of it
+        # Called with a tenant's id once it is disabled (or deleted): e.g. the Batch API stops its work.
+        self.on_tenant_disabled: list[Callable[[str], Awaitable[None]]] = []
+
+    async def _tenant_disabled(self, tenant_id: str) -> None:
+        for listener in self.on_tenant_disabled:
+            try:
+                await listener(tenant_id)
+            except Exception:
+                log.exception("stopping the work of disabled tenant %s failed", tenant_id)
 
     # ---- tenants -------------------------------------------------------------------------------
 
@@ -178,6 +190,8 @@ class AdminService:
                 409, "A tenant with that name already exists.", param="name", code="tenant_exists"
             ) from None
         self._auth.invalidate_tenant(tenant_id)
+        if changes.get("enabled") is False:
+            await self._tenant_disabled(tenant_id)
         return tenant_out(tenant, quota)
 
     async def delete_tenant(self, tenant_id: str, actor: str = ADMIN_ACTOR) -> TenantDeleted:
@@ -207,6 +221,7 @@ class AdminService:
                     message="The tenant and its keys were deleted.",
                 )
         self._auth.invalidate_tenant(tenant_id)
+        await self._tenant_disabled(tenant_id)
         return result
 
     @staticmethod

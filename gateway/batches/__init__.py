@@ -71,8 +71,16 @@ class BatchComponents:
             backend,
             max_file_bytes=self.settings.gateway.max_body_bytes,
         )
-        self.handler.set_runner(BatchRunner(self.service, state.quotas, state.usage))
+        runner = BatchRunner(self.service, state.quotas, state.usage)
+        self.handler.set_runner(runner)
         state.batches = self.service
+        service = self.service
+
+        async def stop_tenant(tenant_id: str) -> None:
+            runner.forget_tenant(tenant_id)
+            await service.stop_tenant(tenant_id)
+
+        state.admin.on_tenant_disabled.append(stop_tenant)
 
     async def start(self) -> None:
         if self.service is not None:

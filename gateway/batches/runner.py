@@ -23,7 +23,13 @@ from sqlalchemy.exc import IntegrityError
 from sluice.gateway.admin.service import tenant_with_quota
 from sluice.gateway.auth import TenantContext, tenant_context
 from sluice.gateway.batches.models import Batch, BatchResult
-from sluice.gateway.batches.service import RUNNABLE, BatchService
+from sluice.gateway.batches.service import (
+    RUNNABLE,
+    TENANT_DISABLED,
+    TENANT_DISABLED_MESSAGE,
+    BatchService,
+    stopped_by_tenant_disabled,
+)
 from sluice.gateway.batches.views import line_number
 from sluice.gateway.db.base import utcnow
 from sluice.gateway.kafka_backend import Defer
@@ -37,7 +43,13 @@ TENANT_CACHE_S = 30.0
 MAX_RATE_WAIT_S = 60.0
 _ABORT_MESSAGES = {
     "batch_cancelled": "The batch was cancelled.",
+    TENANT_DISABLED: TENANT_DISABLED_MESSAGE,
 }
+
+
+def _abort_code(batch: Batch) -> str:
+    """What a line of a cancelling batch is answered: its tenant was disabled, or it was cancelled."""
+    return TENANT_DISABLED if stopped_by_tenant_disabled(batch) else "batch_cancelled"
 
 
 @dataclass(slots=True)
@@ -70,6 +82,10 @@ class BatchRunner:
         self._tenants[tenant_id] = (time.monotonic(), context)
         return context
 
+    def forget_tenant(self, tenant_id: str) -> None:
+        """Its settings changed (e.g. it was disabled): read them again next time."""
+        self._tenants.pop(tenant_id, None)
+
     def tenant_label(self, tenant_id: str) -> str:
         """The tenant's name for request records (its id if not cached)."""
         cached = self._tenants.get(tenant_id)
@@ -92,14 +108,17 @@ class BatchRunner:
             return False  # batch deleted, or a replay of a line already answered
         if batch.status not in RUNNABLE:
             if batch.status == "cancelling":
-                await self._store_error(request, "batch_cancelled", _ABORT_MESSAGES["batch_cancelled"])
+                code = _abort_code(batch)
+                await self._store_error(request, code, _ABORT_MESSAGES[code])
             return False
         if utcnow() > batch.expires_at:  # past its completion window: answered, not run
             await self._store_error(request, "batch_expired",
                                     "The batch expired before this request could run.")
             return False
         tenant = await self._tenant(request.tenant_id)
-        if tenant is None:
+        if tenant is None or not tenant.enabled:  # disabled meanwhile (by the admin API or not)
+            await self.service.stop_tenant(request.tenant_id)
+            await self._store_error(request, TENANT_DISABLED, TENANT_DISABLED_MESSAGE)
             return False
         reservation = await self._admit(tenant, request)
         if reservation is None:
@@ -136,6 +155,10 @@ class BatchRunner:
         if line is None:  # nothing prepared it here (e.g. a record this gateway could not route)
             line = self._lines[request.request_id] = _Line("", None)  # answered with an error
         if line.stored is None:
+            if final.finish_reason == FinishReason.ABORT:
+                async with self.service.sessions() as session:
+                    batch = await session.get(Batch, request.batch_id)
+                line.abort_code = _abort_code(batch) if batch is not None else "batch_cancelled"
             ran = final.num_output_tokens > 0 or final.first_scheduled_time is not None
             prompt = (final.num_prompt_tokens or len(request.prompt_token_ids)) if ran else 0
             completion = final.num_output_tokens

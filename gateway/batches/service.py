@@ -37,6 +37,10 @@ FINAL = ("completed", "failed", "cancelled", "expired")
 COMPLETION_WINDOWS = {"24h": dt.timedelta(hours=24)}
 ENQUEUE_CONCURRENCY = 64
 MAX_METADATA_KEYS = 16
+TENANT_DISABLED = "tenant_disabled"
+TENANT_DISABLED_MESSAGE = "The tenant was disabled; this request was not run and not billed."
+TENANT_DISABLED_ERROR = {"code": TENANT_DISABLED, "param": None, "line": None,
+                         "message": "The tenant was disabled; lines that had not run were not run and not billed."}
 
 
 class BatchService:
@@ -336,20 +340,44 @@ class BatchService:
                     .where(Batch.id == batch_id, Batch.status.in_(RUNNABLE))
                     .values(status="cancelling", cancelling_at=utcnow())
                 )
-            # Lines queued or running here end now (ABORT → a "batch_cancelled" result row); lines
-            # still in Kafka are answered "batch_cancelled" when consumed.
-            dispatcher = self.backend.dispatcher
-            jobs = [p.payload for p in dispatcher.scheduler.items()]
-            jobs += [j for w in dispatcher.workers.values() for j in w.inflight.values()]
-            for job in jobs:
-                if job.request.batch_id == batch_id:
-                    dispatcher.cancel(job.request_id)
+            self._stop_lines({batch_id})
             await self.maybe_finalize(batch_id)
         elif row.status not in ("cancelling", "cancelled"):
             raise OpenAIError(
                 400, f"Cannot cancel a batch whose status is '{row.status}'.", code="invalid_state"
             )
         return await self.view(await self.batch_row(tenant_id, batch_id))
+
+    def _stop_lines(self, batch_ids: set[str]) -> None:
+        """Lines of these (cancelling) batches queued or running here end now (ABORT → an error
+        result row, nothing billed for a line that never ran); lines still in Kafka are answered
+        without running when consumed."""
+        dispatcher = self.backend.dispatcher
+        jobs = [p.payload for p in dispatcher.scheduler.items()]
+        jobs += [j for w in dispatcher.workers.values() for j in w.inflight.values()]
+        for job in jobs:
+            if job.request.batch_id in batch_ids:
+                dispatcher.cancel(job.request_id)
+
+    async def stop_tenant(self, tenant_id: str) -> None:
+        """The tenant was disabled: its runnable batches stop now. Lines that have not run are not
+        run (nor billed) and are answered `tenant_disabled`; the batch ends `failed` with that error.
+        Idempotent."""
+        async with self.sessions() as session, session.begin():
+            ids = set((await session.scalars(
+                select(Batch.id).where(Batch.tenant_id == tenant_id, Batch.status.in_(RUNNABLE))
+            )).all())
+            if ids:
+                await session.execute(
+                    update(Batch).where(Batch.id.in_(ids), Batch.status.in_(RUNNABLE))
+                    .values(status="cancelling", cancelling_at=utcnow(), errors=[TENANT_DISABLED_ERROR])
+                )
+        if not ids:
+            return
+        log.info("tenant %s disabled: stopping %d batch(es)", tenant_id, len(ids))
+        self._stop_lines(ids)
+        for batch_id in ids:
+            await self.maybe_finalize(batch_id)
 
     # ---- results -------------------------------------------------------------------------------
 
@@ -367,6 +395,8 @@ class BatchService:
             if (done or 0) < row.total:
                 return
             target = "cancelled" if row.status == "cancelling" or row.cancelling_at else "completed"
+            if target == "cancelled" and stopped_by_tenant_disabled(row):
+                target = "failed"
             results = (
                 await session.scalars(
                     select(BatchResult).where(BatchResult.batch_id == batch_id).order_by(BatchResult.line_no)
@@ -378,7 +408,8 @@ class BatchService:
             if target == "completed" and bad and now > row.expires_at:
                 target = "expired"  # lines answered `batch_expired` after the completion window
             values: dict[str, Any] = {"status": target, "finalizing_at": row.finalizing_at or now}
-            values[{"cancelled": "cancelled_at", "expired": "expired_at"}.get(target, "completed_at")] = now
+            ended_at = {"cancelled": "cancelled_at", "expired": "expired_at", "failed": "failed_at"}
+            values[ended_at.get(target, "completed_at")] = now
             if ok:
                 values["output_file_id"] = (
                     await self._store_file(
@@ -426,6 +457,10 @@ class BatchService:
             ).all()
         for batch_id in ids:
             await self.maybe_finalize(batch_id)
+
+
+def stopped_by_tenant_disabled(batch: Batch) -> bool:
+    return any(e.get("code") == TENANT_DISABLED for e in batch.errors or ())
 
 
 class _LostRace(Exception):
