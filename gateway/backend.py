@@ -54,6 +54,10 @@ class GenerationBackend(Protocol):
 
     def served_models(self) -> list[ServedModel]: ...
 
+    def could_serve(self, model: str) -> bool:
+        """Whether some worker serves (or, for a while after start, may yet serve) this model."""
+        ...
+
     async def ready(self) -> dict[str, bool]: ...
 
     async def submit(self, request: GenerateRequest) -> Submission: ...
@@ -270,6 +274,9 @@ class LocalEngineBackend:
             ServedModel(name=name, path=self._paths[name], max_model_len=runner.engine.max_model_len)
             for name, runner in self._runners.items()
         ]
+
+    def could_serve(self, model: str) -> bool:
+        return model in self._runners
 
     def tokenizer(self, model: str) -> Any:
         """The loaded engine's tokenizer (saves the gateway loading it a second time)."""

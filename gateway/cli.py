@@ -33,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--config", default=None, help="config directory (default: $SLUICE_CONFIG_DIR or ./config)"
     )
     serve.add_argument("--device", default="cpu", help="device of the local workers: cpu, cuda or cuda:N")
+    serve.add_argument("--new-demo-key", action="store_true",
+                       help="revoke the demo tenant's key and create a new one (shown once)")
     serve.set_defaults(handler=_serve)
 
     worker = subparsers.add_parser("worker", help="run one engine and serve it to a gateway")
@@ -61,10 +63,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from sluice.settings import load_settings
     from sluice.workers.cli import engine_config
     from sluice.workers.server import WorkerOptions, parse_address, run_worker
 
     host, port = parse_address(args.gateway)
+    gateway = load_settings().gateway
     if args.heartbeat_interval <= 0:
         raise CLIError(f"--heartbeat-interval must be positive, got {args.heartbeat_interval}")
     model_dir = Path(args.model)
@@ -76,7 +80,13 @@ def _worker(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or model_dir.resolve().name,
         heartbeat_interval_s=args.heartbeat_interval,
         parent_pid=os.getppid() if args.exit_with_parent else None,
+        # From settings (environment included), never from argv: `ps` shows the command line.
+        secret=gateway.worker_secret,
+        tls_ca=gateway.worker_tls_ca,
     )
+    if not options.secret:
+        raise CLIError("no worker secret: set SLUICE_GATEWAY_WORKER_SECRET (or [gateway] worker_secret) "
+                       "to the gateway's value")
     run_worker(config, options)
     return 0
 

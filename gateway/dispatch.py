@@ -16,6 +16,15 @@ Draining: `drain(worker_id)` stops sending new jobs to a worker; what it already
 end (so it can be stopped or upgraded without failing a request). The mark is kept by worker id, so
 a draining worker that reconnects stays drained until `undrain`.
 
+Registration: the gateway opens every connection with a `WorkerChallenge` (a random nonce) and
+sends nothing else until the peer answers with a `WorkerRegister` whose proof is the HMAC of that
+nonce under the shared worker secret (compared in constant time). A peer that fails, stalls or
+sends anything else is logged (never the secret) and disconnected with a `WorkerRejected`; it
+never sees a request or a tenant id. A worker id that is already connected is refused: a live
+worker is never evicted by a newcomer (a restarted worker's old connection ends at its EOF, or at
+the heartbeat timeout, and its retry then succeeds). The worker port speaks TLS when a certificate
+is configured.
+
 Deltas from a worker go straight to the job's sink (a client stream or a batch collector); there
 is no per-token round trip through Kafka. A worker that disconnects or misses heartbeats is
 dropped: its batch jobs are re-queued (they complete elsewhere), the others end with an error.
@@ -25,7 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import secrets
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,15 +48,21 @@ import msgspec
 from sluice import telemetry
 from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
 from sluice.protocol import (
+    MAX_FRAME_BYTES,
     AbortRequest,
     FinishReason,
     FrameDecoder,
     GenerateRequest,
+    Message,
     Priority,
     RequestDelta,
+    ServedModelInfo,
     WorkerCapacity,
+    WorkerChallenge,
     WorkerRegister,
+    WorkerRejected,
     encode_frame,
+    proof_matches,
 )
 from sluice.settings import Settings
 
@@ -54,6 +72,45 @@ DeltaSink = Callable[[RequestDelta], None]
 # A batch job whose worker died this many times fails instead of being re-queued again (a request
 # that crashes workers must not crash them forever).
 MAX_DISPATCH_ATTEMPTS = 3
+REGISTER_TIMEOUT_S = 10.0  # a peer must register this soon after connecting
+REGISTER_MAX_FRAME_BYTES = 64 * 1024  # an unauthenticated peer's frames are small or refused
+
+
+class WorkerRefused(Exception):
+    """A connection that is not accepted as a worker; the message is safe to log and to send."""
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def worker_secret_for(settings: Settings) -> str:
+    """The configured worker secret, or a fresh random one when the worker port is loopback-only."""
+    gw = settings.gateway
+    if gw.worker_secret:
+        return gw.worker_secret
+    if not _is_loopback(gw.worker_host):
+        raise ValueError(
+            f"gateway.worker_secret (SLUICE_GATEWAY_WORKER_SECRET) must be set when workers may connect "
+            f"from other hosts (worker_host {gw.worker_host!r}); give the same value to every worker")
+    return secrets.token_urlsafe(32)
+
+
+def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    gw = settings.gateway
+    if not gw.worker_tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(gw.worker_tls_cert, gw.worker_tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"gateway.worker_tls_cert/worker_tls_key cannot be loaded: {exc}") from None
+    return context
 
 
 @dataclass(slots=True, eq=False)
@@ -98,7 +155,7 @@ class WorkerConn:
 
     def __init__(self, register: WorkerRegister, writer: asyncio.StreamWriter) -> None:
         self.worker_id = register.worker_id
-        self.models = frozenset(register.models)
+        self.models = frozenset(m.name for m in register.models)
         self.device = register.device
         self.pid = register.pid
         self.capacity = register.capacity
@@ -158,6 +215,14 @@ class Dispatcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self.port = 0
+        self.worker_secret = ""  # set by start(): configured, or generated for local workers
+        # What the gateway serves, by name: a worker must announce the same tokenizer and at least
+        # this context length (set by the backend from models.toml before start()).
+        self.expected_models: dict[str, ServedModelInfo] = {}
+        self.announced_models: set[str] = set()  # served by some worker since this process started
+        self.rejected_connections = 0
+        self._started_at = time.monotonic()
+        self._grace_s = settings.dispatch.announce_grace_s
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -165,14 +230,17 @@ class Dispatcher:
         gw = self.settings.gateway
         host = gw.worker_host if host is None else host
         port = gw.worker_port if port is None else port
+        self.worker_secret = worker_secret_for(self.settings)
+        self._started_at = time.monotonic()
+        context = server_ssl_context(self.settings)
         try:
-            self._server = await asyncio.start_server(self._serve_worker, host, port)
+            self._server = await asyncio.start_server(self._serve_worker, host, port, ssl=context)
         except OSError as exc:
             raise ValueError(f"cannot listen for workers on {host}:{port}: {exc.strerror}") from None
         self.port = self._server.sockets[0].getsockname()[1]
         self._tasks = [asyncio.create_task(self._dispatch_loop(), name="dispatch"),
                        asyncio.create_task(self._monitor_loop(), name="worker-monitor")]
-        log.info("worker port listening on %s:%d", host, self.port)
+        log.info("worker port listening on %s:%d (%s)", host, self.port, "TLS" if context else "plain TCP")
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -242,6 +310,14 @@ class Dispatcher:
         self.draining.discard(worker_id)
         self._wake.set()
         return True
+
+    def could_serve(self, model: str) -> bool:
+        """A model that some worker announced since this gateway started (its workers may be down for
+        now: its requests wait for one), or any configured model during the first
+        `dispatch.announce_grace_s` after start, while workers (re)connect and load."""
+        if model in self.announced_models:
+            return True
+        return model in self.expected_models and time.monotonic() - self._started_at < self._grace_s
 
     def _finish(self, job: Job, delta: RequestDelta) -> None:
         self._jobs.pop(job.request_id, None)
@@ -322,25 +398,30 @@ class Dispatcher:
         task = asyncio.current_task()
         if task is not None:
             self._conn_tasks.add(task)
-        decoder = FrameDecoder()
+        decoder = FrameDecoder(max_frame_bytes=REGISTER_MAX_FRAME_BYTES)
         worker: WorkerConn | None = None
         reason = "closed the connection"
         try:
+            nonce = secrets.token_bytes(32)
+            writer.write(encode_frame(WorkerChallenge(nonce)))
+            try:
+                register, rest = await asyncio.wait_for(self._read_register(reader, decoder), REGISTER_TIMEOUT_S)
+                self._check_register(register, nonce)
+            except (WorkerRefused, TimeoutError, ValueError, msgspec.DecodeError) as exc:
+                self._refuse(writer, exc)
+                return
+            worker = self._register(register, writer)
+            decoder.max_frame_bytes = MAX_FRAME_BYTES
+            for message in rest:
+                self._on_message(worker, message)
             while True:
                 data = await reader.read(1 << 16)
                 if not data:
                     break
+                if worker.worker_id not in self.workers:
+                    return  # dropped by the monitor meanwhile
                 for message in decoder.feed(data):
-                    if worker is None:
-                        if not isinstance(message, WorkerRegister):
-                            raise ValueError(f"expected WorkerRegister first, got {type(message).__name__}")
-                        worker = self._register(message, writer)
-                        if worker is None:
-                            return
-                    elif worker.worker_id not in self.workers:
-                        return  # dropped by the monitor meanwhile
-                    else:
-                        self._on_message(worker, message)
+                    self._on_message(worker, message)
         except (OSError, ValueError, msgspec.DecodeError) as exc:
             reason = f"connection error ({exc!r})"
         except asyncio.CancelledError:
@@ -353,13 +434,63 @@ class Dispatcher:
                 self._lose_worker(worker, reason)
             writer.close()
 
-    def _register(self, message: WorkerRegister, writer: asyncio.StreamWriter) -> WorkerConn | None:
-        old = self.workers.get(message.worker_id)
-        if old is not None:
-            # Same id reconnecting (restarted worker, or a stale connection): the new one wins.
-            self._lose_worker(old, "re-registered")
+    @staticmethod
+    async def _read_register(reader: asyncio.StreamReader,
+                             decoder: FrameDecoder) -> tuple[WorkerRegister, list[Message]]:
+        """The peer's first message, which must be a WorkerRegister, and whatever came with it."""
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                raise WorkerRefused("closed the connection before registering")
+            messages = decoder.feed(data)
+            if messages:
+                first, rest = messages[0], list(messages[1:])
+                if not isinstance(first, WorkerRegister):
+                    raise WorkerRefused(f"sent {type(first).__name__} instead of registering")
+                return first, rest
+
+    def _check_register(self, message: WorkerRegister, nonce: bytes) -> None:
+        if not message.proof or not proof_matches(self.worker_secret, nonce, message.worker_id, message.proof):
+            raise WorkerRefused(f"worker {message.worker_id!r} did not prove the worker secret "
+                                "(missing or wrong SLUICE_GATEWAY_WORKER_SECRET)")
+        if message.worker_id in self.workers:
+            raise WorkerRefused(f"worker id {message.worker_id!r} is already connected; "
+                                "a live worker is never replaced (give each worker its own id)")
+        if not message.models:
+            raise WorkerRefused(f"worker {message.worker_id!r} announced no model")
+        for model in message.models:
+            expected = self.expected_models.get(model.name)
+            if expected is None:
+                if self.expected_models:
+                    known = ", ".join(sorted(self.expected_models))
+                    raise WorkerRefused(f"worker {message.worker_id!r} serves {model.name!r}, which this "
+                                        f"gateway does not list (models.toml has {known})")
+                continue
+            if expected.tokenizer and model.tokenizer and expected.tokenizer != model.tokenizer:
+                raise WorkerRefused(f"worker {message.worker_id!r} serves {model.name!r} with a different "
+                                    "tokenizer than the gateway's copy of that model")
+            if model.max_model_len < expected.max_model_len:
+                raise WorkerRefused(
+                    f"worker {message.worker_id!r} serves {model.name!r} with max_model_len "
+                    f"{model.max_model_len}, shorter than the gateway's {expected.max_model_len}")
+
+    def _refuse(self, writer: asyncio.StreamWriter, exc: BaseException) -> None:
+        peer = writer.get_extra_info("peername")
+        if isinstance(exc, TimeoutError):
+            reason = f"did not register within {REGISTER_TIMEOUT_S:.0f}s"
+        elif isinstance(exc, WorkerRefused):
+            reason = str(exc)
+        else:
+            reason = f"sent an unreadable registration ({type(exc).__name__})"
+        self.rejected_connections += 1
+        log.warning("worker connection from %s refused: %s", peer, reason)
+        with contextlib.suppress(Exception):
+            writer.write(encode_frame(WorkerRejected(reason)))
+
+    def _register(self, message: WorkerRegister, writer: asyncio.StreamWriter) -> WorkerConn:
         worker = WorkerConn(message, writer)
         self.workers[worker.worker_id] = worker
+        self.announced_models.update(worker.models)
         telemetry.observe_worker(message.capacity)
         log.info("worker %s registered (models %s, device %s, pid %d)",
                  worker.worker_id, ", ".join(sorted(worker.models)), worker.device, worker.pid)

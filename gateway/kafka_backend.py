@@ -31,7 +31,14 @@ from sluice import telemetry
 from sluice.gateway.backend import BackendUnavailable, QueuedSubmission, ServedModel, Submission
 from sluice.gateway.dispatch import DeltaSink, Dispatcher, Job
 from sluice.gateway.queue import ClassConsumer, QueueUnavailable, RecordRef, RequestLog, ensure_topics
-from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta
+from sluice.protocol import (
+    FinishReason,
+    GenerateRequest,
+    Priority,
+    RequestDelta,
+    ServedModelInfo,
+    tokenizer_identity,
+)
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -132,6 +139,9 @@ class KafkaBackend:
         self._models = [ServedModel(name=m.name, path=m.path,
                                     max_model_len=_model_max_len(m.path, self.settings.engine))
                         for m in self.settings.models]
+        self.dispatcher.expected_models = {
+            m.name: ServedModelInfo(name=m.name, max_model_len=m.max_model_len, tokenizer=tokenizer_identity(m.path))
+            for m in self._models}
         try:
             await ensure_topics(self.settings.kafka)
             await self._log.start()
@@ -162,6 +172,9 @@ class KafkaBackend:
 
     def served_models(self) -> list[ServedModel]:
         return list(self._models)
+
+    def could_serve(self, model: str) -> bool:
+        return self.dispatcher.could_serve(model)
 
     async def ready(self) -> dict[str, bool]:
         return {"broker": self._started and await self._log.ping(),

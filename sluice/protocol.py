@@ -8,8 +8,11 @@ frame per message (see `encode_frame` / `FrameDecoder`).
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import math
 import struct
+from pathlib import Path
 
 import msgspec
 
@@ -168,15 +171,71 @@ class WorkerCapacity(msgspec.Struct, frozen=True, kw_only=True, tag="capacity"):
     num_preemptions: int = 0  # engine preemptions since the worker started (cumulative)
 
 
+class ServedModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker serves under one model name: the gateway checks it against its own view."""
+
+    name: str
+    max_model_len: int
+    tokenizer: str = ""  # tokenizer_identity() of the model directory; "" = unknown
+
+
+class WorkerChallenge(msgspec.Struct, frozen=True, tag="challenge"):
+    """Gateway → worker, the first frame of every connection: the nonce the worker's proof covers."""
+
+    nonce: bytes
+
+
 class WorkerRegister(msgspec.Struct, frozen=True, kw_only=True, tag="register"):
+    """Worker → gateway, the answer to the challenge. Nothing is sent to a worker before it is accepted."""
+
     worker_id: str
-    models: tuple[str, ...]
+    models: tuple[ServedModelInfo, ...]
     device: str
     pid: int
     capacity: WorkerCapacity
+    proof: str = ""  # worker_proof(secret, challenge nonce, worker_id): the secret never crosses the wire
 
 
-Message = GenerateRequest | AbortRequest | RequestDelta | WorkerCapacity | WorkerRegister
+class WorkerRejected(msgspec.Struct, frozen=True, tag="rejected"):
+    """Gateway → worker, just before it closes a connection it did not accept (the reason, no secrets)."""
+
+    reason: str
+
+
+Message = (GenerateRequest | AbortRequest | RequestDelta | WorkerCapacity | WorkerRegister | WorkerChallenge
+           | WorkerRejected)
+
+
+def worker_proof(secret: str, nonce: bytes, worker_id: str) -> str:
+    """HMAC-SHA256 of the challenge nonce and the worker id under the shared worker secret (hex)."""
+    message = nonce + b"\0" + worker_id.encode("utf-8")
+    return hmac.new(secret.encode("utf-8"), message, hashlib.sha256).hexdigest()
+
+
+def proof_matches(secret: str, nonce: bytes, worker_id: str, proof: str) -> bool:
+    """Constant-time check of a worker's proof."""
+    return hmac.compare_digest(worker_proof(secret, nonce, worker_id).encode(), proof.encode("utf-8"))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+
+
+def tokenizer_identity(model_dir: str | Path) -> str:
+    """SHA-256 over a model directory's tokenizer files (name and bytes), "" when it has none.
+
+    Gateway and worker compute it from their own copy of the model: equal values mean the token ids
+    the gateway produces are the ones the worker's model was trained on.
+    """
+    digest = hashlib.sha256()
+    found = False
+    for name in TOKENIZER_FILES:
+        path = Path(model_dir) / name
+        if path.is_file():
+            found = True
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest() if found else ""
+
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -190,18 +249,23 @@ def encode_frame(message: Message) -> bytes:
 
 
 class FrameDecoder:
-    """Incrementally splits a byte stream into messages."""
+    """Incrementally splits a byte stream into messages; a frame over `max_frame_bytes` is an error.
 
-    def __init__(self) -> None:
+    The gateway reads an unauthenticated peer with a small limit, so a stranger cannot make it
+    buffer a 64 MiB frame; `max_frame_bytes` is raised once the worker is accepted.
+    """
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buffer = bytearray()
+        self.max_frame_bytes = max_frame_bytes
 
     def feed(self, data: bytes) -> list[Message]:
         self._buffer.extend(data)
         messages: list[Message] = []
         while len(self._buffer) >= _HEADER.size:
             (length,) = _HEADER.unpack_from(self._buffer)
-            if length > MAX_FRAME_BYTES:
-                raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+            if length > self.max_frame_bytes:
+                raise ValueError(f"frame of {length} bytes exceeds the {self.max_frame_bytes}-byte limit")
             end = _HEADER.size + length
             if len(self._buffer) < end:
                 break

@@ -32,6 +32,18 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # Workers connect here to register and receive work (msgspec frames over TCP).
     worker_host: str = "127.0.0.1"
     worker_port: int = 8100
+    # Shared by the gateway and its workers; a worker proves it knows it (HMAC of a challenge).
+    # Empty: `sluice serve` generates one per start for its local workers, and only a loopback
+    # worker_host is allowed. Required (at least 16 characters) when worker_host is not loopback.
+    worker_secret: str = ""
+    worker_tls_cert: str = ""  # PEM certificate (chain): the worker port speaks TLS when set
+    worker_tls_key: str = ""  # its PEM private key
+    worker_tls_ca: str = ""  # worker side: verify the gateway's certificate against this CA file (TLS on)
+    # GET /metrics needs `Authorization: Bearer <metrics_token>` (or the admin token); empty = admin only.
+    metrics_token: str = ""
+    # Cheap limits checked before any tokenization (400 without spending CPU on the prompt).
+    max_prompt_chars: int = 1_048_576  # characters of a prompt, or of all messages' content together
+    max_messages: int = 2048  # messages of one chat request (OpenAI's own limit)
     max_body_bytes: int = 8 * 2**20
     request_timeout_s: float = 600.0
     key_cache_ttl_s: float = 30.0
@@ -40,6 +52,10 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 class AdminSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     token: str = ""  # bootstrap admin token; empty = generate one, store it hashed, print it once
+    # `sluice serve` keeps one API key for this seed tenant (created once, expiring, see README);
+    # empty = no demo key (production).
+    demo_tenant: str = "demo-chat"
+    demo_key_ttl_days: int = 7
 
 
 class DatabaseSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -85,6 +101,9 @@ class DispatchSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     local_workers: int = 1
+    # After start, every configured model is accepted for this long while workers (re)connect; then
+    # only models some worker announced (a model whose workers are all down keeps being accepted).
+    announce_grace_s: float = 60.0
     remote_workers: tuple[str, ...] = ()  # documented addresses of workers started elsewhere
 
 
@@ -210,6 +229,16 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
         port = getattr(getattr(settings, section), key)
         if not 0 <= port < 65536:
             raise ConfigError(f"{sources.get(section, section)}: [{section}] {key} must be 0..65535, got {port}")
+    gw, gw_source = settings.gateway, sources.get("gateway", "[gateway]")
+    if gw.worker_secret and len(gw.worker_secret) < 16:
+        raise ConfigError(f"{gw_source}: [gateway] worker_secret must be at least 16 characters")
+    if bool(gw.worker_tls_cert) != bool(gw.worker_tls_key):
+        raise ConfigError(f"{gw_source}: [gateway] worker_tls_cert and worker_tls_key are set together")
+    for key in ("max_prompt_chars", "max_messages"):
+        if getattr(gw, key) < 1:
+            raise ConfigError(f"{gw_source}: [gateway] {key} must be at least 1, got {getattr(gw, key)}")
+    if settings.admin.demo_key_ttl_days < 1:
+        raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] demo_key_ttl_days must be at least 1")
     names = [model.name for model in settings.models]
     if len(set(names)) != len(names):
         raise ConfigError(f"{sources.get('models', 'models.toml')}: model names must be unique, got {names}")

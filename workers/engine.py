@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from sluice.protocol import (
     FinishReason,
     PositionLogprobs,
@@ -30,8 +32,13 @@ from sluice.workers.model.config import ModelConfig, ModelLoadError
 from sluice.workers.request import Request, RequestStatus
 from sluice.workers.runner import ModelRunner
 from sluice.workers.scheduler import Scheduler
+from sluice.workers.scheduler_output import RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+# What a client is told when its request raised inside the engine (details stay in the worker's log).
+REQUEST_FAILED_MESSAGE = "the model worker could not process this request (other requests are unaffected)"
+MAX_FAILED_STEPS = 3
 
 
 @dataclass(slots=True)
@@ -99,6 +106,7 @@ class LLMEngine:
         self._num_reported: dict[str, int] = {}
         self._pending: list[RequestDelta] = []  # abort deltas, returned by the next step()
         self._ids = itertools.count()
+        self._failed_steps = 0  # consecutive steps in which every chunk raised (see _execute_isolating)
 
     # ---- properties ----------------------------------------------------------------------------
 
@@ -178,11 +186,50 @@ class LLMEngine:
         if not self.scheduler.has_work:
             return deltas
         scheduled = self.scheduler.schedule(time.time())
-        runner_output = self.runner.execute(scheduled)
+        try:
+            runner_output = self.runner.execute(scheduled)
+        except Exception:
+            runner_output = self._execute_isolating(scheduled, deltas)
         changed = self.scheduler.update(scheduled, runner_output, time.time())
         for request in changed:
             deltas.append(self._process(request, runner_output.logprobs.get(request.request_id)))
         return deltas
+
+    def _execute_isolating(self, scheduled: SchedulerOutput, deltas: list[RequestDelta]) -> RunnerOutput:
+        """A step raised: run its chunks one by one, so a request that raises on its own ends with an
+        error (its delta goes to `deltas`) and the others go on. Re-running a chunk recomputes the same
+        KV entries; only a sampled row's random draw may advance once more. When every one of several
+        chunks fails, in several steps in a row, the engine itself is broken: raise (the worker exits
+        and is restarted)."""
+        log.warning("an engine step failed; running its %d chunk(s) one by one", len(scheduled.chunks),
+                    exc_info=True)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, PositionLogprobs] = {}
+        failed = 0
+        for chunk in scheduled.chunks:
+            try:
+                out = self.runner.execute(SchedulerOutput((chunk,), (), chunk.num_tokens))
+            except Exception:
+                failed += 1
+                rid = chunk.request.request_id
+                log.warning("request %s raises in the engine on its own; it is ended with an error", rid,
+                            exc_info=True)
+                request = self.scheduler.abort(rid)
+                if request is not None and rid in self._detokenizers:
+                    delta = self._delta(request, (), "", (), FinishReason.ERROR)
+                    deltas.append(msgspec.structs.replace(delta, error=REQUEST_FAILED_MESSAGE))
+                    self._forget(rid)
+                continue
+            sampled.update(out.sampled_token_ids)
+            logprobs.update(out.logprobs)
+        # Several requests all failing points at the engine; one request failing alone, at the request.
+        if failed < len(scheduled.chunks):
+            self._failed_steps = 0
+        elif failed > 1:
+            self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise RuntimeError(f"{MAX_FAILED_STEPS} engine steps in a row failed for every request")
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def _process(self, request: Request, logprob: PositionLogprobs | None) -> RequestDelta:
         rid = request.request_id

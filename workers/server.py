@@ -1,7 +1,10 @@
 """The worker process: one engine in a busy loop, connected to the gateway over TCP.
 
 Two threads. The main thread owns the engine and only steps it; an IO thread runs an asyncio
-loop that connects to the gateway's worker port, sends WorkerRegister, then forwards frames:
+loop that connects to the gateway's worker port (TLS when a CA file is configured), answers the
+gateway's challenge with a WorkerRegister carrying the HMAC proof of the shared worker secret (the
+secret itself never crosses the wire) and what it serves (name, max length, tokenizer identity),
+then forwards frames:
 GenerateRequest / AbortRequest in (through `inbox`), RequestDelta / WorkerCapacity out. Socket IO
 never blocks a step, and a step never delays reading an abort by more than one step.
 
@@ -19,6 +22,7 @@ import logging
 import os
 import queue
 import signal
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -32,9 +36,14 @@ from sluice.protocol import (
     GenerateRequest,
     Message,
     RequestDelta,
+    ServedModelInfo,
     WorkerCapacity,
+    WorkerChallenge,
     WorkerRegister,
+    WorkerRejected,
     encode_frame,
+    tokenizer_identity,
+    worker_proof,
 )
 
 log = logging.getLogger(__name__)
@@ -49,6 +58,9 @@ class WorkerOptions:
     heartbeat_interval_s: float = 1.0
     reconnect_max_s: float = 2.0
     parent_pid: int | None = None  # exit once this process is gone (workers spawned by `sluice serve`)
+    secret: str = ""  # the shared worker secret (from settings / SLUICE_GATEWAY_WORKER_SECRET)
+    tls_ca: str = ""  # verify the gateway's certificate against this CA file; "" = plain TCP
+    rejected_retry_s: float = 5.0  # a gateway that refused this worker is asked again this much later
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +76,19 @@ class _Disconnected:
 
 
 _Inbox = GenerateRequest | AbortRequest | _Connected | _Disconnected
+
+
+class _Refused(Exception):
+    """The gateway did not accept this worker (its reason: wrong secret, duplicate id, ...)."""
+
+
+def client_ssl_context(ca_file: str) -> ssl.SSLContext | None:
+    if not ca_file:
+        return None
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"gateway.worker_tls_ca {ca_file!r} cannot be loaded: {exc}") from None
 
 
 def parse_address(value: str) -> tuple[str, int]:
@@ -84,6 +109,7 @@ class _GatewayLink:
         self._generation = 0
         self._register: WorkerRegister | None = None
         self._stopping = False
+        self._ssl = client_ssl_context(options.tls_ca)
         self.thread = threading.Thread(target=self._run, name="gateway-io", daemon=True)
 
     def start(self, register: WorkerRegister) -> None:
@@ -120,8 +146,12 @@ class _GatewayLink:
         backoff = 0.05
         while not self._stopping:
             try:
-                reader, writer = await asyncio.open_connection(opts.gateway_host, opts.gateway_port)
-            except OSError:
+                reader, writer = await asyncio.open_connection(
+                    opts.gateway_host, opts.gateway_port, ssl=self._ssl,
+                    server_hostname=opts.gateway_host if self._ssl is not None else None)
+            except OSError as exc:
+                if isinstance(exc, ssl.SSLError):
+                    log.warning("TLS handshake with the gateway failed (%s); retrying", exc.reason)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, opts.reconnect_max_s)
                 continue
@@ -132,10 +162,16 @@ class _GatewayLink:
             self._inbox.put(_Connected(generation))
             log.info("connected to the gateway at %s:%d", opts.gateway_host, opts.gateway_port)
             try:
+                decoder = FrameDecoder()
+                nonce = await asyncio.wait_for(self._challenge(reader, decoder), 30.0)
                 assert self._register is not None  # set by start(); internal invariant
-                writer.write(encode_frame(self._register))
-                await self._pump(reader, writer, self._outbox)
-            except (OSError, ValueError, msgspec.DecodeError) as exc:
+                proof = worker_proof(opts.secret, nonce, self._register.worker_id)
+                writer.write(encode_frame(msgspec.structs.replace(self._register, proof=proof)))
+                await self._pump(reader, writer, self._outbox, decoder)
+            except _Refused as exc:
+                log.error("the gateway refused this worker: %s; retrying in %.0fs", exc, opts.rejected_retry_s)
+                backoff = opts.rejected_retry_s
+            except (OSError, ValueError, TimeoutError, msgspec.DecodeError) as exc:
                 log.warning("gateway connection lost (%r); reconnecting", exc)
             finally:
                 self._outbox = None
@@ -144,9 +180,24 @@ class _GatewayLink:
                 writer.close()
                 with contextlib.suppress(Exception):
                     await writer.wait_closed()
+            if backoff > 0.05:
+                await asyncio.sleep(backoff)
+                backoff = 0.05
+
+    @staticmethod
+    async def _challenge(reader: asyncio.StreamReader, decoder: FrameDecoder) -> bytes:
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                raise ConnectionResetError("the gateway closed the connection before its challenge")
+            messages = decoder.feed(data)
+            if messages:
+                if isinstance(messages[0], WorkerChallenge) and len(messages) == 1:
+                    return messages[0].nonce
+                raise ValueError("the gateway did not open with a challenge")
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    outbox: asyncio.Queue[bytes]) -> None:
+                    outbox: asyncio.Queue[bytes], decoder: FrameDecoder) -> None:
         async def write() -> None:
             while True:
                 frame = await outbox.get()
@@ -156,7 +207,6 @@ class _GatewayLink:
                 await writer.drain()
 
         writer_task = asyncio.create_task(write())
-        decoder = FrameDecoder()
         try:
             while True:
                 data = await reader.read(1 << 16)
@@ -165,6 +215,8 @@ class _GatewayLink:
                 for message in decoder.feed(data):
                     if isinstance(message, GenerateRequest | AbortRequest):
                         self._inbox.put(message)
+                    elif isinstance(message, WorkerRejected):
+                        raise _Refused(message.reason)
                 if writer_task.done():
                     writer_task.result()
         finally:
@@ -198,7 +250,9 @@ class WorkerServer:
                                        num_preemptions=self.engine.scheduler.stats.num_preemptions)
 
     def serve_forever(self) -> None:
-        register = WorkerRegister(worker_id=self.options.worker_id, models=(self.options.model_name,),
+        served = ServedModelInfo(name=self.options.model_name, max_model_len=self.engine.max_model_len,
+                                 tokenizer=tokenizer_identity(self.engine.config.model))
+        register = WorkerRegister(worker_id=self.options.worker_id, models=(served,),
                                   device=str(self.engine.config.device), pid=os.getpid(),
                                   capacity=self.capacity())
         self._link.start(register)
@@ -211,11 +265,13 @@ class WorkerServer:
                 if self.engine.has_work:
                     try:
                         deltas = self.engine.step()
-                    except Exception as exc:
-                        # The engine's state is suspect: end every stream with the reason, then exit
-                        # (`sluice serve` restarts the worker) rather than serve from a broken engine.
+                    except Exception:
+                        # The engine already failed a request that raises alone (see LLMEngine.step);
+                        # this is the engine itself failing: end every stream, then exit (`sluice
+                        # serve` restarts the worker) rather than serve from a broken engine.
                         log.exception("engine step failed; worker exiting")
-                        self._fail_all(f"engine error on worker {self.options.worker_id}: {exc!r}")
+                        self._fail_all(f"the worker serving this request ({self.options.worker_id}) failed; "
+                                       "please retry")
                         raise
                     self._send_deltas(deltas)
                 self._maybe_send_capacity()
@@ -254,9 +310,14 @@ class WorkerServer:
             self.engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling,
                                     priority=int(request.priority), cache_salt=request.cache_salt,
                                     arrival_time=request.arrival_time)
-        except ValueError as exc:  # bad prompt for this model, duplicate id, ...
+        except Exception as exc:  # bad prompt for this model, duplicate id, values the engine refuses
+            if isinstance(exc, ValueError):  # written for users (SamplingParams.validate, add_request)
+                message = str(exc)
+            else:
+                log.warning("request %s refused by the engine", request.request_id, exc_info=True)
+                message = "the worker could not accept this request's parameters"
             self._link.send(self._generation, RequestDelta(
-                request_id=request.request_id, finish_reason=FinishReason.ERROR, error=str(exc),
+                request_id=request.request_id, finish_reason=FinishReason.ERROR, error=message,
                 num_prompt_tokens=len(request.prompt_token_ids)))
             return
         self._live.add(request.request_id)

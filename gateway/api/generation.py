@@ -190,6 +190,13 @@ class GenerationService:
 
     def _model(self, tenant: TenantContext, model: str) -> ModelTokenizer:
         tokenizer = self.tokenizers.get(model)
+        if not self.backend.could_serve(model):
+            raise OpenAIError(
+                404,
+                f"The model `{model}` is not served by any worker.",
+                param="model",
+                code="model_not_found",
+            )
         if not tenant.allows_model(model):
             raise OpenAIError(
                 403,

@@ -107,7 +107,7 @@ class OpenAIController(Controller):
         cards = [
             ModelCard(id=m.name, created=request.app.state.started_at, max_model_len=m.max_model_len)
             for m in generation.backend.served_models()
-            if tenant.allows_model(m.name)
+            if tenant.allows_model(m.name) and generation.backend.could_serve(m.name)
         ]
         quotas: QuotaService = request.app.state.quotas
         return Response(ModelList(data=cards), headers=quotas.headers(tenant))

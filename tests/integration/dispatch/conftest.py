@@ -29,6 +29,8 @@ from sluice.settings import (
 )
 
 REPO = Path(__file__).resolve().parents[3]
+# The shared worker secret of these tests: the gateway's settings and the workers' environment.
+WORKER_SECRET = "dispatch-tests-worker-secret-0123456789"
 
 
 def make_settings(bootstrap_servers: str, model_dir: Path, **sections: object) -> Settings:
@@ -36,7 +38,7 @@ def make_settings(bootstrap_servers: str, model_dir: Path, **sections: object) -
                           partitions=2, produce_timeout_s=2.0)
     defaults: dict[str, object] = {
         "kafka": kafka,
-        "gateway": GatewaySettings(worker_port=0),
+        "gateway": GatewaySettings(worker_port=0, worker_secret=WORKER_SECRET),
         "dispatch": DispatchSettings(max_worker_waiting=2, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
                                      local_workers=0),
         "scheduler": SchedulerSettings(aging_s=0.0),
@@ -74,12 +76,14 @@ def start_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartWork
     started: list[subprocess.Popen[bytes]] = []
     log_dir = tmp_path_factory.mktemp("worker-logs")
 
-    def start(model_dir: Path, port: int, worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
+    def start(model_dir: Path, port: int, worker_id: str, *extra: str,
+              extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(log_dir / f"{worker_id}-{len(started)}.log", "wb")  # noqa: SIM115
         args = [sys.executable, "-m", "sluice.cli", "worker", "--model", str(model_dir),
                 "--served-model-name", "demo", "--gateway", f"127.0.0.1:{port}", "--worker-id", worker_id,
                 "--heartbeat-interval", "0.5", "--max-num-batched-tokens", "256", *extra]
-        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", SLUICE_GATEWAY_WORKER_SECRET=WORKER_SECRET)
+        env.update(extra_env or {})
         process = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True, env=env)
         started.append(process)
