@@ -62,13 +62,12 @@ def create_app(
     extra_route_handlers: Sequence[Any] = (),
     on_startup: Sequence[Hook] = (),
     on_shutdown: Sequence[Hook] = (),
-    demo_key_for: str | None = None,
     announce_secret: Callable[[str, str], None] | None = None,
 ) -> Litestar:
     """Builds the app. Without `session_factory` it opens settings.database.url and migrates it at startup.
 
-    `announce_secret(kind, value)` receives a generated admin token ("admin_token") or demo key
-    ("demo_key") once, for `sluice serve` to print; they are never logged.
+    `announce_secret(kind, value)` receives a generated admin token ("admin_token") once, for
+    `sluice serve` to show; it is never logged.
     """
     owned_engine = None
     if session_factory is None:
@@ -102,12 +101,10 @@ def create_app(
             await migrate(settings.database.url)
         telemetry.configure(settings.gateway.record_log_path)
         generated = await auth.ensure_admin_token(settings.admin.token)
-        demo_key = await seed_tenants(admin, settings.tenants, demo_key_for=demo_key_for)
+        await seed_tenants(admin, settings.tenants)
         app.state.generated_admin_token = generated
         if generated and announce_secret is not None:
             announce_secret("admin_token", generated)
-        if demo_key and announce_secret is not None:
-            announce_secret("demo_key", demo_key)
         await backend.start()
         await _load_tokenizers(backend, tokenizers)
         log.info("gateway ready: models %s", ", ".join(tokenizers.names()) or "(none)")

@@ -4,7 +4,14 @@ Keys are `sk-slc-` + 32 random bytes (base64url). Only the SHA-256 of a key is s
 bits of entropy a fast hash is safe. A lookup hashes the presented key, finds the row by hash
 (an index lookup reveals nothing useful about the secret) and still compares with
 `hmac.compare_digest`. Results are cached for `key_cache_ttl_s`; revoke, rotate and tenant
-changes evict the cache immediately in this process. Secrets are never logged.
+changes evict the cache immediately in this process. Unknown keys are remembered too, briefly
+(`UNKNOWN_KEY_TTL_S`, at most `UNKNOWN_KEY_CACHE_SIZE` of them, evicted when a key with that hash
+is created), so a client retrying a bad key does not cost a database query each time.
+
+The admin token rule: a configured token (`admin.token` / SLUICE_ADMIN_TOKEN) is never stored;
+while it is set it is the only admin token, and it removes every stored (generated) one. Without
+it, the generated tokens in the database are valid; the first start with none generates one. So a
+configured token stops working as soon as it is unset or changed. Secrets are never logged.
 """
 
 from __future__ import annotations
@@ -17,12 +24,13 @@ import hmac
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.gateway.db.models import AdminToken, ApiKey, Quota, Tenant
@@ -36,6 +44,8 @@ KEY_PREFIX = "sk-slc-"
 ADMIN_PREFIX = "slc-admin-"
 VISIBLE_CHARS = 6  # of the random part, shown in listings as `sk-slc-ab12cd`
 LAST_USED_WRITE_INTERVAL_S = 60.0
+UNKNOWN_KEY_TTL_S = 5.0
+UNKNOWN_KEY_CACHE_SIZE = 10_000
 
 
 def hash_secret(secret: str) -> str:
@@ -111,6 +121,7 @@ class AuthService:
         self._sessions = session_factory
         self._ttl = cache_ttl_s
         self._cache: dict[str, _CacheEntry] = {}  # key hash -> entry
+        self._unknown: OrderedDict[str, float] = OrderedDict()  # key hash -> monotonic expiry, oldest first
         self._last_used_written: dict[str, float] = {}  # key id -> monotonic time of last write
         self._admin_hashes: frozenset[str] = frozenset()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -130,6 +141,9 @@ class AuthService:
         now = dt.datetime.now(dt.UTC)
         entry = self._cache.get(digest)
         if entry is None or entry.cached_until < now_mono:
+            unknown_until = self._unknown.get(digest)
+            if unknown_until is not None and unknown_until > now_mono:
+                raise _invalid_key()
             entry = await self._load(digest, now_mono)
         if entry is None:
             raise _invalid_key()
@@ -157,14 +171,26 @@ class AuthService:
             ).first()
         if row is None:
             self._cache.pop(digest, None)
+            self._remember_unknown(digest, now_mono)
             return None
         key, tenant, quota = row
         if not hmac.compare_digest(key.hash, digest) or key.revoked_at is not None:
             self._cache.pop(digest, None)
+            self._remember_unknown(digest, now_mono)
             return None
         entry = _CacheEntry(tenant_context(tenant, quota, key.id), key.expires_at, now_mono + self._ttl)
         self._cache[digest] = entry
         return entry
+
+    def _remember_unknown(self, digest: str, now_mono: float) -> None:
+        self._unknown.pop(digest, None)
+        self._unknown[digest] = now_mono + UNKNOWN_KEY_TTL_S
+        while len(self._unknown) > UNKNOWN_KEY_CACHE_SIZE:
+            self._unknown.popitem(last=False)
+
+    def key_created(self, digest: str) -> None:
+        """A key with this hash now exists: it is no longer an unknown key here."""
+        self._unknown.pop(digest, None)
 
     def _touch(self, key_id: str, now_mono: float) -> None:
         """Writes last_used_at at most once a minute per key, off the request path."""
@@ -200,25 +226,21 @@ class AuthService:
     # ---- admin token ---------------------------------------------------------------------------
 
     async def ensure_admin_token(self, configured: str = "") -> str | None:
-        """Stores the configured token's hash, or generates one when none exists yet.
+        """Applies the admin token rule (module docstring).
 
-        Returns the generated token (to print once) or None when nothing new was generated.
+        Returns a newly generated token (to show once) or None when nothing was generated.
         """
-        generated: str | None = None
         async with self._sessions() as session, session.begin():
-            hashes = set((await session.execute(select(AdminToken.hash))).scalars())
             if configured:
-                digest = hash_secret(configured)
-                if digest not in hashes:
-                    session.add(AdminToken(hash=digest))
-                # The configured token is the only valid one while it is set.
-                self._admin_hashes = frozenset({digest})
+                await session.execute(delete(AdminToken))
+                self._admin_hashes = frozenset({hash_secret(configured)})
                 return None
+            hashes = set((await session.execute(select(AdminToken.hash))).scalars())
+            generated: str | None = None
             if not hashes:
                 generated = generate_admin_token()
-                digest = hash_secret(generated)
-                session.add(AdminToken(hash=digest))
-                hashes.add(digest)
+                hashes.add(hash_secret(generated))
+                session.add(AdminToken(hash=hash_secret(generated)))
             self._admin_hashes = frozenset(hashes)
         return generated
 
@@ -272,6 +294,23 @@ async def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRou
                 code="wrong_credentials",
             )
         raise OpenAIError(401, "Incorrect admin token.", type="invalid_request_error", code="invalid_api_key")
+
+
+async def metrics_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """`/metrics`: the configured metrics token or the admin token, compared in constant time."""
+    auth: AuthService = connection.app.state.auth
+    token = bearer_token(connection)
+    if token is None:
+        raise OpenAIError(
+            401,
+            "Missing token: send `Authorization: Bearer <metrics token or admin token>`.",
+            type="invalid_request_error",
+            code="missing_api_key",
+        )
+    configured = connection.app.state.settings.gateway.metrics_token
+    metrics_ok = bool(configured) and hmac.compare_digest(hash_secret(token), hash_secret(configured))
+    if not (auth.verify_admin(token) or metrics_ok):
+        raise OpenAIError(401, "Incorrect metrics token.", type="invalid_request_error", code="invalid_api_key")
 
 
 def current_tenant(request: ASGIConnection[Any, Any, Any, Any]) -> TenantContext:

@@ -1,9 +1,17 @@
-"""Idempotent seeding of tenants from `settings.tenants` (by name), plus an optional demo key."""
+"""Idempotent seeding of tenants from `settings.tenants` (by name), and the one demo key of `sluice serve`.
+
+The demo key rule: the demo tenant has at most one live key named `DEMO_KEY_NAME`, with an expiry.
+A start that finds one creates nothing (and shows only its prefix: keys are stored hashed); a
+start that finds none (first start, or the old one expired) creates one and revokes every older
+demo key; `sluice serve --new-demo-key` revokes the live one and creates a new one.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sqlalchemy import select
 
@@ -14,16 +22,20 @@ from sluice.settings import TenantSeed
 
 log = logging.getLogger(__name__)
 SEED_ACTOR = "seed"
+DEMO_KEY_NAME = "sluice serve demo"
 
 
-async def seed_tenants(
-    admin: AdminService, seeds: Sequence[TenantSeed], *, demo_key_for: str | None = None
-) -> str | None:
+@dataclass(frozen=True, slots=True)
+class DemoKey:
+    tenant_id: str
+    prefix: str  # visible part of the live demo key
+    expires_at: dt.datetime | None
+    key: str | None = None  # the key itself, only when this call created it (show it once)
+
+
+async def seed_tenants(admin: AdminService, seeds: Sequence[TenantSeed]) -> None:
     """Creates every seed tenant that does not exist yet (existing ones are left as they are).
-
-    With `demo_key_for` naming a seed tenant that has no usable key, creates one key for it and
-    returns it (to be printed once); otherwise returns None. Never creates other keys.
-    """
+    Never creates keys."""
     created = 0
     for seed in seeds:
         if await admin.find_tenant_id(seed.name) is not None:
@@ -42,16 +54,31 @@ async def seed_tenants(
         created += 1
     if created:
         log.info("seeded %d tenant(s); %d already existed", created, len(seeds) - created)
-    if demo_key_for is None:
-        return None
-    tenant_id = await admin.find_tenant_id(demo_key_for)
+
+
+async def ensure_demo_key(admin: AdminService, tenant_name: str, *, ttl_days: int,
+                          renew: bool = False) -> DemoKey | None:
+    """Applies the demo key rule (module docstring) to the tenant named `tenant_name`; None when no
+    such tenant exists."""
+    tenant_id = await admin.find_tenant_id(tenant_name)
     if tenant_id is None:
-        raise ValueError(f"cannot create a demo key: no tenant named {demo_key_for!r}")
-    async with admin._sessions() as session:
-        active = await session.scalar(
-            select(ApiKey.id).where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None)).limit(1)
-        )
-    if active is not None:
         return None
-    demo = await admin.create_key(tenant_id, KeyCreate(name="demo"), actor=SEED_ACTOR)
-    return demo.key
+    now = dt.datetime.now(dt.UTC)
+    async with admin._sessions() as session:
+        live = (await session.scalars(
+            select(ApiKey).where(ApiKey.tenant_id == tenant_id, ApiKey.name == DEMO_KEY_NAME,
+                                 ApiKey.revoked_at.is_(None))
+        )).all()
+    current = [k for k in live if k.expires_at is None or _aware(k.expires_at) > now]
+    if current and not renew:
+        newest = max(current, key=lambda k: _aware(k.created_at))
+        return DemoKey(tenant_id, newest.prefix, newest.expires_at)
+    for old in live:
+        await admin.revoke_key(tenant_id, old.id, actor=SEED_ACTOR)
+    created = await admin.create_key(
+        tenant_id, KeyCreate(name=DEMO_KEY_NAME, expires_in_days=ttl_days), actor=SEED_ACTOR)
+    return DemoKey(tenant_id, created.prefix, created.expires_at, key=created.key)
+
+
+def _aware(value: dt.datetime) -> dt.datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)

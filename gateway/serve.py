@@ -3,11 +3,13 @@
 Order: load settings → check ports and model directories (creating a missing demo model) →
 start the embedded broker as its own process when `kafka.bootstrap_servers` is empty (so a
 gateway crash does not take the queue with it) → build the app over a `KafkaBackend` → run it
-with uvicorn. At startup the app migrates the database, seeds tenants, creates the admin token
-(printed once), and this module creates a NEW API key for the tenant "demo-chat" at every start
-(keys are stored hashed, so an old one cannot be shown again), spawns the local workers and
-prints a copy-paste curl. Ctrl-C / SIGTERM stop the workers (process groups, terminate then kill),
-the gateway and the broker it started; workers also exit by themselves if `serve` is killed.
+with uvicorn. At startup the app migrates the database, seeds tenants and creates the admin token;
+this module keeps ONE expiring API key for the demo tenant (`admin.demo_tenant`, see
+`gateway/seed.py`), spawns the local workers (the worker secret reaches them through their
+environment, never argv or a log) and prints a copy-paste curl. Secrets (a generated admin token,
+a new demo key) go to the terminal when stdout is one; otherwise into 0600 files under var/,
+never into a log. Ctrl-C / SIGTERM stop the workers (process groups, terminate then kill), the
+gateway and the broker it started; workers also exit by themselves if `serve` is killed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +35,30 @@ from sluice.settings import ModelSpec, Settings, load_settings
 
 log = logging.getLogger(__name__)
 
-DEMO_TENANT = "demo-chat"
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+# A worker that ran this long before dying was healthy: its next restart starts the backoff over.
+HEALTHY_RUN_S = 60.0
+
+
+def restart_delay(restarts: int, uptime_s: float) -> tuple[float, int]:
+    """(delay before the next start, the restart count after it) for a worker that died after
+    `uptime_s` seconds with `restarts` restarts behind it."""
+    if uptime_s >= HEALTHY_RUN_S:
+        restarts = 0
+    return RESTART_BACKOFF_S[min(restarts, len(RESTART_BACKOFF_S) - 1)], restarts + 1
+
+
+def reveal_secret(label: str, value: str, path: Path) -> str:
+    """The line to print for a secret: itself on an interactive terminal, else where it was written
+    (a 0600 file), so that a redirected stdout (a log file) never holds it."""
+    if sys.stdout.isatty():
+        return f"{label}: {value}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(value + "\n")
+    os.chmod(path, 0o600)
+    return f"{label}: written to {path} (stdout is not a terminal)"
 
 
 def engine_option_args(engine: dict[str, Any]) -> list[str]:
@@ -61,10 +86,13 @@ class LocalWorkers:
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _specs: dict[str, ModelSpec] = field(default_factory=dict)
     _restarts: dict[str, int] = field(default_factory=dict)
+    _started_at: dict[str, float] = field(default_factory=dict)
     _stopping: bool = False
+    _secret: str = ""
 
-    def spawn_all(self, worker_port: int) -> None:
+    def spawn_all(self, worker_port: int, secret: str) -> None:
         self._port = worker_port
+        self._secret = secret
         for model in self.settings.models:
             for i in range(self.count):
                 worker_id = f"local-{model.name}-{i}" if len(self.settings.models) > 1 else f"local-{i}"
@@ -107,13 +135,15 @@ class LocalWorkers:
             )
         finally:
             out.close()
+        self._started_at[worker_id] = time.monotonic()
         log.info("started worker %s (pid %d)", worker_id, self.processes[worker_id].pid)
 
     def _worker_environment(self) -> dict[str, str]:
         """CPU workers share the machine with the gateway: unless the operator chose a thread count,
         leave one core to the gateway and split the rest between the local workers (torch's
         default of every core per process made engine steps 10-60x slower under contention)."""
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k != "SLUICE_ADMIN_TOKEN"}  # workers never need it
+        env["SLUICE_GATEWAY_WORKER_SECRET"] = self._secret
         if self.device == "cpu" and "OMP_NUM_THREADS" not in env:
             workers = max(1, self.count * len(self.settings.models))
             env["OMP_NUM_THREADS"] = str(max(1, ((os.cpu_count() or 1) - 1) // workers))
@@ -127,10 +157,11 @@ class LocalWorkers:
                 code = process.poll()
                 if code is None or self._stopping:
                     continue
-                n = self._restarts.get(worker_id, 0)
-                log.warning("worker %s exited with code %s; restarting (restart #%d)", worker_id, code, n + 1)
-                self._restarts[worker_id] = n + 1
-                await asyncio.sleep(RESTART_BACKOFF_S[min(n, len(RESTART_BACKOFF_S) - 1)])
+                uptime = time.monotonic() - self._started_at.get(worker_id, time.monotonic())
+                delay, self._restarts[worker_id] = restart_delay(self._restarts.get(worker_id, 0), uptime)
+                log.warning("worker %s exited with code %s after %.0fs; restarting in %.0fs (restart #%d)",
+                            worker_id, code, uptime, delay, self._restarts[worker_id])
+                await asyncio.sleep(delay)
                 if not self._stopping:
                     self._spawn(worker_id)
 
@@ -253,10 +284,10 @@ def serve(args: argparse.Namespace) -> int:
     _Server = _server_class()
 
     from sluice.broker import EmbeddedBroker
-    from sluice.gateway.admin.schemas import KeyCreate
     from sluice.gateway.app import create_app
     from sluice.gateway.batches import batch_components
     from sluice.gateway.kafka_backend import KafkaBackend
+    from sluice.gateway.seed import ensure_demo_key
 
     settings = _resolve_settings(args)
     check_engine_options(settings, args.device)
@@ -286,34 +317,35 @@ def serve(args: argparse.Namespace) -> int:
 
     def announce(kind: str, value: str) -> None:
         if kind == "admin_token":
-            print(f"admin token (shown once, stored hashed): {value}", flush=True)
+            print(reveal_secret("admin token (shown once, stored hashed)", value, var / "admin_token"),
+                  flush=True)
 
     async def after_start(app: Any) -> None:
         batches.attach(app, backend)
         await batches.start()
-        workers.spawn_all(backend.worker_port)
+        workers.spawn_all(backend.worker_port, backend.dispatcher.worker_secret)
         supervisor.append(asyncio.create_task(workers.supervise()))
-        admin = app.state.admin
-        tenant_id = await admin.find_tenant_id(DEMO_TENANT)
         model = settings.models[0].name
         print(
             f"sluice gateway on http://{gw.host}:{gw.port} (workers connect to "
             f"{gw.worker_host}:{backend.worker_port}; {workers.count} local worker(s) per model)",
             flush=True,
         )
-        if tenant_id is not None:
-            created = await admin.create_key(tenant_id, KeyCreate(name="sluice serve"), actor="serve")
-            print(
-                f"new API key for tenant {DEMO_TENANT!r} (created at each start; shown once):\n"
-                f"  {created.key}",
-                flush=True,
-            )
-            print("try:\n" + _curl(gw.host, gw.port, created.key, model), flush=True)
+        demo_tenant = settings.admin.demo_tenant
+        if not demo_tenant:
+            return
+        demo = await ensure_demo_key(app.state.admin, demo_tenant, ttl_days=settings.admin.demo_key_ttl_days,
+                                     renew=bool(getattr(args, "new_demo_key", False)))
+        if demo is None:
+            print(f"no tenant named {demo_tenant!r} in tenants.toml: create a key with the admin API", flush=True)
+        elif demo.key is None:
+            print(f"the demo key of tenant {demo_tenant!r} ({demo.prefix}..., expires {demo.expires_at:%Y-%m-%d}) "
+                  "was shown when it was created; `sluice serve --new-demo-key` replaces it", flush=True)
         else:
-            print(
-                f"no tenant named {DEMO_TENANT!r} in tenants.toml: create a key with the admin API",
-                flush=True,
-            )
+            print(reveal_secret(f"new API key for tenant {demo_tenant!r} (expires {demo.expires_at:%Y-%m-%d})",
+                                demo.key, var / "demo_key"), flush=True)
+            if sys.stdout.isatty():
+                print("try:\n" + _curl(gw.host, gw.port, demo.key, model), flush=True)
 
     async def before_stop(app: Any) -> None:
         for task in supervisor:

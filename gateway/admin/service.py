@@ -277,6 +277,7 @@ class AdminService:
             expires_at=expires_at,
         )
         session.add(key)
+        self._auth.key_created(digest)
         self._audit(
             session,
             actor,

@@ -1,4 +1,9 @@
-"""Liveness, readiness and Prometheus metrics (no authentication)."""
+"""Liveness and readiness (open: they reveal nothing), and Prometheus metrics (behind a token).
+
+`/metrics` carries tenant names and per-tenant token counters, so it needs
+`Authorization: Bearer <token>` with `gateway.metrics_token` (for a Prometheus scrape job) or the
+admin token; anything else gets 401.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from litestar import Request, Response, get
 from sqlalchemy import text
 
 from sluice import telemetry
+from sluice.gateway.auth import metrics_guard
 
 
 class Health(msgspec.Struct):
@@ -42,7 +48,8 @@ async def ready(request: Request[Any, Any, Any]) -> Response[Readiness]:
     return Response(Readiness(ready=ok, checks=checks), status_code=200 if ok else 503)
 
 
-@get("/metrics", tags=["System"], summary="Prometheus metrics", media_type="text/plain")
+@get("/metrics", tags=["System"], summary="Prometheus metrics (bearer: metrics token or admin token)",
+     media_type="text/plain", guards=[metrics_guard])
 async def metrics() -> Response[bytes]:
     body, content_type = telemetry.metrics_payload()
     return Response(body, media_type=content_type)

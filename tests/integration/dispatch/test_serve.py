@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -206,3 +207,69 @@ def test_serve_rejects_bad_flags_in_one_line(tmp_path: Path, serve_env: dict[str
         assert main(["serve", "--port", str(held.getsockname()[1])]) == 2
         err = capsys.readouterr().err
         assert "already in use" in err and len(err.strip().splitlines()) == 1
+
+
+def _files_text(root: Path, suffixes: tuple[str, ...]) -> dict[Path, str]:
+    return {p: p.read_text(errors="replace") for p in root.rglob("*") if p.is_file() and p.suffix in suffixes}
+
+
+def test_demo_key_is_made_once_and_no_secret_reaches_a_log(tmp_path: Path, serve_env: dict[str, str]) -> None:
+    """stdout is a log file here (not a terminal): the generated admin token and the demo key go to
+    0600 files under var/, never to a log; a second start adds no key; the worker secret reaches the
+    local worker through its environment, not its command line."""
+    env = {k: v for k, v in serve_env.items() if k != "SLUICE_ADMIN_TOKEN"}
+    port = free_port()
+    seen: dict[str, str] = {}
+    for start in range(2):
+        serve = Serve(tmp_path, env, port)
+        try:
+            deadline = time.monotonic() + 180
+            while not (tmp_path / "var" / "demo_key").is_file() or not serve_workers(serve, tmp_path):
+                assert serve.process.poll() is None, f"serve exited; see {serve.log.name}"
+                assert time.monotonic() < deadline, "serve did not become ready"
+                time.sleep(0.3)
+            admin_token = (tmp_path / "var" / "admin_token").read_text().strip()
+            demo_key = (tmp_path / "var" / "demo_key").read_text().strip()
+            for name in ("admin_token", "demo_key"):
+                assert (tmp_path / "var" / name).stat().st_mode & 0o077 == 0
+            if start == 0:
+                seen = {"admin": admin_token, "demo": demo_key}
+            else:  # nothing new was made: the same admin token and demo key, still valid
+                assert (admin_token, demo_key) == (seen["admin"], seen["demo"])
+            headers = {"authorization": f"Bearer {admin_token}"}
+            tenants = httpx.get(serve.base + "/admin/tenants", headers=headers, timeout=30).json()
+            demo = next(t for t in (tenants["data"] if isinstance(tenants, dict) else tenants)
+                        if t["name"] == "demo-chat")
+            keys = httpx.get(f"{serve.base}/admin/tenants/{demo['id']}/keys", headers=headers, timeout=30).json()
+            keys = keys["data"] if isinstance(keys, dict) else keys
+            assert len(keys) == 1 and keys[0]["expires_at"] is not None
+            models = httpx.get(serve.base + "/v1/models", headers={"authorization": f"Bearer {demo_key}"}, timeout=30)
+            assert models.status_code == 200
+            (worker_pid,) = [w["pid"] for w in httpx.get(serve.base + "/admin/workers", headers=headers,
+                                                        timeout=30).json()["workers"]]
+            environ = dict(item.split("=", 1) for item in
+                           Path(f"/proc/{worker_pid}/environ").read_bytes().decode().split("\0") if "=" in item)
+            secret = environ["SLUICE_GATEWAY_WORKER_SECRET"]
+            assert len(secret) >= 32 and "SLUICE_ADMIN_TOKEN" not in environ
+            assert secret not in Path(f"/proc/{worker_pid}/cmdline").read_bytes().decode()
+            seen[f"worker secret {start}"] = secret
+        finally:
+            assert serve.stop() == 0
+    logs = _files_text(tmp_path, (".log", ".jsonl"))
+    assert any("worker-" in p.name for p in logs) and any(p.name.startswith("serve-") for p in logs)
+    for path, text in logs.items():
+        for what, value in seen.items():
+            assert value not in text, f"{what} found in {path}"
+        assert not re.search(r"sk-slc-[A-Za-z0-9_-]{40}", text), path  # no whole key (a prefix may show)
+
+
+def serve_workers(serve: Serve, tmp_path: Path) -> bool:
+    token_file = tmp_path / "var" / "admin_token"
+    if not token_file.is_file():
+        return False
+    try:
+        view = httpx.get(serve.base + "/admin/workers", timeout=10,
+                         headers={"authorization": f"Bearer {token_file.read_text().strip()}"}).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return bool(view.get("workers"))

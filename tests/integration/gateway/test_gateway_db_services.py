@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
 
 import pytest
 from sqlalchemy import select
 
 from sluice.gateway.admin.schemas import KeyCreate, Quotas, QuotasPatch, TenantCreate, TenantPatch
 from sluice.gateway.admin.service import AdminService
-from sluice.gateway.auth import AuthService, hash_secret
+from sluice.gateway.auth import UNKNOWN_KEY_CACHE_SIZE, AuthService, hash_secret
 from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.models import AdminToken, ApiKey, AuditLog, UsageDaily
 from sluice.gateway.db.session import make_engine, make_session_factory
 from sluice.gateway.errors import OpenAIError
-from sluice.gateway.seed import seed_tenants
+from sluice.gateway.seed import ensure_demo_key, seed_tenants
 from sluice.gateway.usage import UsageService
 from sluice.settings import QuotaSeed, TenantSeed
 
@@ -135,9 +136,21 @@ async def test_seed_is_idempotent_and_admin_token_hashed(services) -> None:
         ),
         TenantSeed(name="nightly", priority_ceiling="batch", default_class="batch"),
     ]
-    key = await seed_tenants(admin, seeds, demo_key_for="chat")
-    assert key is not None and key.startswith("sk-slc-")
-    assert await seed_tenants(admin, seeds, demo_key_for="chat") is None  # a key exists already
+    await seed_tenants(admin, seeds)
+    await seed_tenants(admin, seeds)  # idempotent, and never creates a key
+    first = await ensure_demo_key(admin, "chat", ttl_days=7)
+    assert first is not None and first.key is not None and first.key.startswith("sk-slc-")
+    assert first.expires_at is not None
+    again = await ensure_demo_key(admin, "chat", ttl_days=7)  # a live demo key exists: nothing new
+    assert again is not None and again.key is None and again.prefix == first.prefix
+    renewed = await ensure_demo_key(admin, "chat", ttl_days=7, renew=True)
+    assert renewed is not None and renewed.key is not None
+    keys = await admin.list_keys(first.tenant_id)
+    assert len([k for k in keys if k.revoked_at is None]) == 1  # the previous demo key is revoked
+    with pytest.raises(OpenAIError):
+        await auth.authenticate(first.key)
+    assert (await auth.authenticate(renewed.key)).id == first.tenant_id
+    assert await ensure_demo_key(admin, "nobody", ttl_days=7) is None
     tenants = await admin.list_tenants()
     assert sorted(t.name for t in tenants) == ["chat", "nightly"]
     assert next(t for t in tenants if t.name == "chat").quotas.tokens_per_minute == 1000
@@ -149,6 +162,55 @@ async def test_seed_is_idempotent_and_admin_token_hashed(services) -> None:
         stored = list((await session.execute(select(AdminToken.hash))).scalars())
     assert stored == [hash_secret(generated)]
     assert not auth.verify_admin("slc-admin-wrong")
+
+
+async def test_a_configured_admin_token_is_the_only_one_and_dies_when_unset(services) -> None:
+    sessions, auth, _, _ = services
+    generated = await auth.ensure_admin_token()  # first start without SLUICE_ADMIN_TOKEN
+    assert generated is not None
+    configured = "slc-admin-configured-" + "c" * 24
+    assert await auth.ensure_admin_token(configured) is None  # a start with SLUICE_ADMIN_TOKEN set
+    assert auth.verify_admin(configured) and not auth.verify_admin(generated)
+    changed = "slc-admin-changed-" + "d" * 24
+    await auth.ensure_admin_token(changed)  # a start with another value
+    assert auth.verify_admin(changed) and not auth.verify_admin(configured)
+    fresh = await auth.ensure_admin_token()  # a start with it unset: neither old token survives
+    assert fresh is not None and auth.verify_admin(fresh)
+    assert not auth.verify_admin(configured) and not auth.verify_admin(changed)
+    assert not auth.verify_admin(generated)
+    async with sessions() as session:
+        stored = list((await session.execute(select(AdminToken.hash))).scalars())
+    assert stored == [hash_secret(fresh)]
+
+
+async def test_unknown_keys_are_cached_briefly_and_forgotten_when_created(services, monkeypatch) -> None:
+    _, auth, admin, _ = services
+    tenant = await admin.create_tenant(TenantCreate(name="negative"))
+    queries = 0
+    real = auth._sessions
+
+    def counting():
+        nonlocal queries
+        queries += 1
+        return real()
+
+    monkeypatch.setattr(auth, "_sessions", counting)
+    for _ in range(20):
+        with pytest.raises(OpenAIError):
+            await auth.authenticate("sk-slc-not-a-key")
+    assert queries == 1  # one database lookup for 20 tries of the same unknown key
+    created = await admin.create_key(tenant.id, KeyCreate(name="new"))
+    with pytest.raises(OpenAIError):
+        await auth.authenticate(created.key + "x")
+    assert (await auth.authenticate(created.key)).id == tenant.id
+    # A hash remembered as unknown is forgotten when a key with it is created (the only way to
+    # provoke that is by hand: new keys are random), and the cache stays bounded.
+    auth._remember_unknown(hash_secret("sk-slc-future"), time.monotonic())
+    auth.key_created(hash_secret("sk-slc-future"))
+    assert hash_secret("sk-slc-future") not in auth._unknown
+    for i in range(UNKNOWN_KEY_CACHE_SIZE + 50):
+        auth._remember_unknown(f"{i:064x}", 0.0)
+    assert len(auth._unknown) == UNKNOWN_KEY_CACHE_SIZE
 
 
 async def test_daily_budget_survives_restart(services) -> None:
