@@ -25,6 +25,7 @@ from sluice.gateway.admin.service import AdminService
 from sluice.gateway.api.generation import GenerationService
 from sluice.gateway.api.openai import OpenAIController
 from sluice.gateway.api.system import health, metrics, ready
+from sluice.gateway.api.tokenize import TokenizeController
 from sluice.gateway.auth import AuthService
 from sluice.gateway.backend import GenerationBackend
 from sluice.gateway.db.migrate import migrate
@@ -118,7 +119,9 @@ def create_app(
             await owned_engine.dispose()
 
     config = AppConfig(
-        route_handlers=[OpenAIController, AdminController, health, ready, metrics, *extra_route_handlers],
+        route_handlers=[
+            OpenAIController, TokenizeController, AdminController, health, ready, metrics, *extra_route_handlers
+        ],
         on_startup=[startup, *on_startup],
         on_shutdown=[*on_shutdown, shutdown],
         exception_handlers=EXCEPTION_HANDLERS,

@@ -44,16 +44,30 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     service_tier: str | None = None  # priority | default | auto | flex
-    user: str | None = None
+    user: str | None = None  # accepted and not used (OpenAI uses it for abuse monitoring)
     ignore_eos: bool | None = None
-    n: int | None = None
+    n: int | None = None  # only 1
+    logit_bias: dict[str, float] | None = None  # only empty: the engine applies no bias
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str  # only "text"; json_object / json_schema are refused
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = None  # wins over max_tokens when both are given (as vLLM)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    # Tool calling is not supported: tools / functions are refused, tool_choice only "none";
+    # parallel_tool_calls is accepted (without tools there are no calls to run in parallel).
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -65,13 +79,35 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     suffix: str | None = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize body: either `prompt` (completions form) or `messages` (chat form)."""
+
+    model: str | None = None  # None: the first served model the tenant may use (vLLM: its one model)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # `prompt` only (default true); with `messages` only false
+    add_generation_prompt: bool = True  # chat form only
+    continue_final_message: bool = False  # chat form only
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses ---------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int  # prompt tokens served from the (tenant-salted) prefix cache
 
 
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):
@@ -170,6 +206,17 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
     service_tier: str
     choices: list[CompletionChoice]
     usage: Usage | UnsetType | None = UNSET
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
 
 
 class ModelCard(msgspec.Struct, kw_only=True):

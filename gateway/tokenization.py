@@ -15,10 +15,11 @@ special token first, then encodes each piece alone).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +64,25 @@ class ModelTokenizer:
             max_model_len = int(config.get("max_position_embeddings") or tokenizer.model_max_length)
         return cls(name, tokenizer, max_model_len)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Plain prompt (completions API): special tokens added as the model's config says."""
-        return list(self._tokenizer.encode(text))
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def apply_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Renders the chat template (generation prompt added) and tokenizes it; only the
-        template's own markup becomes special tokens."""
-        text = self._render(messages)
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of a token sequence, special tokens included (as vLLM's /detokenize)."""
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=False))
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary entry of each token (e.g. 'Ġworld'), for /tokenize's token_strs."""
+        return [str(t) for t in self._tokenizer.convert_ids_to_tokens(list(token_ids))]
+
+    def apply_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False) -> list[int]:
+        """Renders the chat template (by default with the generation prompt) and tokenizes it;
+        only the template's own markup becomes special tokens."""
+        render = functools.partial(self._render, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message)
+        text = render(messages)
         for i, message in enumerate(messages):
             if self._specials_in(message["role"]):
                 raise OpenAIError(400, f"messages[{i}].role contains a special token.", param=f"messages[{i}].role")
@@ -78,7 +90,7 @@ class ModelTokenizer:
                 raise OpenAIError(400, f"messages[{i}].content contains characters reserved for chat markup "
                                   "(U+E000 ... U+E001).", param=f"messages[{i}].content")
         if self._markup is not None:
-            pieces = self._content_pieces(messages, text)
+            pieces = self._content_pieces(messages, text, render)
             if pieces is not None:
                 return self._markup.encode(pieces)
         # The content cannot be told from the markup (the template transforms it, e.g. with
@@ -99,19 +111,22 @@ class ModelTokenizer:
             return self._markup.find(text)
         return [t for t in getattr(self._tokenizer, "all_special_tokens", ()) if t in text]
 
-    def _render(self, messages: Sequence[dict[str, str]]) -> str:
+    def _render(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool,
+                continue_final_message: bool) -> str:
         try:
             return str(self._tokenizer.apply_chat_template(
-                list(messages), chat_template=self._template, add_generation_prompt=True, tokenize=False,
+                list(messages), chat_template=self._template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False,
             ))
         except Exception as exc:  # jinja raises template errors (e.g. a role the template rejects)
             raise OpenAIError(
                 400, f"The messages do not fit this model's chat template: {exc}", param="messages"
             ) from None
 
-    def _content_pieces(self, messages: Sequence[dict[str, str]], text: str) -> list[tuple[str, bool]] | None:
+    def _content_pieces(self, messages: Sequence[dict[str, str]], text: str,
+                        render: Callable[[Sequence[dict[str, str]]], str]) -> list[tuple[str, bool]] | None:
         """`text` as (piece, is_content) runs, or None when the content cannot be located."""
-        skeleton = self._render([{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)])
+        skeleton = render([{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)])
         pieces: list[tuple[str, bool]] = []
         seen: set[int] = set()
         pos = 0

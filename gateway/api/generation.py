@@ -21,7 +21,7 @@ from sluice.gateway.auth import TenantContext
 from sluice.gateway.backend import BackendUnavailable, GenerationBackend, Submission
 from sluice.gateway.errors import OpenAIError, bad_request
 from sluice.gateway.quotas import QuotaExceeded, QuotaService, Reservation
-from sluice.gateway.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from sluice.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
 from sluice.gateway.usage import UsageService
 from sluice.protocol import GenerateRequest, Priority, RequestDelta, SamplingParams
@@ -62,6 +62,41 @@ def _param_of(message: str) -> str | None:
 def _check_number(name: str, value: float | None) -> None:
     if value is not None and not math.isfinite(value):
         raise bad_request(f"{name} must be a finite number.", name)
+
+
+def _refuse_unsupported_chat_fields(body: ChatCompletionRequest) -> None:
+    """Fields sluice cannot honour get a 400 naming them, rather than being silently ignored."""
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(
+            f"response_format type {body.response_format.type!r} is not supported; only 'text' is.",
+            "response_format",
+        )
+    for name in ("tools", "functions"):
+        if getattr(body, name):
+            raise bad_request(f"{name} (tool calling) is not supported.", name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none"):
+            raise bad_request(f"{name} is not supported: tool calling is not; only 'none' is accepted.", name)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as the chat template takes them: text only, content parts joined."""
+    if not messages:
+        raise bad_request("messages must contain at least one message.", "messages")
+    out: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages[{i}]: only text content parts are supported.", f"messages[{i}].content"
+                    )
+                parts.append(part.text)
+            content = "".join(parts)
+        out.append({"role": message.role, "content": content or ""})
+    return out
 
 
 @dataclass(slots=True)
@@ -188,7 +223,8 @@ class GenerationService:
 
     # ---- preparation ---------------------------------------------------------------------------
 
-    def _model(self, tenant: TenantContext, model: str) -> ModelTokenizer:
+    def model_tokenizer(self, tenant: TenantContext, model: str) -> ModelTokenizer:
+        """The tokenizer of a model this tenant may use: 404 for an unknown model, 403 for a forbidden one."""
         tokenizer = self.tokenizers.get(model)
         if not self.backend.could_serve(model):
             raise OpenAIError(
@@ -208,22 +244,9 @@ class GenerationService:
         return tokenizer
 
     def prepare_chat(self, tenant: TenantContext, body: ChatCompletionRequest) -> Prepared:
-        tokenizer = self._model(tenant, body.model)
-        if not body.messages:
-            raise bad_request("messages must contain at least one message.", "messages")
-        messages: list[dict[str, str]] = []
-        for i, message in enumerate(body.messages):
-            content = message.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.type != "text" or part.text is None:
-                        raise bad_request(
-                            f"messages[{i}]: only text content parts are supported.", f"messages[{i}].content"
-                        )
-                    parts.append(part.text)
-                content = "".join(parts)
-            messages.append({"role": message.role, "content": content or ""})
+        tokenizer = self.model_tokenizer(tenant, body.model)
+        messages = template_messages(body.messages)
+        _refuse_unsupported_chat_fields(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
         prompt_ids = tokenizer.apply_chat(messages)
@@ -234,6 +257,7 @@ class GenerationService:
             tokenizer,
             prompt_ids,
             max_tokens,
+            max_tokens_param="max_tokens" if body.max_completion_tokens is None else "max_completion_tokens",
             default_max=None,
             logprobs=bool(body.logprobs),
             top_logprobs=body.top_logprobs or 0,
@@ -241,7 +265,7 @@ class GenerationService:
         )
 
     def prepare_completion(self, tenant: TenantContext, body: CompletionRequest) -> Prepared:
-        tokenizer = self._model(tenant, body.model)
+        tokenizer = self.model_tokenizer(tenant, body.model)
         if body.best_of is not None and body.best_of != 1:
             raise bad_request("best_of > 1 is not supported.", "best_of")
         if body.echo:
@@ -284,6 +308,7 @@ class GenerationService:
         prompt_ids: list[int],
         max_tokens: int | None,
         *,
+        max_tokens_param: str = "max_tokens",
         default_max: int | None,
         logprobs: bool,
         top_logprobs: int,
@@ -291,6 +316,8 @@ class GenerationService:
     ) -> Prepared:
         if body.n is not None and body.n != 1:
             raise bad_request("n > 1 is not supported; send n separate requests.", "n")
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported (an empty object is accepted).", "logit_bias")
         for name in (
             "temperature",
             "top_p",
@@ -318,13 +345,13 @@ class GenerationService:
             if tenant.limits.max_output_tokens is not None:
                 max_tokens = min(max_tokens, tenant.limits.max_output_tokens)
         elif max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+            raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}.", max_tokens_param)
         elif max_tokens > room:
             raise OpenAIError(
                 400,
                 f"This model's maximum context length is {context} tokens; you requested "
-                f"{len(prompt_ids)} prompt tokens + {max_tokens} max_tokens.",
-                param="max_tokens",
+                f"{len(prompt_ids)} prompt tokens + {max_tokens} {max_tokens_param}.",
+                param=max_tokens_param,
                 code="context_length_exceeded",
             )
         stop = body.stop

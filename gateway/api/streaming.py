@@ -29,6 +29,7 @@ from sluice.gateway.schemas import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
+    PromptTokensDetails,
     TokenLogprobOut,
     TopLogprob,
     Usage,
@@ -66,6 +67,7 @@ def _usage(flight: Flight) -> Usage:
         prompt_tokens=prompt,
         completion_tokens=flight.completion_tokens,
         total_tokens=prompt + flight.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=flight.cached_tokens),
     )
 
 

@@ -188,7 +188,7 @@ class BatchRunner:
             return False, _error_line(request, "generation_failed",
                                       f"Generation failed: {final.error or 'backend error'}")
         body = _response_body(request, line.endpoint, "".join(line.texts), str(final.finish_reason),
-                              prompt, completion, line.created)
+                              prompt, completion, final.num_cached_tokens, line.created)
         return True, {
             "id": request.request_id,
             "custom_id": request.custom_id,
@@ -240,9 +240,11 @@ def _response_body(
     finish: str,
     prompt: int,
     completion: int,
+    cached: int,
     created: int,
 ) -> dict[str, Any]:
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": cached}}
     if endpoint == "/v1/completions":
         return {
             "id": request.request_id,

@@ -123,6 +123,8 @@ async def test_batch_runs_every_line_exactly_once(gateway) -> None:
     assert sorted(r["custom_id"] for r in rows) == sorted(f"c{i}" for i in range(12))
     assert all(r["response"]["status_code"] == 200 for r in rows)
     assert all(r["response"]["body"]["usage"]["completion_tokens"] <= 4 for r in rows)
+    assert all(0 <= r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+               <= r["response"]["body"]["usage"]["prompt_tokens"] for r in rows)
     assert done.error_file_id is None
     # Another tenant sees none of it.
     other = sdk["other"]
@@ -138,6 +140,25 @@ async def test_batch_runs_every_line_exactly_once(gateway) -> None:
     assert [b.id for b in listed.data] == [batch.id]
     assert (await other.batches.list()).data == []
     assert backend.dispatcher.num_jobs == 0
+
+
+async def test_batch_usage_reports_cached_prompt_tokens(gateway) -> None:
+    sdk, _ = gateway
+    acme = sdk["acme"]
+    messages = [{"role": "user", "content": "A long shared instruction for every line of the job. " * 4}]
+    warm = await acme.chat.completions.create(model="demo", messages=messages, max_tokens=2, temperature=0)
+    assert warm.usage.prompt_tokens >= 32  # at least two full KV blocks to reuse
+    body = {"model": "demo", "max_tokens": 2, "temperature": 0, "messages": messages}
+    line = {"method": "POST", "url": "/v1/chat/completions", "body": body}
+    lines = "".join(json.dumps({"custom_id": f"c{i}", **line}) + "\n" for i in range(2)).encode()
+    uploaded = await acme.files.create(file=("in.jsonl", lines), purpose="batch")
+    batch = await acme.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+    done = await wait_done(acme, batch.id)
+    rows = [json.loads(line) for line in (await acme.files.content(done.output_file_id)).content.splitlines()]
+    usages = [r["response"]["body"]["usage"] for r in rows]
+    # The warm-up request's full blocks are in this tenant's prefix cache on the only worker.
+    assert [u["prompt_tokens_details"]["cached_tokens"] >= 16 for u in usages] == [True, True]
 
 
 async def test_bad_file_lists_bad_lines(gateway) -> None:

@@ -1,0 +1,99 @@
+"""vLLM's `POST /tokenize` and `POST /detokenize`, behind the same API keys as the OpenAI routes.
+
+Benchmark clients (`vllm bench serve`) and vLLM-aware applications call these to count and align
+prompt tokens with the server's own tokenizer. A tenant reaches only the models it may use; the
+request and answer shapes are vLLM's (`TokenizeCompletionRequest` / `TokenizeChatRequest` in one
+body, `{count, max_model_len, tokens, token_strs}`; `{model, tokens}` -> `{prompt}`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Request, Response, post
+from litestar.di import NamedDependency, Provide
+from litestar.params import JSONBody
+
+from sluice.gateway.api.generation import GenerationService, template_messages
+from sluice.gateway.auth import TenantContext, current_tenant, tenant_guard
+from sluice.gateway.errors import OpenAIError, bad_request, error_responses
+from sluice.gateway.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from sluice.gateway.tokenization import ModelTokenizer
+
+_ERRORS = error_responses(
+    {
+        400: "Invalid request (OpenAI error object)",
+        401: "Missing or invalid API key",
+        403: "Model not allowed for this tenant",
+        404: "Unknown model",
+        413: "Body too large",
+    }
+)
+
+
+def _tokenizer(generation: GenerationService, tenant: TenantContext, model: str | None) -> ModelTokenizer:
+    if model is not None:
+        return generation.model_tokenizer(tenant, model)
+    allowed = [name for name in generation.tokenizers.names() if tenant.allows_model(name)]
+    if not allowed:
+        raise OpenAIError(404, "No model is available to your tenant.", param="model", code="model_not_found")
+    return generation.model_tokenizer(tenant, allowed[0])
+
+
+class TokenizeController(Controller):
+    path = "/"
+    tags = ["vLLM tokenization"]  # noqa: RUF012
+    guards = [tenant_guard]  # noqa: RUF012
+    dependencies = {"tenant": Provide(current_tenant, sync_to_thread=False)}  # noqa: RUF012
+
+    @post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages (vLLM)", responses=_ERRORS)
+    async def tokenize(
+        self,
+        request: Request[Any, Any, Any],
+        tenant: NamedDependency[TenantContext],
+        data: JSONBody[TokenizeRequest],
+    ) -> Response[TokenizeResponse]:
+        generation: GenerationService = request.app.state.generation
+        tokenizer = _tokenizer(generation, tenant, data.model)
+        if data.prompt is not None and data.messages is None:
+            add_special = True if data.add_special_tokens is None else data.add_special_tokens
+            tokens = tokenizer.encode(data.prompt, add_special_tokens=add_special)
+        elif data.messages is not None and data.prompt is None:
+            if data.add_generation_prompt and data.continue_final_message:
+                raise bad_request(
+                    "continue_final_message and add_generation_prompt cannot both be true.",
+                    "continue_final_message",
+                )
+            if data.add_special_tokens:
+                raise bad_request(
+                    "add_special_tokens is not supported with messages: the chat template places them.",
+                    "add_special_tokens",
+                )
+            tokens = tokenizer.apply_chat(
+                template_messages(data.messages),
+                add_generation_prompt=data.add_generation_prompt,
+                continue_final_message=data.continue_final_message,
+            )
+        else:
+            raise bad_request("Give exactly one of prompt (a string) and messages (a chat).", "prompt")
+        body = TokenizeResponse(
+            count=len(tokens),
+            max_model_len=tokenizer.max_model_len,
+            tokens=tokens,
+            token_strs=tokenizer.token_strings(tokens) if data.return_token_strs else None,
+        )
+        return Response(body, headers=generation.quotas.headers(tenant))
+
+    @post("/detokenize", status_code=200, summary="Text of a token sequence (vLLM)", responses=_ERRORS)
+    async def detokenize(
+        self,
+        request: Request[Any, Any, Any],
+        tenant: NamedDependency[TenantContext],
+        data: JSONBody[DetokenizeRequest],
+    ) -> Response[DetokenizeResponse]:
+        generation: GenerationService = request.app.state.generation
+        tokenizer = _tokenizer(generation, tenant, data.model)
+        if any(t < 0 or t >= tokenizer.vocab_size for t in data.tokens):
+            raise bad_request(f"tokens must be between 0 and {tokenizer.vocab_size - 1}.", "tokens")
+        body = DetokenizeResponse(prompt=tokenizer.decode(data.tokens))
+        return Response(body, headers=generation.quotas.headers(tenant))
