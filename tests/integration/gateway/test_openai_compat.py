@@ -205,7 +205,8 @@ def test_tokenize_and_detokenize(client: openai.OpenAI, stack: Stack, key: str) 
     for bad, param in (({"model": stack.model, "prompt": prompt, "messages": CHAT}, "prompt"),
                        ({"model": stack.model}, "prompt"),
                        ({"model": stack.model, "messages": CHAT, "continue_final_message": True},
-                        "continue_final_message")):
+                        "continue_final_message"),
+                       ({"model": stack.model, "messages": CHAT, "add_special_tokens": True}, "add_special_tokens")):
         refusal = post("/tokenize", bad)
         assert refusal.status_code == 400 and refusal.json()["error"]["param"] == param, refusal.text
     out_of_vocab = post("/detokenize", {"model": stack.model, "tokens": [10**9]})
