@@ -10,6 +10,8 @@ TORCH_WHEEL_DIR ?= /opt/wheels
 TORCH_INDEX_URL ?=
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
+# `make run DEMO=1` serves the tiny demo model (no download) instead of the real SmolLM2.
+DEMO ?=
 
 .PHONY: install run test test-unit test-kernels lint clean
 
@@ -27,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 run: install
-	$(VENV)/bin/sluice serve
+	$(VENV)/bin/sluice serve $(if $(DEMO),--demo)
 
 test: install
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)

@@ -30,6 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve this model directory only (named after the directory) instead of models.toml",
     )
     serve.add_argument(
+        "--demo",
+        action="store_true",
+        help="serve only the demo models of models.toml (tiny, random weights, no download) instead of the real ones",
+    )
+    serve.add_argument(
         "--config", default=None, help="config directory (default: $SLUICE_CONFIG_DIR or ./config)"
     )
     serve.add_argument("--device", default="cpu", help="device of the local workers: cpu, cuda or cuda:N")

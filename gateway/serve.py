@@ -1,6 +1,7 @@
 """`sluice serve`: broker (if none configured) + gateway (HTTP and worker port) + local workers.
 
-Order: load settings → check ports and model directories (creating a missing demo model) →
+Order: load settings → check ports and model directories (creating a missing model: fetching a
+real one, or building the demo model) →
 start the embedded broker as its own process when `kafka.bootstrap_servers` is empty (so a
 gateway crash does not take the queue with it) → build the app over a `KafkaBackend` → run it
 with uvicorn. At startup the app migrates the database, seeds tenants and creates the admin token;
@@ -193,7 +194,7 @@ def _resolve_settings(args: argparse.Namespace) -> Settings:
         if args.workers < 0:
             raise CLIError(f"--workers must be zero or more, got {args.workers}")
         dispatch = msgspec.structs.replace(dispatch, local_workers=args.workers)
-    models = settings.models
+    models = _selected_models(settings.models, demo=args.demo)
     if args.model is not None:
         path = Path(args.model)
         if not path.is_dir():
@@ -210,12 +211,28 @@ def _resolve_settings(args: argparse.Namespace) -> Settings:
     return msgspec.structs.replace(settings, gateway=gateway, dispatch=dispatch, models=models)
 
 
+def _selected_models(models: tuple[ModelSpec, ...], *, demo: bool) -> tuple[ModelSpec, ...]:
+    """--demo: the demo models only. Otherwise the real ones, or the demo ones when models.toml
+    lists nothing else (an offline setup)."""
+    demos = tuple(m for m in models if m.demo)
+    if demo:
+        if not demos:
+            raise CLIError("--demo: models.toml lists no model with demo = true")
+        return demos
+    return tuple(m for m in models if not m.demo) or demos
+
+
 def _prepare_models(settings: Settings) -> None:
     from sluice.workers.demo import make_demo_model
+    from sluice.workers.model.fetch import fetch_model
 
     for model in settings.models:
         path = Path(model.path)
         if (path / "config.json").is_file():
+            continue
+        if model.fetch is not None:
+            print(f"fetching the model {model.name!r} into {path} (first run only; a few minutes) ...", flush=True)
+            fetch_model(model.fetch, path)
             continue
         if not model.demo:
             raise CLIError(
@@ -249,13 +266,31 @@ def _check_ports(settings: Settings) -> None:
         )
 
 
-def _curl(host: str, port: int, key: str, model: str) -> str:
-    body = json.dumps({"model": model, "stream": True, "max_tokens": 32,
-                       "messages": [{"role": "user", "content": "Hello!"}]})
+TRY_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def _curl(host: str, port: int, key: str, model: str, key_file: Path | None = None) -> str:
+    # temperature 0: greedy, so the first answer a newcomer sees is the model's best one.
+    body = json.dumps({"model": model, "stream": True, "max_tokens": 64, "temperature": 0,
+                       "messages": [{"role": "user", "content": TRY_QUESTION}]})
     return (
         f"curl -N http://{host}:{port}/v1/chat/completions \\\n"
-        f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
+        f"  -H \"Authorization: Bearer {key if key_file is None else f'$(cat {key_file})'}\" "
+        "-H 'Content-Type: application/json' \\\n"
         f"  -d '{body}'"
+    )
+
+
+def _openai_snippet(host: str, port: int, key: str, model: str, key_file: Path | None = None) -> str:
+    api_key = repr(key) if key_file is None else f"open({str(key_file)!r}).read().strip()"
+    return (
+        "python - <<'EOF'\n"
+        "from openai import OpenAI\n"
+        f"client = OpenAI(base_url='http://{host}:{port}/v1', api_key={api_key})\n"
+        f"reply = client.chat.completions.create(model='{model}', max_tokens=64, temperature=0,\n"
+        f"    messages=[{{'role': 'user', 'content': '{TRY_QUESTION}'}}])\n"
+        "print(reply.choices[0].message.content)\n"
+        "EOF"
     )
 
 
@@ -344,8 +379,11 @@ def serve(args: argparse.Namespace) -> int:
         else:
             print(reveal_secret(f"new API key for tenant {demo_tenant!r} (expires {demo.expires_at:%Y-%m-%d})",
                                 demo.key, var / "demo_key"), flush=True)
-            if sys.stdout.isatty():
-                print("try:\n" + _curl(gw.host, gw.port, demo.key, model), flush=True)
+            # On a terminal the snippets hold the key; otherwise they read it from its 0600 file.
+            key_file = None if sys.stdout.isatty() else (var / "demo_key").resolve()
+            print("try:\n" + _curl(gw.host, gw.port, demo.key, model, key_file), flush=True)
+            print("or with the openai SDK:\n" + _openai_snippet(gw.host, gw.port, demo.key, model, key_file),
+                  flush=True)
 
     async def before_stop(app: Any) -> None:
         for task in supervisor:

@@ -2,7 +2,7 @@
 
 Files (all optional except where noted), in `$SLUICE_CONFIG_DIR` (default: ./config):
   sluice.toml   sections [gateway] [admin] [database] [kafka] [broker] [scheduler] [dispatch] [engine] [logging]
-  models.toml   [[models]] name, path
+  models.toml   [[models]] name, path, and how a missing directory is made: demo = true or fetch = "NAME"
   tenants.toml  [[tenants]] the seed tenants (see TenantSeed)
 
 Environment overrides: SLUICE_<SECTION>_<KEY>=value, e.g. SLUICE_GATEWAY_PORT=8080,
@@ -115,7 +115,8 @@ class LoggingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str
     path: str
-    demo: bool = False  # created by `sluice model make-demo` when absent
+    demo: bool = False  # created by `sluice model make-demo` when absent; served by `sluice serve --demo`
+    fetch: str | None = None  # created by `sluice model fetch NAME` when absent
 
 
 class QuotaSeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -239,9 +240,18 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
             raise ConfigError(f"{gw_source}: [gateway] {key} must be at least 1, got {getattr(gw, key)}")
     if settings.admin.demo_key_ttl_days < 1:
         raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] demo_key_ttl_days must be at least 1")
+    from sluice.workers.model.fetch import KNOWN_MODELS
+
     names = [model.name for model in settings.models]
+    models_source = sources.get("models", "models.toml")
     if len(set(names)) != len(names):
-        raise ConfigError(f"{sources.get('models', 'models.toml')}: model names must be unique, got {names}")
+        raise ConfigError(f"{models_source}: model names must be unique, got {names}")
+    for model in settings.models:
+        if model.fetch is not None and model.fetch not in KNOWN_MODELS:
+            raise ConfigError(f"{models_source}: model {model.name!r}: fetch = {model.fetch!r} is not a known "
+                              f"model; known: {', '.join(KNOWN_MODELS)}")
+        if model.fetch is not None and model.demo:
+            raise ConfigError(f"{models_source}: model {model.name!r}: set demo or fetch, not both")
     tenant_source = sources.get("tenants", "tenants.toml")
     seen: set[str] = set()
     for tenant in settings.tenants:

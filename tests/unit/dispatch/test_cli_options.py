@@ -54,3 +54,15 @@ def test_worker_command_rejects_bad_flags_in_one_line(tmp_path, capsys: pytest.C
     assert "HOST:PORT" in capsys.readouterr().err
     assert main(["worker", "--model", str(tmp_path), "--gateway", "h:1", "--heartbeat-interval", "0"]) == 2
     assert "--heartbeat-interval" in capsys.readouterr().err
+
+
+def test_serve_picks_the_real_models_by_default_and_the_demo_ones_with_demo() -> None:
+    from sluice.gateway.serve import _selected_models
+
+    real = ModelSpec(name="real", path="r", fetch="smollm2")
+    demo = ModelSpec(name="demo", path="d", demo=True)
+    assert _selected_models((real, demo), demo=False) == (real,)
+    assert _selected_models((real, demo), demo=True) == (demo,)
+    assert _selected_models((demo,), demo=False) == (demo,)  # nothing else listed: an offline setup
+    with pytest.raises(CLIError, match="no model with demo = true"):
+        _selected_models((real,), demo=True)

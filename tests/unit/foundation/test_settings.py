@@ -27,7 +27,9 @@ def test_shipped_config_loads_with_fifty_tenants_of_every_class(config_dir: Path
     assert len(settings.tenants) == 50
     assert {t.priority_ceiling for t in settings.tenants} == {"interactive", "standard", "batch"}
     assert any(t.name == "demo-chat" for t in settings.tenants)
-    assert settings.models[0].demo is True
+    real, demo = settings.models  # the real chat model by default, the demo one for --demo
+    assert (real.name, real.fetch, real.demo) == ("smollm2-135m-instruct", "smollm2", False)
+    assert demo.demo is True and demo.fetch is None
     assert settings.kafka.enable_idempotence is False
 
 
@@ -76,6 +78,8 @@ def test_config_dir_from_environment(config_dir: Path) -> None:
         ("tenants.toml", "[[tenants]]\nname = 'a'\nallowed_models = ['gpt-9']", r"unknown model"),
         ("tenants.toml", "tenant = 1", r"expected \[\[tenants\]\]"),
         ("models.toml", "[[models]]\nname = 'm'", r"models\.toml.*path"),
+        ("models.toml", "[[models]]\nname = 'm'\npath = 'p'\nfetch = 'gpt-17'", r"models\.toml.*'gpt-17'.*smollm2"),
+        ("models.toml", "[[models]]\nname = 'm'\npath = 'p'\nfetch = 'smollm2'\ndemo = true", r"not both"),
     ],
 )
 def test_bad_config_names_file_key_and_problem(config_dir: Path, filename: str, content: str, expected: str) -> None:
