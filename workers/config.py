@@ -49,7 +49,11 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else derived from the memory budget
-    kv_cache_bytes: int = 512 * 2**20  # CPU budget for the KV pool
+    # CPU KV pool budget in bytes; None = cpu_memory_utilization of the memory available once the
+    # weights are loaded (like gpu_memory_utilization on CUDA), capped at what max_num_seqs
+    # sequences of max_model_len tokens can ever hold.
+    kv_cache_bytes: int | None = None
+    cpu_memory_utilization: float = 0.25
     gpu_memory_utilization: float = 0.90  # CUDA budget fraction
     max_num_batched_tokens: int = 2048  # token budget per step
     max_num_seqs: int = 64
@@ -69,11 +73,11 @@ class EngineConfig:
         _one_of("dtype", self.dtype, DTYPES)
         _block_size(self.block_size)
         _optional_positive("num_kv_blocks", self.num_kv_blocks)
-        _positive("kv_cache_bytes", self.kv_cache_bytes)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
+        _optional_positive("kv_cache_bytes", self.kv_cache_bytes)
+        for name in ("cpu_memory_utilization", "gpu_memory_utilization"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _optional_positive("max_model_len", self.max_model_len)

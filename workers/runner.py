@@ -36,6 +36,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _CUDA_RESERVE_BYTES = 1 << 30
 
 
+def available_host_memory() -> int:
+    """Bytes the host can still hand out: MemAvailable on Linux, else free physical pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -92,8 +104,14 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * self.config.gpu_memory_utilization) - (total - free) - _CUDA_RESERVE_BYTES
-        else:
+        elif self.config.kv_cache_bytes is not None:
             budget = self.config.kv_cache_bytes
+        else:
+            # A fraction of what the host has left after the weights, and never more than the
+            # running sequences can fill (the pool is zero-filled lazily, but the cap keeps a small
+            # model on a big host from claiming memory it cannot use).
+            most = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) * per_block
+            budget = min(int(available_host_memory() * self.config.cpu_memory_utilization), most)
         blocks = budget // per_block
         if blocks < 1:
             raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes")

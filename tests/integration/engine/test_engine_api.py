@@ -121,3 +121,20 @@ def test_eos_finishes_with_stop(engine: LLMEngine) -> None:
     params = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(probe.token_ids[0],))
     [r] = engine.generate(["Hello"], params)
     assert r.finish_reason == FinishReason.STOP and r.token_ids == probe.token_ids[:1]
+
+
+def test_cpu_kv_pool_defaults_to_a_fraction_of_available_memory(demo_model_dir: Path) -> None:
+    from sluice.workers.runner import ModelRunner, available_host_memory
+
+    # A small fraction: the pool is that share of what the host has left after the weights.
+    small = ModelRunner(EngineConfig(model=str(demo_model_dir), max_model_len=256, cpu_memory_utilization=0.001))
+    per_block = small._bytes_per_block()
+    expected = int(available_host_memory() * 0.001) // per_block
+    assert abs(small.num_kv_blocks - expected) <= max(2, expected // 20)  # memory moves a little meanwhile
+    # The whole host: capped at what max_num_seqs sequences of max_model_len tokens can fill.
+    capped = ModelRunner(EngineConfig(model=str(demo_model_dir), max_model_len=256, max_num_seqs=4,
+                                      cpu_memory_utilization=1.0))
+    assert capped.num_kv_blocks == 4 * 256 // 16
+    # An explicit byte budget still wins.
+    fixed = ModelRunner(EngineConfig(model=str(demo_model_dir), kv_cache_bytes=64 * per_block))
+    assert fixed.num_kv_blocks == 64
