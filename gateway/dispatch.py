@@ -269,6 +269,10 @@ class Dispatcher:
     def num_jobs(self) -> int:
         return len(self._jobs)
 
+    def request_ids(self) -> set[str]:
+        """The ids of every job queued or on a worker."""
+        return set(self._jobs)
+
     def enqueue(self, job: Job) -> None:
         request = job.request
         if request.request_id in self._jobs:

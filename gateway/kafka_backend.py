@@ -23,9 +23,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from aiokafka.errors import KafkaError
 
 from sluice import telemetry
 from sluice.gateway.backend import BackendUnavailable, QueuedSubmission, ServedModel, Submission
@@ -47,6 +50,8 @@ log = logging.getLogger(__name__)
 PERSIST_RETRY_FIRST_S = 0.25
 PERSIST_RETRY_MAX_S = 5.0
 PREPARE_RETRY_S = 1.0  # a batch line whose preparation failed is asked about again after this
+QUEUE_CHECK_S = 2.0  # how often the queue is compared with the broker (lost topics and records)
+LOST_LINES_CHECK_S = 10.0  # how often, besides after a loss, batch lines are audited against the database
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,11 @@ class Defer:
     """
 
     seconds: float
+
+
+# Once the batch queue has been read to its end: the ids of the batch lines the gateway holds
+# (being routed, deferred, queued or running, being stored); None while records are still unread.
+Settled = Callable[[], Awaitable[frozenset[str] | None]]
 
 
 class BatchLineHandler(Protocol):
@@ -73,6 +83,11 @@ class BatchLineHandler(Protocol):
 
     async def persist(self, request: GenerateRequest, final: RequestDelta) -> None:
         """Stores the line's result (idempotent on (batch_id, custom_id)); then its offset is committed."""
+        ...
+
+    async def lost_lines(self, settled: Settled) -> list[GenerateRequest]:
+        """The lines of runnable batches that the database has no result for and that `settled()`
+        (awaited after the database was read) does not name as held: the queue lost them."""
         ...
 
 
@@ -123,6 +138,12 @@ class KafkaBackend:
         # Streaming requests dispatched at acceptance whose record the consumer has not read yet.
         self._dispatched_on_accept: set[str] = set()
         self._prepare_failing: set[str] = set()  # batch lines whose preparation failed (logged once)
+        # Batch lines held here outside the dispatcher (see `_held_lines`).
+        self._routing: set[str] = set()
+        self._deferred_ids: set[str] = set()
+        self._persisting: set[str] = set()
+        self._queue_lost = False  # a loss was seen and its lines are not re-enqueued yet
+        self.requeued_lines = 0  # batch lines re-enqueued from the database after a queue loss
         self._backlog: dict[Priority, int] = dict.fromkeys(Priority, 0)
         self._models: list[ServedModel] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -155,6 +176,7 @@ class KafkaBackend:
             await consumer.start()
             self._consumers[priority] = consumer
         self._started = True
+        self._spawn(self._keep_queue())
 
     async def stop(self) -> None:
         for consumer in self._consumers.values():
@@ -225,16 +247,20 @@ class KafkaBackend:
     async def _on_request(self, request: GenerateRequest, ref: RecordRef) -> None:
         """One consumed record. Whatever goes wrong with it ends that request alone (with an error
         its client or batch sees), never the consumer."""
+        self._routing.add(request.request_id)
         try:
             await self._route(request, ref)
         except Exception as exc:
             log.exception("could not handle request %s; ending it with an error", request.request_id)
             self._fail_record(request, ref, f"the gateway could not handle this request ({type(exc).__name__})")
+        finally:
+            self._routing.discard(request.request_id)
 
     def _fail_record(self, request: GenerateRequest, ref: RecordRef, message: str) -> None:
         final = RequestDelta(request_id=request.request_id, finish_reason=FinishReason.ERROR, error=message)
         if request.batch_id is not None and self.batch_handler is not None:
             # Its error result is stored like any finished line's, then the offset is committed.
+            self._persisting.add(request.request_id)
             self._spawn(self._persist_then_commit(request, ref, final))
             return
         stream = self._streams.pop(request.request_id, None)
@@ -247,7 +273,7 @@ class KafkaBackend:
             self._dispatched_on_accept.discard(request.request_id)
             self._finish_ref(ref)  # dispatched (maybe finished) already; see the module docstring
             return
-        if request.request_id in self.dispatcher:
+        if request.request_id in self.dispatcher or request.request_id in self._persisting:
             self._finish_ref(ref)  # a re-delivered duplicate of a job we already hold
             return
         sink: DeltaSink
@@ -259,6 +285,7 @@ class KafkaBackend:
                 # counts toward the class's in-memory backlog meanwhile (a rate-limited flood pauses
                 # the topic instead of piling up timers).
                 asyncio.get_running_loop().call_later(verdict.seconds, self._retry_deferred, request, ref)
+                self._deferred_ids.add(request.request_id)
                 self.deferred += 1
                 self.deferrals_total += 1
                 self._adjust_backlog(request.priority, +1)
@@ -313,8 +340,10 @@ class KafkaBackend:
 
     def _retry_deferred(self, request: GenerateRequest, ref: RecordRef) -> None:
         self.deferred -= 1
+        self._deferred_ids.discard(request.request_id)
         self._adjust_backlog(request.priority, -1)
         if self._started:
+            self._routing.add(request.request_id)  # held from now on, not only once the task runs
             self._spawn(self._on_request(request, ref))
 
     def _spawn(self, coro: Any) -> None:
@@ -337,6 +366,7 @@ class KafkaBackend:
             self._finish_ref(job.ref)
             return
         self._emit_record(job, final)
+        self._persisting.add(request.request_id)
         self._spawn(self._persist_then_commit(request, job.ref, final))
 
     async def _persist_then_commit(self, request: GenerateRequest, ref: RecordRef | None,
@@ -360,7 +390,68 @@ class KafkaBackend:
                 delay = min(delay * 2, PERSIST_RETRY_MAX_S)
         if failures:
             log.info("stored the result of %s after %d failed attempt(s)", request.request_id, failures)
+        self._persisting.discard(request.request_id)
         self._finish_ref(ref)
+
+    # ---- queue loss ----------------------------------------------------------------------------
+
+    async def _keep_queue(self) -> None:
+        """Keeps the queue whole: recreates missing topics, lets each consumer repair a lost log
+        (see `ClassConsumer.check`), and re-enqueues from the database the batch lines the queue
+        lost. The database is the source of truth for batch work: a line is lost when its batch
+        runs, it has no result, the batch topic has been read to its end and nothing here holds
+        it. Problems reaching the broker are logged once per condition, and retried."""
+        failure = ""
+        since_audit = LOST_LINES_CHECK_S  # audit once at start: the broker may have restarted
+        while True:
+            try:
+                await ensure_topics(self.settings.kafka)
+                for consumer in self._consumers.values():
+                    if (await asyncio.wait_for(consumer.check(), QUEUE_CHECK_S * 5)).lost:
+                        self._queue_lost = True
+                if self._queue_lost or since_audit >= LOST_LINES_CHECK_S:
+                    since_audit = 0.0
+                    await asyncio.wait_for(self._requeue_lost_lines(), QUEUE_CHECK_S * 30)
+            except (QueueUnavailable, KafkaError, OSError, TimeoutError) as exc:
+                condition = type(exc).__name__
+                if condition != failure:
+                    failure = condition
+                    log.warning("checking the queue failed (%r); retrying every %gs", exc, QUEUE_CHECK_S)
+            except Exception:
+                log.exception("checking the queue failed")
+            else:
+                if failure:
+                    log.info("the queue is reachable again")
+                    failure = ""
+            await asyncio.sleep(QUEUE_CHECK_S)
+            since_audit += QUEUE_CHECK_S
+
+    def _held_lines(self) -> frozenset[str]:
+        return frozenset(self._routing | self._deferred_ids | self._persisting
+                         | {rid for rid in self.dispatcher.request_ids() if rid.startswith("batch_")})
+
+    async def _requeue_lost_lines(self) -> None:
+        handler, consumer = self.batch_handler, self._consumers.get(Priority.BATCH)
+        if handler is None or consumer is None:
+            return
+        read_to_end = False
+
+        async def settled() -> frozenset[str] | None:
+            nonlocal read_to_end
+            check = await consumer.check()
+            read_to_end = check.caught_up
+            self._queue_lost = self._queue_lost or check.lost
+            return self._held_lines() if check.caught_up and not check.lost else None
+
+        lost = await handler.lost_lines(settled)
+        if not read_to_end:
+            return  # records still unread: ask again at the next check
+        for request in lost:
+            await self._log.append(request)
+        if lost:
+            self.requeued_lines += len(lost)
+            log.warning("re-enqueued %d batch line(s) the queue had lost", len(lost))
+        self._queue_lost = False
 
     def _emit_record(self, job: Job, final: RequestDelta) -> None:
         request = job.request

@@ -20,6 +20,7 @@ import heapq
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -30,6 +31,8 @@ from sluice.protocol import GenerateRequest, Priority
 from sluice.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
+
+COMMIT_RETRY_MAX_S = 5.0  # a failing commit is retried at most this far apart
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(GenerateRequest)
@@ -181,11 +184,25 @@ class PartitionWatermark:
 
 @dataclass(frozen=True, slots=True)
 class RecordRef:
-    """Where a consumed request sits in Kafka; handed back to `ClassConsumer.finish`."""
+    """Where a consumed request sits in Kafka; handed back to `ClassConsumer.finish`.
+
+    `epoch` counts how often the partition was found to have lost its records (a broker restarted
+    with memory storage): a ref from an older epoch names an offset of a log that no longer
+    exists, and finishing it changes nothing.
+    """
 
     priority: Priority
     partition: TopicPartition
     offset: int
+    epoch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCheck:
+    """What `ClassConsumer.check` found."""
+
+    lost: bool  # records were lost (partitions changed, or the log restarted below our position)
+    caught_up: bool  # every record in the topic has been handed to `on_request`
 
 
 OnRequest = Callable[[GenerateRequest, RecordRef], Awaitable[None]]
@@ -203,7 +220,10 @@ class ClassConsumer:
         self._max_records = max_records  # per fetch: how far a fetch can overshoot a pause
         self._consumer: AIOKafkaConsumer | None = None
         self._marks: dict[TopicPartition, PartitionWatermark] = {}
+        self._epochs: dict[TopicPartition, int] = {}
         self._to_commit: dict[TopicPartition, int] = {}
+        self._handling = False  # records of a fetch are being handed to on_request
+        self._commit_failure = ""  # the condition last logged, so a failing commit logs once
         self._commit_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._paused = False
@@ -245,6 +265,7 @@ class ClassConsumer:
             await self._consumer.stop()
             raise QueueUnavailable(f"topic {topic} has no partitions; was it created?")
         self._consumer.assign([TopicPartition(topic, p) for p in sorted(partitions)])
+        self._paused = False
         self._tasks = [asyncio.create_task(self._fetch_loop(), name=f"consume-{self.priority.label}"),
                        asyncio.create_task(self._commit_loop(), name=f"commit-{self.priority.label}")]
 
@@ -275,12 +296,65 @@ class ClassConsumer:
     def finish(self, ref: RecordRef) -> None:
         """The request at `ref` is finished: its offset may be committed (once all below are)."""
         mark = self._marks.get(ref.partition)
-        if mark is None:
+        if mark is None or ref.epoch != self._epochs.get(ref.partition, 0):
             return
         new = mark.finish(ref.offset)
         if new is not None:
             self._to_commit[ref.partition] = new
             self._commit_wakeup.set()
+
+    async def check(self) -> QueueCheck:
+        """Compares what this consumer holds with what the broker has, and repairs a lost queue.
+
+        - The topic's partitions changed (a recreated topic): every partition is assigned again.
+        - A partition's log ends below our position (Kafka answers OffsetOutOfRange there; Tansu
+          with memory storage, restarted, silently returns nothing): its records are gone. Reading
+          restarts at its beginning (records written since the loss), and its unfinished offsets
+          are forgotten (their requests still finish; see `RecordRef.epoch`).
+        Callers re-create what was lost from their source of truth (the database, for batches).
+        """
+        consumer = self._consumer
+        if consumer is None:
+            return QueueCheck(lost=False, caught_up=False)
+        topic = topic_name(self._settings, self.priority)
+        lost = False
+        await consumer._client.force_metadata_update()
+        partitions = consumer.partitions_for_topic(topic) or set()
+        assigned = consumer.assignment()
+        if partitions and {tp.partition for tp in assigned} != partitions:
+            log.warning("topic %s now has partitions %s (had %s): the topic was recreated; assigning "
+                        "them again", topic, sorted(partitions), sorted(tp.partition for tp in assigned))
+            paused = self._paused
+            consumer.assign([TopicPartition(topic, p) for p in sorted(partitions)])
+            for tp in consumer.assignment():
+                self._forget(tp)
+            self._paused = False
+            if paused:
+                self.pause()
+            lost = True
+            assigned = consumer.assignment()
+        ends = await consumer.end_offsets(list(assigned))
+        caught_up = not self._paused and not self._handling
+        for tp in assigned:
+            position = await consumer.position(tp)
+            end = ends.get(tp, 0)
+            if position > end:
+                log.warning("partition %s ends at offset %d, below our position %d: its records were "
+                            "lost (a broker restart with memory storage?); reading it from the start",
+                            tp, end, position)
+                await consumer.seek_to_beginning(tp)
+                self._forget(tp)
+                lost = True
+                caught_up = False
+            elif position < end:
+                caught_up = False
+        return QueueCheck(lost=lost, caught_up=caught_up and not self._handling)
+
+    def _forget(self, tp: TopicPartition) -> None:
+        """A partition whose log was lost: its offsets start over in a new epoch."""
+        self._epochs[tp] = self._epochs.get(tp, 0) + 1
+        self._marks.pop(tp, None)
+        self._to_commit.pop(tp, None)
 
     async def _fetch_loop(self) -> None:
         consumer = self._consumer
@@ -296,37 +370,58 @@ class ClassConsumer:
                 # A fetch already in flight when we paused: keep its records, they are cheap.
                 for tp in batches:
                     consumer.pause(tp)
-            for tp, records in batches.items():
-                mark = self._marks.setdefault(tp, PartitionWatermark())
-                for record in records:
-                    mark.track(record.offset)
-                    ref = RecordRef(self.priority, tp, record.offset)
-                    try:
-                        request = decode_request(record.value)
-                    except msgspec.DecodeError as exc:
-                        log.error("skipping an undecodable record at %s:%d (%s)", tp, record.offset, exc)
-                        self.finish(ref)
-                        continue
-                    try:
-                        await self._on_request(request, ref)
-                    except Exception:
-                        # One record must never stop consumption: `on_request` deals with what it
-                        # can (see KafkaBackend); anything that still escapes skips this record.
-                        log.exception("handling the record at %s:%d (%s) failed; skipping it",
-                                      tp, record.offset, request.request_id)
-                        self.finish(ref)
+            self._handling = True
+            try:
+                await self._handle(batches)
+            finally:
+                self._handling = False
+
+    async def _handle(self, batches: dict[TopicPartition, list[Any]]) -> None:
+        for tp, records in batches.items():
+            epoch = self._epochs.get(tp, 0)
+            mark = self._marks.setdefault(tp, PartitionWatermark())
+            for record in records:
+                mark.track(record.offset)
+                ref = RecordRef(self.priority, tp, record.offset, epoch)
+                try:
+                    request = decode_request(record.value)
+                except msgspec.DecodeError as exc:
+                    log.error("skipping an undecodable record at %s:%d (%s)", tp, record.offset, exc)
+                    self.finish(ref)
+                    continue
+                try:
+                    await self._on_request(request, ref)
+                except Exception:
+                    # One record must never stop consumption: `on_request` deals with what it
+                    # can (see KafkaBackend); anything that still escapes skips this record.
+                    log.exception("handling the record at %s:%d (%s) failed; skipping it",
+                                  tp, record.offset, request.request_id)
+                    self.finish(ref)
 
     async def _commit_loop(self) -> None:
         consumer = self._consumer
         assert consumer is not None  # started; internal invariant
+        delay = self._commit_interval
         while True:
             await self._commit_wakeup.wait()
             self._commit_wakeup.clear()
             try:
                 await self._flush_commits(consumer)
             except KafkaError as exc:
-                log.warning("committing %s offsets failed (%r); will retry", self.priority.label, exc)
-            await asyncio.sleep(self._commit_interval)  # coalesce bursts of finishes
+                # Backed off, and logged once per condition (not per attempt): a broker that lost
+                # the topic answers every commit with the same error until the topic is back.
+                condition = type(exc).__name__
+                if condition != self._commit_failure:
+                    self._commit_failure = condition
+                    log.warning("committing %s offsets failed (%r); retrying, backed off",
+                                self.priority.label, exc)
+                delay = min(delay * 2, COMMIT_RETRY_MAX_S)
+            else:
+                if self._commit_failure:
+                    log.info("committing %s offsets works again", self.priority.label)
+                    self._commit_failure = ""
+                delay = self._commit_interval
+            await asyncio.sleep(delay)  # coalesce bursts of finishes; back off while failing
 
     async def _flush_commits(self, consumer: AIOKafkaConsumer) -> None:
         offsets, self._to_commit = self._to_commit, {}

@@ -47,6 +47,11 @@ class _DeferredHandler:
     async def persist(self, request: Any, final: Any) -> None:
         await self.runner.persist(request, final)
 
+    async def lost_lines(self, settled: Any) -> list[Any]:
+        if self.runner is None:
+            return []
+        return await self.runner.service.lost_lines(settled)  # type: ignore[no-any-return]
+
 
 @dataclass
 class BatchComponents:

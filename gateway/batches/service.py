@@ -14,18 +14,28 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from sluice.gateway.admin.service import tenant_with_quota
 from sluice.gateway.api.generation import GenerationService
-from sluice.gateway.auth import TenantContext
+from sluice.gateway.auth import TenantContext, tenant_context
 from sluice.gateway.backend import BackendUnavailable
 from sluice.gateway.batches.models import Batch, BatchResult, FileObject
 from sluice.gateway.batches.validation import ENDPOINTS, InvalidBatchFile, parse_batch_file
-from sluice.gateway.batches.views import batch_view, file_view, line_request_id, not_found, page
+from sluice.gateway.batches.views import (
+    batch_of_request,
+    batch_view,
+    file_view,
+    line_request_id,
+    not_found,
+    page,
+)
 from sluice.gateway.db.base import new_id, utcnow
 from sluice.gateway.errors import OpenAIError
 from sluice.protocol import GenerateRequest, Priority
@@ -439,6 +449,57 @@ class BatchService:
             if result.rowcount != 1:  # type: ignore[attr-defined]
                 raise _LostRace
         log.info("batch %s %s: %d ok, %d failed", batch_id, target, len(ok), len(bad))
+
+    async def lost_lines(self, settled: Callable[[], Awaitable[frozenset[str] | None]]) -> list[GenerateRequest]:
+        """Lines of running (or cancelling) batches with no result that the gateway does not hold
+        once its batch queue was read to the end: the queue lost them (a broker restarted with
+        memory storage, a topic recreated). Built again from the batch's input file, with their
+        original request ids, so a line that was not lost after all is answered once anyway.
+
+        The database is read before `settled()` is awaited: every line of a batch that was running
+        then had been written to the queue before, so once the queue is read to its end each such
+        line is answered, held, or lost."""
+        active = ("in_progress", "cancelling")
+        async with self.sessions() as session:
+            batches = (await session.execute(select(Batch.id, Batch.total).where(Batch.status.in_(active)))).all()
+            if not batches:
+                return []
+            answered = dict((await session.execute(
+                select(BatchResult.batch_id, func.count())
+                .where(BatchResult.batch_id.in_([b for b, _ in batches])).group_by(BatchResult.batch_id)
+            )).all())
+        held = await settled()
+        if held is None:
+            return []
+        held_per_batch = Counter(batch_of_request(r) for r in held)
+        lost: list[GenerateRequest] = []
+        for batch_id, total in batches:
+            if answered.get(batch_id, 0) + held_per_batch[batch_id] < total:
+                lost += await self._unanswered(batch_id, held)
+        return lost
+
+    async def _unanswered(self, batch_id: str, held: frozenset[str]) -> list[GenerateRequest]:
+        async with self.sessions() as session:
+            batch = await session.get(Batch, batch_id)
+            if batch is None or batch.status not in ("in_progress", "cancelling"):
+                return []
+            done = set((await session.scalars(
+                select(BatchResult.custom_id).where(BatchResult.batch_id == batch_id))).all())
+            source = await session.get(FileObject, batch.input_file_id)
+            found = await tenant_with_quota(session, batch.tenant_id)
+        if source is None or found is None:
+            log.error("batch %s lost queued lines but its input file or tenant is gone", batch_id)
+            return []
+        tenant = tenant_context(*found)
+        out = []
+        for line in parse_batch_file(source.content):
+            if line.custom_id in done or line_request_id(batch_id, line.line_no) in held:
+                continue
+            try:
+                out.append(self._line_request(tenant, batch_id, line))
+            except OpenAIError:  # valid when the batch was created; e.g. a model since removed
+                log.error("batch %s line %d can no longer be prepared", batch_id, line.line_no)
+        return out
 
     async def recover(self) -> None:
         """At start-up: fail batches whose queueing a crash interrupted (their creator never got an

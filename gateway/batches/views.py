@@ -64,6 +64,11 @@ def line_request_id(batch_id: str, line_no: int) -> str:
     return f"batch_req_{batch_id.removeprefix('batch_')}_{line_no}"
 
 
+def batch_of_request(request_id: str) -> str:
+    """The batch id encoded by `line_request_id` (any other id gives a name no batch has)."""
+    return "batch_" + request_id.removeprefix("batch_req_").rpartition("_")[0]
+
+
 def line_number(request_id: str) -> int:
     """The input line number encoded by `line_request_id`."""
     return int(request_id.rsplit("_", 1)[1])
