@@ -23,7 +23,7 @@ from sluice.broker import free_port
 from sluice.gateway.app import create_app
 from sluice.gateway.batches import batch_components
 from sluice.gateway.kafka_backend import KafkaBackend
-from sluice.settings import AdminSettings, DatabaseSettings, GatewaySettings, Settings, TenantSeed
+from sluice.settings import AdminSettings, DatabaseSettings, Settings, TenantSeed
 
 ADMIN_TOKEN = "slc-admin-fault-tests-" + "x" * 24
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -105,7 +105,6 @@ async def open_gateway(settings: Settings, worker_port: int, *, wait_worker: boo
 
 
 def fault_settings(bootstrap_servers: str, model_dir: Path, database_url: str, **sections: Any) -> Settings:
-    sections.setdefault("gateway", GatewaySettings(worker_port=0))
     return make_settings(
         bootstrap_servers, model_dir,
         database=DatabaseSettings(url=database_url),
