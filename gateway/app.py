@@ -17,6 +17,7 @@ from litestar import Litestar
 from litestar.config.app import AppConfig
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice import telemetry
@@ -28,9 +29,12 @@ from sluice.gateway.api.system import health, metrics, ready
 from sluice.gateway.api.tokenize import TokenizeController
 from sluice.gateway.auth import AuthService
 from sluice.gateway.backend import GenerationBackend
+from sluice.gateway.bodies import strict_json_body
 from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.session import make_engine, make_session_factory
 from sluice.gateway.errors import EXCEPTION_HANDLERS
+from sluice.gateway.methods import OptionsMiddleware
+from sluice.gateway.openapi import COMPONENTS, ContractJsonPlugin
 from sluice.gateway.quotas import QuotaService
 from sluice.gateway.seed import seed_tenants
 from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
@@ -125,9 +129,17 @@ def create_app(
         on_startup=[startup, *on_startup],
         on_shutdown=[*on_shutdown, shutdown],
         exception_handlers=EXCEPTION_HANDLERS,
+        before_request=strict_json_body,
         state=state,
         request_max_body_size=settings.gateway.max_body_bytes,
-        openapi_config=OpenAPIConfig(title="sluice gateway", version="0.1.0", path="/schema"),
+        middleware=[OptionsMiddleware()],
+        openapi_config=OpenAPIConfig(
+            title="sluice gateway",
+            version="0.1.0",
+            path="/schema",
+            components=COMPONENTS,
+            render_plugins=[SwaggerRenderPlugin(), ContractJsonPlugin()],
+        ),
         debug=False,
     )
     return Litestar.from_config(config)

@@ -265,10 +265,11 @@ async def tenant_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRo
     """Authenticates a tenant key; stores the TenantContext on `connection.state.tenant`."""
     auth: AuthService = connection.app.state.auth
     token = bearer_token(connection)
-    if token is not None and token.startswith(ADMIN_PREFIX) and auth.verify_admin(token):
+    # Whatever it looks like (SLUICE_ADMIN_TOKEN is free-form), the admin token gets a 403 that says so.
+    if token is not None and not token.startswith(KEY_PREFIX) and auth.verify_admin(token):
         raise OpenAIError(
             403,
-            "The admin token cannot call tenant routes; use a tenant API key.",
+            "This is the admin token; tenant routes need a tenant API key (`sk-slc-...`).",
             type="permission_error",
             code="wrong_credentials",
         )

@@ -18,6 +18,8 @@ from litestar.exceptions import HTTPException, NotAuthorizedException, Validatio
 from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 
+from sluice.gateway.methods import allowed_methods
+
 log = logging.getLogger(__name__)
 
 
@@ -49,8 +51,8 @@ class OpenAIError(Exception):
 class ErrorDetail(msgspec.Struct):
     message: str
     type: str
-    param: str | None = None
-    code: str | None = None
+    param: str | None  # the body field, query parameter or header at fault, when one is
+    code: str | None
 
 
 class ErrorResponse(msgspec.Struct):
@@ -59,12 +61,46 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorDetail
 
 
-def error_responses(descriptions: dict[int, str]) -> dict[int, ResponseSpec]:
-    """A controller's documented error answers: each status with the error body and its meaning."""
+# What each error status means on this API; a route documents the statuses it can answer.
+ERROR_MEANINGS: dict[int, str] = {
+    400: "Invalid request: a body field, query parameter or header is malformed or out of range "
+    "(`param` names it), or the request cannot be served as asked",
+    401: "Missing or invalid credentials (`Authorization: Bearer <key>`)",
+    403: "The credentials are valid but not for this: wrong kind of credential, a disabled tenant, "
+    "or a model the tenant may not use",
+    404: "No such resource (unknown id or model)",
+    409: "The name is already taken",
+    413: "The request body is larger than the gateway accepts",
+    429: "Over a rate limit (`retry-after` says when to retry) or over a budget that no retry helps "
+    "(`x-should-retry: false`): the daily token budget, or one request larger than the tokens-per-minute "
+    "limit",
+    503: "Temporarily unable to take the request (starting, no worker, or the request queue is "
+    "unavailable); retry later",
+}
+
+
+def error_responses(*statuses: int, notes: dict[int, str] | None = None) -> dict[int, ResponseSpec]:
+    """A route's documented error answers: each status with the OpenAI error body and its meaning."""
+    notes = notes or {}
     return {
-        status: ResponseSpec(data_container=ErrorResponse, description=text)
-        for status, text in descriptions.items()
+        status: ResponseSpec(
+            data_container=ErrorResponse,
+            description=ERROR_MEANINGS[status] + (f". {notes[status]}" if status in notes else ""),
+            generate_examples=False,
+        )
+        for status in statuses
     }
+
+
+def service_unavailable(what: str = "this request") -> OpenAIError:
+    """503 without internals: the reason (a broker address, a worker) goes to the operator's log."""
+    return OpenAIError(
+        503,
+        f"The service cannot take {what} right now; try again shortly.",
+        type="server_error",
+        code="service_unavailable",
+        headers={"retry-after": "1"},
+    )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -81,6 +117,7 @@ _TYPES = {
     429: "rate_limit_exceeded",
     503: "service_unavailable",
 }
+NESTED_TOO_DEEPLY = "The JSON is nested too deeply."
 _PATH_RE = re.compile(r"`\$\.([A-Za-z0-9_\.\[\]]+)`")
 
 
@@ -108,29 +145,61 @@ def openai_error_handler(request: Request[Any, Any, Any], exc: OpenAIError) -> R
     return _respond(request, exc)
 
 
+_SOURCES = {"query": "query parameter", "path": "path parameter", "header": "header", "cookie": "cookie"}
+
+
 def validation_error_handler(request: Request[Any, Any, Any], exc: ValidationException) -> Response[Any]:
-    # Litestar wraps msgspec's decode error; its text names the JSON path, e.g. `$.max_tokens`.
-    detail = str(exc.detail or "invalid request body")
+    """A field Litestar (msgspec) rejected: the message names where it was (body, query, path, header)."""
+    detail = str(exc.detail or "invalid request")
     extra = exc.extra
-    if isinstance(extra, list) and extra and isinstance(extra[0], dict):
-        detail = str(extra[0].get("message") or detail)
-        key = extra[0].get("key")
-        param = key if isinstance(key, str) and key else _param_from(detail)
+    first = extra[0] if isinstance(extra, list) and extra and isinstance(extra[0], dict) else {}
+    key = first.get("key")
+    param = key if isinstance(key, str) and key else _param_from(detail)
+    raw_source = first.get("source") or "body"
+    source = str(getattr(raw_source, "value", raw_source))  # Litestar's ParamType enum, or "body"
+    reason = str(first.get("message") or detail)
+    if source == "body" and param == "data":  # no body at all, or not the expected kind
+        if request.headers.get("content-type", "").startswith("multipart/"):
+            message, param = "The upload needs the form fields `file` (a JSONL file) and `purpose`.", "file"
+        else:
+            message, param = "The request needs a JSON body.", None
+    elif source in _SOURCES:
+        message = f"Invalid {_SOURCES[source]} `{param}`: {reason}."
+    elif param:
+        message = f"Invalid `{param}` in the request body: {reason}."
     else:
-        param = _param_from(detail)
-    if "Expected" not in detail and "JSON" not in detail and "Object" not in detail:
-        detail = f"Invalid request body: {detail}"
-    return _respond(request, OpenAIError(400, _clean(detail), param=param))
+        message = f"Invalid request body: {_clean(reason)}."
+    return _respond(request, OpenAIError(400, message, param=param))
+
+
+def method_not_allowed(request: Request[Any, Any, Any]) -> OpenAIError:
+    """405 with `Allow` (RFC 9110 requires it), listing every method the path has."""
+    allow = allowed_methods(request.app, request.url.path)
+    return OpenAIError(
+        405,
+        f"Method {request.method} is not allowed on {request.url.path}; allowed: {allow}.",
+        code="method_not_allowed",
+        headers={"allow": allow} if allow else None,
+    )
 
 
 def http_error_handler(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
     status = exc.status_code
     message = str(exc.detail or "error")
     code: str | None = None
-    if status == 404:
+    param: str | None = None
+    if status == 400 and message == "Request Entity Too Large":
+        # Litestar's multipart parser: a part header over 4 KB (in practice a long file name) or
+        # too many parts. It is neither about the body size nor a 413.
+        message = (
+            "The multipart form could not be read: a part header is longer than 4 KB (a file name "
+            "may have at most 255 characters) or the form has too many parts."
+        )
+        param, code = "file", "invalid_multipart"
+    elif status == 404:
         message, code = f"Unknown route {request.method} {request.url.path}.", "not_found"
     elif status == 405:
-        message, code = f"Method {request.method} is not allowed on {request.url.path}.", "method_not_allowed"
+        return _respond(request, method_not_allowed(request))
     elif status == 413:
         message, code = "Request body too large.", "request_too_large"
     elif isinstance(exc, NotAuthorizedException):
@@ -139,10 +208,19 @@ def http_error_handler(request: Request[Any, Any, Any], exc: HTTPException) -> R
         status,
         message,
         type=_TYPES.get(status, "invalid_request_error"),
+        param=param,
         code=code,
         headers=dict(exc.headers or {}),
     )
     return _respond(request, error)
+
+
+def recursion_error_handler(request: Request[Any, Any, Any], exc: RecursionError) -> Response[Any]:
+    """JSON nested deeper than the decoder's recursion limit (about 1,000 levels) is bad input."""
+    text = str(exc)
+    if "deserializing" in text or "decoding" in text:
+        return _respond(request, OpenAIError(400, NESTED_TOO_DEEPLY, code="json_too_deep"))
+    return internal_error_handler(request, exc)
 
 
 def internal_error_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
@@ -162,6 +240,7 @@ def _clean(message: str) -> str:
 
 EXCEPTION_HANDLERS: dict[type[Exception] | int, Any] = {
     OpenAIError: openai_error_handler,
+    RecursionError: recursion_error_handler,
     ValidationException: validation_error_handler,
     HTTPException: http_error_handler,
     Exception: internal_error_handler,

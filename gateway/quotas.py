@@ -5,6 +5,10 @@ day (the day's total read from usage_daily once, then kept in memory), concurren
 (queued + running), queued requests (admitted, no token yet), and the per-request caps
 max_prompt_tokens / max_output_tokens (400: no retry helps).
 
+A request that can never be admitted — prompt + max_tokens above the tokens-per-minute limit, or
+above what is left of the daily budget — is a 429 with `x-should-retry: false` and no `retry-after`
+(the OpenAI SDKs honour that header and do not retry); the message says what to change.
+
 A `Reservation` holds prompt + max_tokens against the minute and day budgets from admission until
 `settle` (actual tokens) or `release` (full refund). All bookkeeping after the optional day load
 is synchronous, so no other coroutine can interleave between a check and its update.
@@ -50,19 +54,29 @@ class QuotaLimits:
         return cls(**{name: getattr(row, name) for name in cls.__slots__})
 
 
+_QUOTA_TYPES = {"insufficient_quota": "insufficient_quota", "request_too_large": "tokens"}
+
+
 class QuotaExceeded(OpenAIError):
-    """429: `rate_limit_exceeded` (retry after `retry_after` s) or `insufficient_quota` (no retry)."""
+    """429: `rate_limit_exceeded` (retry after `retry_after` s), or with `retry_after=None` one that
+    no retry helps (`insufficient_quota`, `request_too_large`): `x-should-retry: false`."""
 
     def __init__(
-        self, message: str, *, code: str, retry_after: int | None, headers: dict[str, str] | None = None
+        self,
+        message: str,
+        *,
+        code: str,
+        retry_after: int | None,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
     ) -> None:
         extra = dict(headers or {})
         if retry_after is not None:
             extra["retry-after"] = str(retry_after)
-        if code == "insufficient_quota":
+        else:
             extra["x-should-retry"] = "false"
         super().__init__(
-            429, message, type=code if code == "insufficient_quota" else "requests", code=code, headers=extra
+            429, message, type=_QUOTA_TYPES.get(code, "requests"), param=param, code=code, headers=extra
         )
         self.retry_after = retry_after
 
@@ -214,11 +228,13 @@ class QuotaService:
         if limits.tokens_per_minute is not None:
             if need > limits.tokens_per_minute:
                 raise QuotaExceeded(
-                    f"Request too large: prompt + max_tokens is {need} tokens; your limit is "
-                    f"{limits.tokens_per_minute} tokens per minute. Lower max_tokens.",
-                    code="rate_limit_exceeded",
-                    retry_after=MAX_RETRY_AFTER_S,
+                    f"Request too large: prompt + max_tokens is {need} tokens, more than your limit of "
+                    f"{limits.tokens_per_minute} tokens per minute, so it can never be admitted; "
+                    "lower max_tokens or shorten the prompt (retrying does not help).",
+                    code="request_too_large",
+                    retry_after=None,
                     headers=headers,
+                    param="max_tokens",
                 )
             if state.tokens_in_window + need > limits.tokens_per_minute:
                 raise _retry_later(

@@ -1,14 +1,50 @@
 """HTTP bodies of the OpenAI-compatible API (msgspec). Converted to `sluice.protocol` at the edge.
 
 Unknown fields that OpenAI or vLLM clients send are ignored (msgspec's default), not rejected.
+Every numeric field carries the range that the engine and the msgpack wire format accept, so
+msgspec rejects anything else with a 400 naming the field, in HTTP bodies and batch lines alike,
+and the OpenAPI document shows the same ranges (it is generated from these types).
+
+Edge cases, as OpenAI and vLLM define them: `temperature: 0` and `top_p: 0` are greedy; `top_k`
+0 or -1 keeps every token and values at or above the vocabulary size do the same; `min_p: 0` is off.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET, Meta, UnsetType
+
+# ---- ranges ------------------------------------------------------------------------------------
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOP_LOGPROBS = 20
+
+MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX, description="At most the context left after the prompt")]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 = greedy")]
+TopP = Annotated[float, Meta(ge=0.0, le=1.0, description="0 = greedy, 1 = off")]
+TopK = Annotated[int, Meta(ge=-1, le=INT32_MAX, description="0 or -1 = off, 1 = greedy")]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0, description="0 = off")]
+Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0, description="1 = off")]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+StopList = Annotated[list[StopString], Meta(max_length=MAX_STOP_SEQUENCES)]
+StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+OnlyOne = Annotated[int, Meta(ge=1, le=1, description="Only 1 is supported: send separate requests")]
+# OpenAI's shape: token id (as a string) -> bias in [-100, 100], at most 300 entries.
+LogitBias = Annotated[
+    dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], Annotated[float, Meta(ge=-100.0, le=100.0)]],
+    Meta(max_length=300),
+]
 
 # ---- requests ----------------------------------------------------------------------------------
 
@@ -30,24 +66,24 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: Seed | None = None
+    stop: StopString | StopList | None = None
+    stop_token_ids: StopTokenIds | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    service_tier: str | None = None  # priority | default | auto | flex
+    service_tier: ServiceTier | None = None  # priority -> interactive, auto/default -> standard, flex -> batch
     user: str | None = None  # accepted and not used (OpenAI uses it for abuse monitoring)
     ignore_eos: bool | None = None
-    n: int | None = None  # only 1
-    logit_bias: dict[str, float] | None = None  # only empty: the engine applies no bias
+    n: OnlyOne | None = None
+    logit_bias: LogitBias | None = None  # only empty: the engine applies no bias
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
@@ -56,10 +92,10 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # wins over max_tokens when both are given (as vLLM)
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None  # wins over max_tokens when both are given (as vLLM)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
     # Tool calling is not supported: tools / functions are refused, tool_choice only "none";
     # parallel_tool_calls is accepted (without tools there are no calls to run in parallel).
@@ -72,10 +108,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     # a string, a list of token ids; a list of strings is rejected ("not supported")
-    prompt: str | list[Any]
-    logprobs: int | None = None
+    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[Any], Meta(min_length=1)]
+    logprobs: TopLogprobs | None = None
     echo: bool | None = None
-    best_of: int | None = None
+    best_of: OnlyOne | None = None
     suffix: str | None = None
 
 
@@ -93,7 +129,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -211,7 +247,7 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
 class TokenizeResponse(msgspec.Struct, kw_only=True):
     count: int
     max_model_len: int
-    tokens: list[int]
+    tokens: list[TokenId]
     token_strs: list[str] | None = None
 
 

@@ -6,7 +6,7 @@ import datetime as dt
 from typing import Annotated, Any
 
 from litestar import Controller, Request, delete, get, patch, post
-from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
+from litestar.params import FromQuery, JSONBody, QueryParameter
 
 from sluice.gateway.admin.schemas import (
     AuditList,
@@ -27,16 +27,16 @@ from sluice.gateway.admin.schemas import (
 from sluice.gateway.admin.service import AdminService
 from sluice.gateway.auth import admin_guard
 from sluice.gateway.errors import error_responses
+from sluice.gateway.openapi import ADMIN_SECURITY, IdPath, IdQuery
 from sluice.gateway.usage import UsageService
 
-_ERRORS = error_responses(
-    {
-        400: "Invalid request",
-        401: "Missing or invalid admin token",
-        403: "Tenant key used on an admin route",
-        404: "Unknown tenant or key",
-        409: "Name already taken",
-    }
+# Every admin route: a malformed header or parameter, a missing or wrong token, a tenant key (403).
+_READ = error_responses(400, 401, 403)
+_BY_ID = error_responses(400, 401, 403, 404, notes={404: "Unknown tenant or key"})
+_BODY = error_responses(400, 401, 403, 404, 413, notes={404: "Unknown tenant or key"})
+_CREATE = error_responses(400, 401, 403, 409, 413, notes={409: "Another tenant has this name"})
+_NAMED = error_responses(
+    400, 401, 403, 404, 409, 413, notes={404: "Unknown tenant", 409: "Another tenant has this name"}
 )
 
 
@@ -48,92 +48,93 @@ class AdminController(Controller):
     path = "/admin"
     tags = ["Admin"]  # noqa: RUF012
     guards = [admin_guard]  # noqa: RUF012
+    security = ADMIN_SECURITY
 
-    @post("/tenants", status_code=201, summary="Create a tenant (with its quotas)", responses=_ERRORS)
+    @post("/tenants", status_code=201, summary="Create a tenant (with its quotas)", responses=_CREATE)
     async def create_tenant(self, request: Request[Any, Any, Any], data: JSONBody[TenantCreate]) -> TenantOut:
         return await _service(request).create_tenant(data)
 
-    @get("/tenants", summary="List tenants", responses=_ERRORS)
+    @get("/tenants", summary="List tenants", responses=_READ)
     async def list_tenants(self, request: Request[Any, Any, Any]) -> TenantList:
         return TenantList(data=await _service(request).list_tenants())
 
-    @get("/tenants/{tenant_id:str}", summary="Get a tenant", responses=_ERRORS)
-    async def get_tenant(self, request: Request[Any, Any, Any], tenant_id: FromPath[str]) -> TenantOut:
+    @get("/tenants/{tenant_id:str}", summary="Get a tenant", responses=_BY_ID)
+    async def get_tenant(self, request: Request[Any, Any, Any], tenant_id: IdPath) -> TenantOut:
         return await _service(request).get_tenant(tenant_id)
 
     @patch(
-        "/tenants/{tenant_id:str}", summary="Change a tenant (and optionally its quotas)", responses=_ERRORS
+        "/tenants/{tenant_id:str}", summary="Change a tenant (and optionally its quotas)", responses=_NAMED
     )
     async def update_tenant(
-        self, request: Request[Any, Any, Any], tenant_id: FromPath[str], data: JSONBody[TenantPatch]
+        self, request: Request[Any, Any, Any], tenant_id: IdPath, data: JSONBody[TenantPatch]
     ) -> TenantOut:
         return await _service(request).update_tenant(tenant_id, data)
 
     @delete(
         "/tenants/{tenant_id:str}",
         status_code=200,
-        responses=_ERRORS,
+        responses=_BY_ID,
         summary="Delete a tenant; one with usage history is disabled instead (the answer says which)",
     )
-    async def delete_tenant(self, request: Request[Any, Any, Any], tenant_id: FromPath[str]) -> TenantDeleted:
+    async def delete_tenant(self, request: Request[Any, Any, Any], tenant_id: IdPath) -> TenantDeleted:
         return await _service(request).delete_tenant(tenant_id)
 
     @post(
         "/tenants/{tenant_id:str}/keys",
         status_code=201,
-        responses=_ERRORS,
+        responses=_BODY,
         summary="Create an API key; the only answer that shows the key",
     )
     async def create_key(
-        self, request: Request[Any, Any, Any], tenant_id: FromPath[str], data: JSONBody[KeyCreate]
+        self, request: Request[Any, Any, Any], tenant_id: IdPath, data: JSONBody[KeyCreate]
     ) -> KeyCreated:
         return await _service(request).create_key(tenant_id, data)
 
-    @get("/tenants/{tenant_id:str}/keys", summary="List a tenant's keys (no secrets)", responses=_ERRORS)
-    async def list_keys(self, request: Request[Any, Any, Any], tenant_id: FromPath[str]) -> KeyList:
+    @get("/tenants/{tenant_id:str}/keys", summary="List a tenant's keys (no secrets)", responses=_BY_ID)
+    async def list_keys(self, request: Request[Any, Any, Any], tenant_id: IdPath) -> KeyList:
         return KeyList(data=await _service(request).list_keys(tenant_id))
 
     @delete(
         "/tenants/{tenant_id:str}/keys/{key_id:str}",
         status_code=200,
         summary="Revoke a key",
-        responses=_ERRORS,
+        responses=_BY_ID,
     )
     async def revoke_key(
-        self, request: Request[Any, Any, Any], tenant_id: FromPath[str], key_id: FromPath[str]
+        self, request: Request[Any, Any, Any], tenant_id: IdPath, key_id: IdPath
     ) -> KeyOut:
         return await _service(request).revoke_key(tenant_id, key_id)
 
     @post(
         "/tenants/{tenant_id:str}/keys/{key_id:str}/rotate",
         status_code=201,
-        responses=_ERRORS,
+        responses=_BY_ID,
         summary="Rotate a key: a new key is returned, the old one is revoked",
     )
     async def rotate_key(
-        self, request: Request[Any, Any, Any], tenant_id: FromPath[str], key_id: FromPath[str]
+        self, request: Request[Any, Any, Any], tenant_id: IdPath, key_id: IdPath
     ) -> KeyCreated:
         return await _service(request).rotate_key(tenant_id, key_id)
 
-    @get("/tenants/{tenant_id:str}/quotas", summary="A tenant's quotas (null = unlimited)", responses=_ERRORS)
-    async def get_quotas(self, request: Request[Any, Any, Any], tenant_id: FromPath[str]) -> Quotas:
+    @get("/tenants/{tenant_id:str}/quotas", summary="A tenant's quotas (null = unlimited)", responses=_BY_ID)
+    async def get_quotas(self, request: Request[Any, Any, Any], tenant_id: IdPath) -> Quotas:
         return await _service(request).get_quotas(tenant_id)
 
     @patch(
         "/tenants/{tenant_id:str}/quotas",
-        responses=_ERRORS,
+        responses=_BODY,
         summary="Change quotas; applies to the next request (null = unlimited)",
     )
     async def update_quotas(
-        self, request: Request[Any, Any, Any], tenant_id: FromPath[str], data: JSONBody[QuotasPatch]
+        self, request: Request[Any, Any, Any], tenant_id: IdPath, data: JSONBody[QuotasPatch]
     ) -> Quotas:
         return await _service(request).update_quotas(tenant_id, data)
 
-    @get("/usage", summary="Token usage per tenant, model and UTC day", responses=_ERRORS)
+    @get("/usage", summary="Token usage per tenant, model and UTC day", responses=_READ)
     async def usage(
         self,
         request: Request[Any, Any, Any],
-        tenant_id: FromQuery[str | None] = None,
+        tenant_id: IdQuery = None,
         start: FromQuery[dt.date | None] = None,
         end: FromQuery[dt.date | None] = None,
     ) -> UsageList:
@@ -141,21 +142,21 @@ class AdminController(Controller):
         rows = await usage.query(tenant_id, start, end)
         return usage_list(rows, start, end)
 
-    @get("/queues", summary="Live queue view (from the generation backend)", responses=_ERRORS)
+    @get("/queues", summary="Live queue view (from the generation backend)", responses=_READ)
     async def queues(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
         snapshot = request.app.state.backend.snapshot()
         return {"queues": snapshot.get("queues", {})}
 
-    @get("/workers", summary="Live worker view (from the generation backend)", responses=_ERRORS)
+    @get("/workers", summary="Live worker view (from the generation backend)", responses=_READ)
     async def workers(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
         snapshot = request.app.state.backend.snapshot()
         return {"workers": snapshot.get("workers", [])}
 
-    @get("/audit", summary="Audit log of admin mutations, newest first", responses=_ERRORS)
+    @get("/audit", summary="Audit log of admin mutations, newest first", responses=_READ)
     async def audit(
         self,
         request: Request[Any, Any, Any],
         limit: Annotated[int, QueryParameter(ge=1, le=1000)] = 100,
-        target: FromQuery[str | None] = None,
+        target: IdQuery = None,
     ) -> AuditList:
         return AuditList(data=await _service(request).audit(limit, target))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any
 from sluice import telemetry
 from sluice.gateway.auth import TenantContext
 from sluice.gateway.backend import BackendUnavailable, GenerationBackend, Submission
-from sluice.gateway.errors import OpenAIError, bad_request
+from sluice.gateway.errors import OpenAIError, bad_request, service_unavailable
 from sluice.gateway.quotas import QuotaExceeded, QuotaService, Reservation
 from sluice.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
@@ -36,7 +35,7 @@ TIER_TO_CLASS = {
 }
 CLASS_TO_TIER = {Priority.INTERACTIVE: "priority", Priority.STANDARD: "default", Priority.BATCH: "flex"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
-MAX_SEED = 2**63 - 1
+_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 
 
 def resolve_priority(tenant: TenantContext, service_tier: str | None) -> Priority:
@@ -55,13 +54,12 @@ def resolve_priority(tenant: TenantContext, service_tier: str | None) -> Priorit
 
 
 def _param_of(message: str) -> str | None:
-    first = message.split(" ", 1)[0]
-    return first if first.replace("_", "").isalpha() and first.islower() else None
-
-
-def _check_number(name: str, value: float | None) -> None:
-    if value is not None and not math.isfinite(value):
-        raise bad_request(f"{name} must be a finite number.", name)
+    """The sampling field a `SamplingParams.validate` message is about ("at most 16 stop ..." -> stop)."""
+    words = [w.strip(",.:()") for w in message.split()]
+    named = [w for w in words if w in _SAMPLING_FIELDS]
+    if named:
+        return named[0]
+    return "stop" if "stop sequence" in message else None
 
 
 def _refuse_unsupported_chat_fields(body: ChatCompletionRequest) -> None:
@@ -266,28 +264,22 @@ class GenerationService:
 
     def prepare_completion(self, tenant: TenantContext, body: CompletionRequest) -> Prepared:
         tokenizer = self.model_tokenizer(tenant, body.model)
-        if body.best_of is not None and body.best_of != 1:
-            raise bad_request("best_of > 1 is not supported.", "best_of")
         if body.echo:
             raise bad_request("echo is not supported.", "echo")
         prompt = body.prompt
         if isinstance(prompt, str):
-            if not prompt:
-                raise bad_request("prompt must not be empty.", "prompt")
             prompt_ids = tokenizer.encode(prompt)
-        elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             prompt_ids = [int(t) for t in prompt]
             if any(t < 0 or t >= tokenizer.vocab_size for t in prompt_ids):
                 raise bad_request(
                     f"prompt token ids must be between 0 and {tokenizer.vocab_size - 1}.", "prompt"
                 )
-        elif prompt and all(isinstance(p, (str, list)) for p in prompt):
+        elif all(isinstance(p, (str, list)) for p in prompt):
             raise bad_request("A list of prompts is not supported; send one prompt per request.", "prompt")
         else:
             raise bad_request("prompt must be a non-empty string or a non-empty list of token ids.", "prompt")
         logprobs = body.logprobs
-        if logprobs is not None and not 0 <= logprobs <= 20:
-            raise bad_request(f"logprobs must be between 0 and 20, got {logprobs}.", "logprobs")
         return self._finish_prepare(
             tenant,
             body,
@@ -314,21 +306,9 @@ class GenerationService:
         top_logprobs: int,
         prompt_param: str,
     ) -> Prepared:
-        if body.n is not None and body.n != 1:
-            raise bad_request("n > 1 is not supported; send n separate requests.", "n")
         if body.logit_bias:
             raise bad_request("logit_bias is not supported (an empty object is accepted).", "logit_bias")
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-        ):
-            _check_number(name, getattr(body, name))
-        if body.seed is not None and not -MAX_SEED <= body.seed <= MAX_SEED:
-            raise bad_request("seed must fit in a signed 64-bit integer.", "seed")
+        # The body's types bound every number (schemas.py); what is left depends on the model and tenant.
         priority = resolve_priority(tenant, body.service_tier)
         context = tokenizer.max_model_len
         if len(prompt_ids) >= context:
@@ -344,8 +324,6 @@ class GenerationService:
             max_tokens = min(room, default_max) if default_max is not None else room
             if tenant.limits.max_output_tokens is not None:
                 max_tokens = min(max_tokens, tenant.limits.max_output_tokens)
-        elif max_tokens < 1:
-            raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}.", max_tokens_param)
         elif max_tokens > room:
             raise OpenAIError(
                 400,
@@ -356,12 +334,16 @@ class GenerationService:
             )
         stop = body.stop
         stop_tuple = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if top_p == 0.0:  # keep only the most likely token: greedy, exactly as temperature 0
+            temperature, top_p = 0.0, 1.0
         try:
             sampling = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=body.top_k or 0 if body.top_k != -1 else 0,  # vLLM clients send -1 for "off"
+                temperature=temperature,
+                top_p=top_p,
+                top_k=max(body.top_k or 0, 0),  # vLLM clients send -1 for "off", as 0 is here
                 min_p=body.min_p or 0.0,
                 seed=body.seed,
                 presence_penalty=body.presence_penalty or 0.0,
@@ -416,12 +398,9 @@ class GenerationService:
         except BackendUnavailable as exc:
             self.quotas.release(reservation)
             telemetry.count_rejection(tenant.name, "unavailable", request.priority.label)
-            raise OpenAIError(
-                503,
-                str(exc) or "No worker can serve this request now.",
-                type="server_error",
-                code="service_unavailable",
-            ) from None
+            # The reason names internal addresses (the Kafka broker); it is for the operator's log.
+            log.warning("request %s not accepted: %s", request.request_id, exc)
+            raise service_unavailable() from None
         except BaseException:
             self.quotas.release(reservation)
             raise

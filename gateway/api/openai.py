@@ -17,6 +17,7 @@ from sluice.gateway.api.generation import Flight, GenerationService, Prepared
 from sluice.gateway.api.streaming import complete_chat, complete_text, stream_chat, stream_completion
 from sluice.gateway.auth import TenantContext, current_tenant, tenant_guard
 from sluice.gateway.errors import OpenAIError, error_responses
+from sluice.gateway.openapi import TENANT_SECURITY
 from sluice.gateway.quotas import QuotaService
 from sluice.gateway.schemas import (
     ChatCompletion,
@@ -30,16 +31,20 @@ from sluice.gateway.usage import UsageService
 
 T = TypeVar("T")
 
-_ERRORS = error_responses(
-    {
-        400: "Invalid request (OpenAI error object)",
-        401: "Missing or invalid API key",
-        403: "Model or tenant not allowed",
-        404: "Unknown model",
-        413: "Body too large",
-        429: "Rate limit (retry-after) or insufficient_quota (x-should-retry: false)",
-        503: "No worker can serve the request",
-    }
+# A tenant route without a body: a malformed header or parameter, missing or wrong credentials.
+_READ_ERRORS = error_responses(400, 401, 403)
+_GENERATION_ERRORS = error_responses(
+    400,
+    401,
+    403,
+    404,
+    413,
+    429,
+    503,
+    notes={
+        400: "Also when the prompt plus max_tokens exceeds the model's context or the tenant's per-request caps",
+        404: "Unknown `model`",
+    },
 )
 _SSE_NOTE = (
     " With `stream: true` the answer is `text/event-stream`: one `data: <chunk JSON>` event per "
@@ -97,9 +102,10 @@ class OpenAIController(Controller):
     path = "/v1"
     tags = ["OpenAI"]  # noqa: RUF012
     guards = [tenant_guard]  # noqa: RUF012
+    security = TENANT_SECURITY
     dependencies = {"tenant": Provide(current_tenant, sync_to_thread=False)}  # noqa: RUF012
 
-    @get("/models", summary="List models", responses=_ERRORS)
+    @get("/models", summary="List models", responses=_READ_ERRORS)
     async def list_models(
         self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext]
     ) -> Response[ModelList]:
@@ -117,7 +123,7 @@ class OpenAIController(Controller):
         status_code=200,
         summary="Create a chat completion",
         description="OpenAI chat completions." + _SSE_NOTE,
-        responses=_ERRORS,
+        responses=_GENERATION_ERRORS,
     )
     async def chat_completions(
         self,
@@ -134,7 +140,7 @@ class OpenAIController(Controller):
         status_code=200,
         summary="Create a completion",
         description="OpenAI (legacy) completions." + _SSE_NOTE,
-        responses=_ERRORS,
+        responses=_GENERATION_ERRORS,
     )
     async def completions(
         self,
@@ -146,7 +152,7 @@ class OpenAIController(Controller):
         prepared = generation.prepare_completion(tenant, data)
         return await _answer(request, generation, tenant, prepared, stream_completion, complete_text)
 
-    @get("/usage", summary="Your own token usage per model and UTC day", responses=_ERRORS)
+    @get("/usage", summary="Your own token usage per model and UTC day", responses=_READ_ERRORS)
     async def usage(
         self,
         request: Request[Any, Any, Any],

@@ -9,6 +9,7 @@ msgspec JSON never contains a raw newline, so one `data:` line per event is alwa
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -41,6 +42,8 @@ _ChunkT = TypeVar("_ChunkT", ChatCompletionChunk, CompletionChunk)
 _encode = msgspec.json.Encoder().encode
 DONE = b"data: [DONE]\n\n"
 
+log = logging.getLogger(__name__)
+
 
 def sse(payload: msgspec.Struct | dict[str, object]) -> bytes:
     return b"data: " + _encode(payload) + b"\n\n"
@@ -50,10 +53,17 @@ def _finish(reason: FinishReason | None) -> str | None:
     return None if reason is None else str(reason)
 
 
+def _failure_message(flight: Flight) -> str:
+    """What the client is told when generation fails; the worker's own reason (exception text,
+    worker ids) goes to the log under the request id, never to the client."""
+    log.warning("request %s failed: %s", flight.request_id, flight.error or "backend error")
+    return f"Generation failed on the server (request {flight.request_id}); please retry."
+
+
 def _error_body(flight: Flight) -> dict[str, object]:
     return {
         "error": {
-            "message": f"Generation failed: {flight.error or 'backend error'}",
+            "message": _failure_message(flight),
             "type": "server_error",
             "param": None,
             "code": "generation_failed",
@@ -233,12 +243,7 @@ async def _collect(flight: Flight) -> tuple[str, tuple[PositionLogprobs, ...]]:
     finally:
         flight.finish(aborted=aborted and flight.finish_reason is None)
     if flight.finish_reason == FinishReason.ERROR:
-        raise OpenAIError(
-            500,
-            f"Generation failed: {flight.error or 'backend error'}",
-            type="server_error",
-            code="generation_failed",
-        )
+        raise OpenAIError(500, _failure_message(flight), type="server_error", code="generation_failed")
     return "".join(texts), tuple(positions)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response, get
+from litestar.openapi import ResponseSpec
 from sqlalchemy import text
 
 from sluice import telemetry
@@ -31,7 +32,12 @@ async def health() -> Health:
     return Health(status="ok")
 
 
-@get("/ready", tags=["System"], summary="Readiness: database and backend (200, else 503 with details)")
+@get(
+    "/ready",
+    tags=["System"],
+    summary="Readiness: database and backend (200, else 503 with details)",
+    responses={503: ResponseSpec(Readiness, description="Not ready: `checks` says what is missing")},
+)
 async def ready(request: Request[Any, Any, Any]) -> Response[Readiness]:
     checks: dict[str, bool] = {}
     try:

@@ -2,31 +2,57 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import Controller, Request, Response, delete, get, post
 from litestar.datastructures import UploadFile
 from litestar.di import NamedDependency, Provide
-from litestar.params import FromPath, FromQuery, JSONBody
+from litestar.enums import RequestEncodingType
+from litestar.params import Body, JSONBody, QueryParameter
 
 from sluice.gateway.auth import TenantContext, current_tenant, tenant_guard
 from sluice.gateway.batches.service import BatchService
 from sluice.gateway.batches.views import file_view
-from sluice.gateway.errors import OpenAIError
+from sluice.gateway.errors import OpenAIError, error_responses
+from sluice.gateway.openapi import TENANT_SECURITY, IdPath, IdQuery
+
+MAX_FILENAME_CHARS = 255
+
+# Every route: a malformed header or parameter, missing/wrong credentials, the service starting.
+_BASE = (400, 401, 403, 503)
+_BY_ID = error_responses(*_BASE, 404)
+_LIST = error_responses(*_BASE, 404, notes={404: "`after` names no object of yours"})
 
 
 class BatchCreate(msgspec.Struct, kw_only=True):
     input_file_id: str
-    endpoint: str
-    completion_window: str = "24h"
-    metadata: dict[str, str] | None = None
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: Literal["24h"] = "24h"
+    metadata: (
+        Annotated[
+            dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
+            msgspec.Meta(max_length=16),
+        ]
+        | None
+    ) = None
+
+
+@dataclass
+class FileUpload:
+    """The multipart form of an upload: a JSONL file of batch requests."""
+
+    file: UploadFile
+    purpose: Literal["batch"]
 
 
 def _service(request: Request[Any, Any, Any]) -> BatchService:
     service = getattr(request.app.state, "batches", None)
     if service is None:
-        raise OpenAIError(503, "The Batch API is starting; try again shortly.", type="server_error")
+        raise OpenAIError(
+            503, "The Batch API is starting; try again shortly.", type="server_error", code="service_unavailable"
+        )
     return service
 
 
@@ -34,49 +60,67 @@ class FilesController(Controller):
     path = "/v1/files"
     tags = ("Files",)
     guards = (tenant_guard,)
+    security = TENANT_SECURITY
     dependencies = {"tenant": Provide(current_tenant, sync_to_thread=False)}  # noqa: RUF012
 
-    @post("", status_code=200, summary="Upload a batch input file (multipart: file, purpose=batch)")
+    @post(
+        "",
+        status_code=200,
+        summary="Upload a batch input file (multipart: file, purpose=batch)",
+        responses=error_responses(
+            *_BASE, 413, notes={400: "`param` is `file` for a bad file, its name or a bad line"}
+        ),
+    )
     async def create(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext]
+        self,
+        request: Request[Any, Any, Any],
+        tenant: NamedDependency[TenantContext],
+        data: Annotated[FileUpload, Body(media_type=RequestEncodingType.MULTI_PART)],
     ) -> dict[str, Any]:
-        form = await request.form()
-        upload = form.get("file")
-        purpose = form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise OpenAIError(400, "Send the file as multipart form field 'file'.", param="file")
-        if not isinstance(purpose, str):
-            raise OpenAIError(400, "The form field 'purpose' is required (use 'batch').", param="purpose")
-        content = await upload.read()
-        return await _service(request).create_file(tenant.id, upload.filename or "", purpose, content)
+        service = _service(request)
+        filename = data.file.filename or ""
+        if len(filename) > MAX_FILENAME_CHARS:
+            raise OpenAIError(
+                400,
+                f"The file name has {len(filename)} characters; at most {MAX_FILENAME_CHARS} are allowed.",
+                param="file",
+                code="filename_too_long",
+            )
+        content = await data.file.read()
+        return await service.create_file(tenant.id, filename, data.purpose, content)
 
-    @get("", summary="List your files")
+    @get("", summary="List your files", responses=_LIST)
     async def list(
         self,
         request: Request[Any, Any, Any],
         tenant: NamedDependency[TenantContext],
-        purpose: FromQuery[str | None] = None,
-        after: FromQuery[str | None] = None,
-        limit: FromQuery[int] = 100,
+        purpose: Annotated[str | None, QueryParameter(pattern=r"^[a-z_-]{1,32}$")] = None,
+        after: IdQuery = None,
+        limit: Annotated[int, QueryParameter(ge=1, le=100)] = 100,
     ) -> dict[str, Any]:
         return await _service(request).list_files(tenant.id, purpose, after, limit)
 
-    @get("/{file_id:str}", summary="Retrieve a file")
+    @get("/{file_id:str}", summary="Retrieve a file", responses=_BY_ID)
     async def retrieve(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], file_id: FromPath[str]
+        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], file_id: IdPath
     ) -> dict[str, Any]:
         return file_view(await _service(request).file_row(tenant.id, file_id))
 
-    @get("/{file_id:str}/content", summary="Download a file's content")
+    @get(
+        "/{file_id:str}/content",
+        summary="Download a file's content",
+        media_type="application/jsonl",
+        responses=_BY_ID,
+    )
     async def content(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], file_id: FromPath[str]
+        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], file_id: IdPath
     ) -> Response[bytes]:
         row = await _service(request).file_row(tenant.id, file_id)
         return Response(row.content, media_type="application/jsonl")
 
-    @delete("/{file_id:str}", status_code=200, summary="Delete a file")
+    @delete("/{file_id:str}", status_code=200, summary="Delete a file", responses=_BY_ID)
     async def remove(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], file_id: FromPath[str]
+        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], file_id: IdPath
     ) -> dict[str, Any]:
         return await _service(request).delete_file(tenant.id, file_id)
 
@@ -85,9 +129,16 @@ class BatchesController(Controller):
     path = "/v1/batches"
     tags = ("Batches",)
     guards = (tenant_guard,)
+    security = TENANT_SECURITY
     dependencies = {"tenant": Provide(current_tenant, sync_to_thread=False)}  # noqa: RUF012
 
-    @post("", status_code=200, summary="Create a batch; answers once every line is durably queued")
+    @post(
+        "",
+        status_code=200,
+        summary="Create a batch; answers once every line is durably queued",
+        description="A file with bad lines gives a batch with status `failed` and the errors listed.",
+        responses=error_responses(*_BASE, 404, 413, notes={404: "`input_file_id` names no file of yours"}),
+    )
     async def create(
         self,
         request: Request[Any, Any, Any],
@@ -98,25 +149,30 @@ class BatchesController(Controller):
             tenant, data.input_file_id, data.endpoint, data.completion_window, data.metadata
         )
 
-    @get("", summary="List your batches, newest first")
+    @get("", summary="List your batches, newest first", responses=_LIST)
     async def list(
         self,
         request: Request[Any, Any, Any],
         tenant: NamedDependency[TenantContext],
-        after: FromQuery[str | None] = None,
-        limit: FromQuery[int] = 20,
+        after: IdQuery = None,
+        limit: Annotated[int, QueryParameter(ge=1, le=100)] = 20,
     ) -> dict[str, Any]:
         return await _service(request).list_batches(tenant.id, after, limit)
 
-    @get("/{batch_id:str}", summary="Retrieve a batch")
+    @get("/{batch_id:str}", summary="Retrieve a batch", responses=_BY_ID)
     async def retrieve(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], batch_id: FromPath[str]
+        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], batch_id: IdPath
     ) -> dict[str, Any]:
         service = _service(request)
         return await service.view(await service.batch_row(tenant.id, batch_id))
 
-    @post("/{batch_id:str}/cancel", status_code=200, summary="Cancel a batch")
+    @post(
+        "/{batch_id:str}/cancel",
+        status_code=200,
+        summary="Cancel a batch",
+        responses=error_responses(*_BASE, 404, notes={400: "The batch has already ended"}),
+    )
     async def cancel(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], batch_id: FromPath[str]
+        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], batch_id: IdPath
     ) -> dict[str, Any]:
         return await _service(request).cancel_batch(tenant.id, batch_id)

@@ -37,7 +37,7 @@ from sluice.gateway.batches.views import (
     page,
 )
 from sluice.gateway.db.base import new_id, utcnow
-from sluice.gateway.errors import OpenAIError
+from sluice.gateway.errors import OpenAIError, service_unavailable
 from sluice.protocol import GenerateRequest, Priority
 
 log = logging.getLogger(__name__)
@@ -148,8 +148,6 @@ class BatchService:
         after: str | None,
         limit: int,
     ) -> tuple[list[Any], bool]:
-        if not 1 <= limit <= 100:
-            raise OpenAIError(400, f"limit must be between 1 and 100, got {limit}.", param="limit")
         async with self.sessions() as session:
             if after:
                 anchor = await session.get(model, after)
@@ -333,13 +331,17 @@ class BatchService:
                         status="failed",
                         failed_at=utcnow(),
                         errors=[
-                            {"code": "queue_unavailable", "message": str(exc), "param": None, "line": None}
+                            {
+                                "code": "queue_unavailable",
+                                "message": "The request queue was unavailable while the batch was queued.",
+                                "param": None,
+                                "line": None,
+                            }
                         ],
                     )
                 )
-            raise OpenAIError(
-                503, f"The batch could not be queued: {exc}", type="server_error", code="queue_unavailable"
-            ) from exc
+            log.warning("batch %s could not be queued: %s", batch_id, exc)
+            raise service_unavailable("the batch") from exc
 
     async def cancel_batch(self, tenant_id: str, batch_id: str) -> dict[str, Any]:
         row = await self.batch_row(tenant_id, batch_id)

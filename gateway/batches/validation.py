@@ -2,12 +2,15 @@
 
 Every line must be a JSON object `{"custom_id": str, "method": "POST", "url": ENDPOINT, "body": {...}}`
 with a unique custom_id, one of the two supported endpoints, and a body that decodes as that
-endpoint's request. All bad lines are collected; the 400 names the first few with line numbers.
+endpoint's request. All bad lines are collected; the 400 names the first few with line numbers
+and the field at fault (`body.top_k`). A line's body is decoded into the same msgspec types as an
+HTTP body, so it meets the same bounds; JSON nested too deeply for the decoders is a bad line.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +25,7 @@ ENDPOINTS: dict[str, type[msgspec.Struct]] = {
 MAX_LINES = 50_000
 MAX_CUSTOM_ID = 512
 SHOWN_ERRORS = 5
+_PATH = re.compile(r" - at `\$\.?([^`]*)`")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,8 @@ def _line(number: int, text: str, seen: set[str]) -> BatchLine:
         obj: Any = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
     if not isinstance(obj, dict):
         raise ValueError("expected a JSON object")
     unknown = set(obj) - {"custom_id", "method", "url", "body"}
@@ -72,9 +78,20 @@ def _line(number: int, text: str, seen: set[str]) -> BatchLine:
     try:
         request = msgspec.convert(body, ENDPOINTS[url])
     except msgspec.ValidationError as exc:
-        raise ValueError(f"invalid body: {exc}") from None
+        raise ValueError(_body_error(str(exc))) from None
+    except RecursionError:
+        raise ValueError("the body is nested too deeply") from None
     seen.add(custom_id)
     return BatchLine(line_no=number, custom_id=custom_id, url=url, body=request)
+
+
+def _body_error(message: str) -> str:
+    """msgspec's "Expected `int` <= 5 - at `$.top_k`" as "body.top_k: Expected `int` <= 5"."""
+    match = _PATH.search(message)
+    if match is None:
+        return f"invalid body: {message}"
+    field = f"body.{match.group(1)}" if match.group(1) else "body"
+    return f"{field}: {message[: match.start()]}"
 
 
 def parse_batch_file(content: bytes) -> list[BatchLine]:

@@ -74,7 +74,11 @@ async def test_tokens_per_minute_reserve_settle_and_refund() -> None:
     assert quotas.headers(t)["x-ratelimit-remaining-tokens"] == "85"
     with pytest.raises(QuotaExceeded) as too_big:
         await quotas.admit(t, 60, 60, Priority.STANDARD)
-    assert "Request too large" in too_big.value.message
+    assert "Request too large" in too_big.value.message and "never" in too_big.value.message
+    # It can never succeed, so no SDK may retry it: 429 with x-should-retry false, no retry-after.
+    assert too_big.value.status == 429 and too_big.value.code == "request_too_large"
+    assert too_big.value.param == "max_tokens"
+    assert too_big.value.headers["x-should-retry"] == "false" and "retry-after" not in too_big.value.headers
     clock.now += 61
     assert quotas.headers(t)["x-ratelimit-remaining-tokens"] == "100"
 
