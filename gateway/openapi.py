@@ -28,6 +28,7 @@ IdPath = Annotated[str, Parameter(pattern=ID_PATTERN, max_length=64)]
 IdQuery = Annotated[str | None, Parameter(pattern=ID_PATTERN, max_length=64)]
 TENANT_SECURITY: list[dict[str, list[str]]] = [{"apiKey": []}]
 ADMIN_SECURITY: list[dict[str, list[str]]] = [{"adminToken": []}]
+METRICS_SECURITY: list[dict[str, list[str]]] = [{"metricsToken": []}, {"adminToken": []}]
 COMPONENTS = Components(
     security_schemes={
         "apiKey": SecurityScheme(
@@ -35,6 +36,9 @@ COMPONENTS = Components(
         ),
         "adminToken": SecurityScheme(
             type="http", scheme="bearer", description="The admin token (`SLUICE_ADMIN_TOKEN`)"
+        ),
+        "metricsToken": SecurityScheme(
+            type="http", scheme="bearer", description="The metrics token (`gateway.metrics_token`)"
         ),
     }
 )

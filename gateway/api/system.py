@@ -16,6 +16,8 @@ from sqlalchemy import text
 
 from sluice import telemetry
 from sluice.gateway.auth import metrics_guard
+from sluice.gateway.errors import error_responses
+from sluice.gateway.openapi import METRICS_SECURITY
 
 
 class Health(msgspec.Struct):
@@ -54,8 +56,15 @@ async def ready(request: Request[Any, Any, Any]) -> Response[Readiness]:
     return Response(Readiness(ready=ok, checks=checks), status_code=200 if ok else 503)
 
 
-@get("/metrics", tags=["System"], summary="Prometheus metrics (bearer: metrics token or admin token)",
-     media_type="text/plain", guards=[metrics_guard])
+@get(
+    "/metrics",
+    tags=["System"],
+    summary="Prometheus metrics (bearer: metrics token or admin token)",
+    media_type="text/plain",
+    guards=[metrics_guard],
+    security=METRICS_SECURITY,
+    responses=error_responses(400, 401),
+)
 async def metrics() -> Response[bytes]:
     body, content_type = telemetry.metrics_payload()
     return Response(body, media_type=content_type)

@@ -17,18 +17,11 @@ from litestar.params import JSONBody
 from sluice.gateway.api.generation import GenerationService, template_messages
 from sluice.gateway.auth import TenantContext, current_tenant, tenant_guard
 from sluice.gateway.errors import OpenAIError, bad_request, error_responses
+from sluice.gateway.openapi import TENANT_SECURITY
 from sluice.gateway.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from sluice.gateway.tokenization import ModelTokenizer
 
-_ERRORS = error_responses(
-    {
-        400: "Invalid request (OpenAI error object)",
-        401: "Missing or invalid API key",
-        403: "Model not allowed for this tenant",
-        404: "Unknown model",
-        413: "Body too large",
-    }
-)
+_ERRORS = error_responses(400, 401, 403, 404, 413, notes={404: "Unknown `model`, or none the tenant may use"})
 
 
 def _tokenizer(generation: GenerationService, tenant: TenantContext, model: str | None) -> ModelTokenizer:
@@ -44,6 +37,7 @@ class TokenizeController(Controller):
     path = "/"
     tags = ["vLLM tokenization"]  # noqa: RUF012
     guards = [tenant_guard]  # noqa: RUF012
+    security = TENANT_SECURITY
     dependencies = {"tenant": Provide(current_tenant, sync_to_thread=False)}  # noqa: RUF012
 
     @post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages (vLLM)", responses=_ERRORS)

@@ -62,7 +62,13 @@ def fuzz(served: Served, tenant_key: str, skip_paths: str, report: FuzzReport) -
             "checks": {"enabled": True},
             "generation": {"max-examples": MAX_EXAMPLES},
             "phases": {"stateful": {"enabled": False}},
-            "auth": {"openapi": {"adminToken": {"bearer": ADMIN_TOKEN}, "apiKey": {"bearer": tenant_key}}},
+            "auth": {
+                "openapi": {
+                    "adminToken": {"bearer": ADMIN_TOKEN},
+                    "metricsToken": {"bearer": ADMIN_TOKEN},
+                    "apiKey": {"bearer": tenant_key},
+                }
+            },
             "operations": [{"include-path-regex": skip_paths, "enabled": False}, RUNTIME_RULES],
         }
     )
@@ -94,7 +100,7 @@ def test_schemathesis_whole_api(served: Served) -> None:
     report = FuzzReport()
     started = time.monotonic()
     fuzz(served, key, r"^/admin", report)  # tenant and public routes
-    fuzz(served, key, r"^/(v1|health|ready|metrics)", report)  # admin routes
+    fuzz(served, key, r"^/(v1|health|ready|metrics|tokenize|detokenize)", report)  # admin routes
     print(f"schemathesis: {report.line()} in {time.monotonic() - started:.1f}s")
     assert report.cases > 500  # every operation was exercised, not skipped
     assert not report.errors, "\n".join(report.errors)

@@ -77,7 +77,7 @@ def test_every_error_answer_is_documented_as_the_openai_error_object(served: Ser
             if int(status) < 400 or path == "/ready":
                 continue
             assert response["content"]["application/json"]["schema"] == {"$ref": ERROR_REF}, (path, method, status)
-        if path.startswith(("/v1", "/admin")):
+        if path.startswith(("/v1", "/admin", "/tokenize", "/detokenize")):
             assert {"400", "401", "403"} <= set(op["responses"]), (path, method)
             scheme = "adminToken" if path.startswith("/admin") else "apiKey"
             assert op["security"] == [{scheme: []}], (path, method)
@@ -86,6 +86,8 @@ def test_every_error_answer_is_documented_as_the_openai_error_object(served: Ser
         if "requestBody" in op:
             assert "413" in op["responses"], (path, method)
     assert document["paths"]["/ready"]["get"]["responses"]["503"]
+    metrics = document["paths"]["/metrics"]["get"]
+    assert "401" in metrics["responses"] and metrics["security"] == [{"metricsToken": []}, {"adminToken": []}]
 
 
 def test_body_schemas_are_the_validators_own(served: Served) -> None:
