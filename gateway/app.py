@@ -1,4 +1,4 @@
-"""The gateway's Litestar application: OpenAI routes, admin API, health, metrics.
+"""The gateway's Litestar application: OpenAI routes, admin API, admin console, health, metrics.
 
 `create_app` builds every service once and stores it on `app.state` (quotas, usage, auth, admin,
 generation, tokenizers, session_factory, backend); the Batch API controllers (`gateway/batches`) join through
@@ -30,6 +30,8 @@ from sluice.gateway.api.tokenize import TokenizeController
 from sluice.gateway.auth import AuthService
 from sluice.gateway.backend import GenerationBackend
 from sluice.gateway.bodies import strict_json_body
+from sluice.gateway.console import console_route_handlers, template_config
+from sluice.gateway.console.security import ConsoleSessions
 from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.session import make_engine, make_session_factory
 from sluice.gateway.errors import EXCEPTION_HANDLERS
@@ -96,6 +98,7 @@ def create_app(
             "generation": generation,
             "admin": admin,
             "tenants": admin,
+            "console_sessions": ConsoleSessions(session_factory, settings.admin.console_session_ttl_s),
             "started_at": int(time.time()),
             "generated_admin_token": None,
         }
@@ -124,8 +127,10 @@ def create_app(
 
     config = AppConfig(
         route_handlers=[
-            OpenAIController, TokenizeController, AdminController, health, ready, metrics, *extra_route_handlers
+            OpenAIController, TokenizeController, AdminController, *console_route_handlers(), health, ready,
+            metrics, *extra_route_handlers,
         ],
+        template_config=template_config(),
         on_startup=[startup, *on_startup],
         on_shutdown=[*on_shutdown, shutdown],
         exception_handlers=EXCEPTION_HANDLERS,

@@ -1,7 +1,8 @@
 """Live views for the admin API (`/admin/queues`, `/admin/workers`): `backend.snapshot()`.
 
 Plain JSON-able dicts: queue depth per class and tenant with the oldest wait (the in-memory
-scheduler), what the Kafka consumers hold, and every connected worker's capacity and load.
+scheduler), what runs per class and per tenant, what the Kafka consumers hold, and every connected
+worker's capacity, load and draining mark.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ def backend_snapshot(backend: KafkaBackend) -> dict[str, Any]:
     dispatcher = backend.dispatcher
     queues = dispatcher.scheduler.snapshot(time.time())
     running: dict[str, int] = dict.fromkeys((p.label for p in Priority), 0)
+    running_tenants: dict[str, int] = {}
     for worker in dispatcher.workers.values():
         for job in worker.inflight.values():
             running[job.request.priority.label] += 1
+            running_tenants[job.request.tenant_id] = running_tenants.get(job.request.tenant_id, 0) + 1
     consumers = {
         p.label: {"paused": c.paused, "unfinished_offsets": c.num_unfinished}
         for p, c in backend._consumers.items()
@@ -32,6 +35,7 @@ def backend_snapshot(backend: KafkaBackend) -> dict[str, Any]:
             "priority_enabled": queues["priority_enabled"],
             "classes": queues["classes"],
             "running": running,
+            "running_tenants": running_tenants,
             "consumers": consumers,
             "jobs": dispatcher.num_jobs,
             "replayed_orphans": backend.replayed_orphans,

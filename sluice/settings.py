@@ -56,6 +56,9 @@ class AdminSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # empty = no demo key (production).
     demo_tenant: str = "demo-chat"
     demo_key_ttl_days: int = 7
+    console_session_ttl_s: float = 8 * 3600.0  # a console sign-in lasts this long
+    # Mark the console's session cookie Secure (always done when the request came over https).
+    console_secure_cookie: bool = False
 
 
 class DatabaseSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -240,6 +243,9 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
             raise ConfigError(f"{gw_source}: [gateway] {key} must be at least 1, got {getattr(gw, key)}")
     if settings.admin.demo_key_ttl_days < 1:
         raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] demo_key_ttl_days must be at least 1")
+    if not settings.admin.console_session_ttl_s > 0:
+        raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] console_session_ttl_s must be positive, "
+                          f"got {settings.admin.console_session_ttl_s}")
     from sluice.workers.model.fetch import KNOWN_MODELS
 
     names = [model.name for model in settings.models]

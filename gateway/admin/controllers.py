@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from litestar import Controller, Request, delete, get, patch, post
 from litestar.params import FromQuery, JSONBody, QueryParameter
 
+from sluice.gateway.admin import operations
 from sluice.gateway.admin.schemas import (
     AuditList,
     KeyCreate,
@@ -38,6 +39,12 @@ _CREATE = error_responses(400, 401, 403, 409, 413, notes={409: "Another tenant h
 _NAMED = error_responses(
     400, 401, 403, 404, 409, 413, notes={404: "Unknown tenant", 409: "Another tenant has this name"}
 )
+
+_WORKER = error_responses(400, 401, 403, 404, notes={400: "This backend has no workers to drain",
+                                                     404: "No connected worker with this id"})
+_BATCHES = error_responses(400, 401, 403, 404, notes={404: "The Batch API is not enabled"})
+_BATCH = error_responses(400, 401, 403, 404, notes={400: "The batch has already ended",
+                                                    404: "Unknown batch, or no Batch API"})
 
 
 def _service(request: Request[Any, Any, Any]) -> AdminService:
@@ -151,6 +158,27 @@ class AdminController(Controller):
     async def workers(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
         snapshot = request.app.state.backend.snapshot()
         return {"workers": snapshot.get("workers", [])}
+
+    @post("/workers/{worker_id:str}/drain", status_code=200, responses=_WORKER,
+          summary="Drain a worker: it gets no new jobs and finishes its running ones")
+    async def drain_worker(self, request: Request[Any, Any, Any], worker_id: IdPath) -> dict[str, Any]:
+        return await operations.set_draining(request.app.state, worker_id, True)
+
+    @post("/workers/{worker_id:str}/undrain", status_code=200, responses=_WORKER,
+          summary="Put a drained worker back in service")
+    async def undrain_worker(self, request: Request[Any, Any, Any], worker_id: IdPath) -> dict[str, Any]:
+        return await operations.set_draining(request.app.state, worker_id, False)
+
+    @get("/batches", summary="Every tenant's newest batches with their progress", responses=_BATCHES)
+    async def batches(
+        self, request: Request[Any, Any, Any], limit: Annotated[int, QueryParameter(ge=1, le=100)] = 20
+    ) -> dict[str, Any]:
+        return {"object": "list", "data": await operations.recent_batches(request.app.state, limit)}
+
+    @post("/batches/{batch_id:str}/cancel", status_code=200, summary="Cancel any tenant's batch",
+          responses=_BATCH)
+    async def cancel_batch(self, request: Request[Any, Any, Any], batch_id: IdPath) -> dict[str, Any]:
+        return await operations.cancel_batch(request.app.state, batch_id)
 
     @get("/audit", summary="Audit log of admin mutations, newest first", responses=_READ)
     async def audit(

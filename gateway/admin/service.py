@@ -383,6 +383,11 @@ class AdminService:
             for r in rows
         ]
 
+    async def record(self, action: str, target: str, details: dict[str, Any], actor: str = ADMIN_ACTOR) -> None:
+        """Audit an action that changes no tenant row (a drained worker, a cancelled batch, a sign-in)."""
+        async with self._sessions() as session, session.begin():
+            self._audit(session, actor, action, target, details)
+
     @staticmethod
     def _audit(session: AsyncSession, actor: str, action: str, target: str, details: dict[str, Any]) -> None:
         session.add(AuditLog(at=utcnow(), actor=actor, action=action, target=target, details=details))

@@ -200,6 +200,27 @@ class BatchService:
         )
         return page([await self.view(r) for r in rows], has_more)
 
+    async def recent_batches(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Every tenant's newest batches with their counts (for admins), in two queries."""
+        async with self.sessions() as session:
+            rows = list((await session.scalars(
+                select(Batch).order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit))).all())
+            counts = (await session.execute(
+                select(BatchResult.batch_id, BatchResult.ok, func.count())
+                .where(BatchResult.batch_id.in_([r.id for r in rows]))
+                .group_by(BatchResult.batch_id, BatchResult.ok))).all() if rows else []
+        by: dict[tuple[str, bool], int] = {(b, bool(ok)): n for b, ok, n in counts}
+        return [{**batch_view(r, by.get((r.id, True), 0), by.get((r.id, False), 0)), "tenant_id": r.tenant_id}
+                for r in rows]
+
+    async def tenant_of(self, batch_id: str) -> str:
+        """The tenant owning a batch (admins address batches by id alone)."""
+        async with self.sessions() as session:
+            row = await session.get(Batch, batch_id)
+        if row is None:
+            raise not_found("batch", batch_id)
+        return row.tenant_id
+
     def _line_request(self, tenant: TenantContext, batch_id: str, line: Any) -> GenerateRequest:
         body = line.body
         if line.url == "/v1/chat/completions":

@@ -1,4 +1,4 @@
-"""Tables of the gateway: tenants, API keys, quotas, daily usage, audit log, admin token.
+"""Tables of the gateway: tenants, API keys, quotas, daily usage, audit log, admin token, console sessions.
 
 The schema is created ONLY by Alembic (migrations/versions); a test checks this module and the
 migrated schema agree on SQLite and PostgreSQL.
@@ -107,3 +107,13 @@ class AdminToken(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ConsoleSession(Base):
+    """A signed-in admin console session; only the SHA-256 of its cookie value is stored."""
+
+    __tablename__ = "console_session"
+
+    hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, index=True)

@@ -1,0 +1,156 @@
+"""Console pages and live fragments (GET), and signing in and out.
+
+Controllers stay thin: the data comes from gateway/live.py (through `backend.snapshot()`), the
+telemetry window, `AdminService` and the admin operations; `views.py` shapes it for templates.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Any
+
+from litestar import Controller, Request, get, post
+from litestar.enums import RequestEncodingType
+from litestar.params import Body, FromPath
+from litestar.response import Redirect, Response, Template
+
+from sluice.gateway.admin import operations
+from sluice.gateway.admin.service import AdminService
+from sluice.gateway.auth import AuthService
+from sluice.gateway.console import views
+from sluice.gateway.console.security import (
+    LOGIN_COOKIE,
+    SESSION_COOKIE,
+    ConsoleSessions,
+    cleared,
+    console_guard,
+    csrf_token,
+    login_cookie,
+    new_login_nonce,
+    secure_cookies,
+    session_cookie,
+)
+from sluice.gateway.db.models import QUOTA_FIELDS
+from sluice.gateway.errors import OpenAIError
+from sluice.live_window import WINDOW
+from sluice.protocol import Priority
+
+ACTOR = "console"
+REFRESH_S = 2  # live fragments poll this often
+CHART_REFRESH_S = 5
+Form = Annotated[dict[str, Any], Body(media_type=RequestEncodingType.URL_ENCODED)]
+AnyRequest = Request[Any, Any, Any]
+
+
+def render(request: AnyRequest, name: str, status_code: int = 200, headers: dict[str, str] | None = None,
+           **context: Any) -> Template:
+    """A console template with what every page needs: the CSRF token of this session."""
+    session = getattr(request.state, "console_session", None)
+    return Template(template_name=name, status_code=status_code, headers=headers, context={
+        "csrf": csrf_token(session) if session else "",
+        "refresh_s": REFRESH_S,
+        "chart_refresh_s": CHART_REFRESH_S,
+        "classes": [p.label for p in Priority],
+        "quota_fields": QUOTA_FIELDS,
+        **context,
+    })
+
+
+def admin_service(request: AnyRequest) -> AdminService:
+    return request.app.state.admin
+
+
+async def tenant_names(request: AnyRequest) -> dict[str, str]:
+    return {t.id: t.name for t in await admin_service(request).list_tenants()}
+
+
+class SignInController(Controller):
+    path = "/"
+
+    @get("/login", include_in_schema=False)
+    async def login_form(self, request: AnyRequest) -> Template:
+        nonce = new_login_nonce()
+        page = render(request, "login.html.j2", nonce=nonce, error=None)
+        page.cookies.append(login_cookie(nonce, secure=secure_cookies(request)))
+        return page
+
+    @post("/login", include_in_schema=False, status_code=303)
+    async def login(self, request: AnyRequest, data: Form) -> Response[Any]:
+        nonce = str(data.get("nonce", ""))
+        expected = request.cookies.get(LOGIN_COOKIE, "")
+        auth: AuthService = request.app.state.auth
+        if not nonce or not expected or not hmac.compare_digest(nonce.encode(), expected.encode()):
+            error, status = "The sign-in form expired; please try again.", 403
+        elif not auth.verify_admin(str(data.get("token", "")).strip()):
+            error, status = "That is not a valid admin token.", 401
+        else:
+            sessions: ConsoleSessions = request.app.state.console_sessions
+            value = await sessions.start()
+            await admin_service(request).record("console.sign_in", "console", {}, ACTOR)
+            return Redirect("/console", status_code=303, cookies=[
+                session_cookie(value, secure=secure_cookies(request), max_age=int(sessions.ttl_s)),
+                cleared(LOGIN_COOKIE),
+            ])
+        fresh = new_login_nonce()
+        page = render(request, "login.html.j2", status_code=status, nonce=fresh, error=error)
+        page.cookies.append(login_cookie(fresh, secure=secure_cookies(request)))
+        return page
+
+
+class PagesController(Controller):
+    path = "/"
+    guards = [console_guard]  # noqa: RUF012
+
+    @post("/logout", include_in_schema=False, status_code=200)
+    async def logout(self, request: AnyRequest) -> Response[Any]:
+        sessions: ConsoleSessions = request.app.state.console_sessions
+        await sessions.end(request.cookies.get(SESSION_COOKIE))
+        await admin_service(request).record("console.sign_out", "console", {}, ACTOR)
+        return Response(content="", headers={"HX-Redirect": "/console/login"},
+                        cookies=[cleared(SESSION_COOKIE)])
+
+    @get("", include_in_schema=False)
+    async def overview(self, request: AnyRequest) -> Template:
+        return render(request, "overview.html.j2", nav="live")
+
+    @get("/live/queues", include_in_schema=False)
+    async def live_queues(self, request: AnyRequest) -> Template:
+        snapshot = request.app.state.backend.snapshot()
+        class_rows, tenant_rows = views.queue_rows(snapshot, await tenant_names(request), WINDOW)
+        return render(request, "live/queues.html.j2", class_rows=class_rows, tenant_rows=tenant_rows,
+                      backend=snapshot.get("queues", {}).get("backend", ""))
+
+    @get("/live/workers", include_in_schema=False)
+    async def live_workers(self, request: AnyRequest) -> Template:
+        rows = views.worker_rows(request.app.state.backend.snapshot(), WINDOW)
+        return render(request, "live/workers.html.j2", workers=rows, error=None)
+
+    @get("/live/charts", include_in_schema=False)
+    async def live_charts(self, request: AnyRequest) -> Template:
+        return render(request, "live/charts.html.j2", charts=views.tenant_charts(WINDOW),
+                      horizon_min=round(WINDOW.horizon_s / 60), bucket_s=round(WINDOW.bucket_s))
+
+    @get("/live/batches", include_in_schema=False)
+    async def live_batches(self, request: AnyRequest) -> Template:
+        try:
+            batches = await operations.recent_batches(request.app.state, 20)
+        except OpenAIError:
+            batches = None  # the Batch API is not enabled here
+        return render(request, "live/batches.html.j2", batches=batches, names=await tenant_names(request),
+                      error=None)
+
+    @get("/live/events", include_in_schema=False)
+    async def live_events(self, request: AnyRequest) -> Template:
+        return render(request, "live/events.html.j2", events=WINDOW.recent_events(30))
+
+    @get("/tenants", include_in_schema=False)
+    async def tenants(self, request: AnyRequest) -> Template:
+        return render(request, "tenants.html.j2", nav="tenants",
+                      tenants=await admin_service(request).list_tenants())
+
+    @get("/tenants/{tenant_id:str}", include_in_schema=False)
+    async def tenant(self, request: AnyRequest, tenant_id: FromPath[str]) -> Template:
+        admin = admin_service(request)
+        return render(request, "tenant.html.j2", nav="tenants", tenant=await admin.get_tenant(tenant_id),
+                      keys=await admin.list_keys(tenant_id), created_key=None, flash=None,
+                      audit=await admin.audit(20, tenant_id))
