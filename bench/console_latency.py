@@ -2,10 +2,13 @@
 
 Against a running gateway (`sluice serve`, with its admin token): creates the tenants (once) and a
 key each, keeps `--streams` streaming chat completions in flight spread over them, signs in to the
-console and refreshes its live fragments the way the page does (every 2 s, all at once). One
-"update" is a full refresh: every fragment requested concurrently, until the last one has
-answered. Prints p50/p95/max per fragment and per update and writes them as JSON. Bounded: it
-stops after `--duration-s`.
+console and refreshes its live page the way the browser does: every 2 s one `GET /console/live`,
+which answers every section (queues, workers, charts, batches, events) at once. One "update" is
+that request, until its last byte; `GET /health` alongside is the baseline (what any answer costs
+on the loaded gateway).
+The streams run in a child process, so the measuring client's own event loop is not the one
+serving 200 streams. Prints p50/p95/max per fragment and per update and writes them as JSON.
+Bounded: it stops after `--duration-s`.
 
     python bench/console_latency.py --base-url http://127.0.0.1:8000 --admin-token "$ADMIN" \
         --json docs/results/console_latency.json
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import re
 import sys
 import time
@@ -24,7 +28,7 @@ from typing import Any
 
 import httpx
 
-FRAGMENTS = ("queues", "workers", "charts", "batches", "events")
+PATHS = {"update": "/console/live", "health": "/health"}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -75,52 +79,63 @@ async def stream_forever(client: httpx.AsyncClient, key: str, model: str, max_to
 
 
 async def refresh_loop(console: httpx.AsyncClient, until: float, interval_s: float,
-                       timings: dict[str, list[float]]) -> None:
-    async def one(name: str) -> float:
+                       timings: dict[str, list[float]], sizes: list[int]) -> None:
+    async def one(name: str) -> None:
         start = time.perf_counter()
-        answer = await console.get(f"/console/live/{name}", headers={"hx-request": "true"})
+        answer = await console.get(PATHS[name], headers={"hx-request": "true"})
         answer.raise_for_status()
-        elapsed = time.perf_counter() - start
-        timings[name].append(elapsed)
-        return elapsed
+        timings[name].append(time.perf_counter() - start)
+        if name == "update":
+            sizes.append(len(answer.content))
 
     while time.monotonic() < until:
         start = time.perf_counter()
-        await asyncio.gather(*(one(name) for name in FRAGMENTS))
-        timings["update"].append(time.perf_counter() - start)
+        await asyncio.gather(*(one(name) for name in PATHS))
         await asyncio.sleep(max(0.0, interval_s - (time.perf_counter() - start)))
+
+
+async def run_load(base_url: str, keys: list[str], model: str, streams: int, max_tokens: int,
+                   duration_s: float) -> dict[str, int]:
+    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+    counts: dict[str, int] = {}
+    until = time.monotonic() + duration_s
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        await asyncio.gather(*(stream_forever(client, keys[i % len(keys)], model, max_tokens, until, counts)
+                               for i in range(streams)))
+    return counts
+
+
+def _load_process(args: tuple[Any, ...], out: Any) -> None:
+    out.put(asyncio.run(run_load(*args)))
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     admin = {"authorization": f"Bearer {args.admin_token}"}
-    limits = httpx.Limits(max_connections=args.streams + 20, max_keepalive_connections=args.streams + 20)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=600, limits=limits) as client, \
-            httpx.AsyncClient(base_url=args.base_url, timeout=60) as console:
-        workers = (await client.get("/admin/workers", headers=admin)).json()["workers"]
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=60) as console:
+        workers = (await console.get("/admin/workers", headers=admin)).json()["workers"]
         if not workers:
             raise SystemExit("no worker is connected to the gateway")
-        keys = await tenant_keys(client, admin, args.tenants)
+        keys = await tenant_keys(console, admin, args.tenants)
         await sign_in(console, args.admin_token)
-        model = workers[0]["models"][0]
-        counts: dict[str, int] = {}
-        timings: dict[str, list[float]] = {name: [] for name in (*FRAGMENTS, "update")}
-        until = time.monotonic() + args.duration_s
-        streams = [
-            asyncio.create_task(stream_forever(client, keys[i % len(keys)], model, args.max_tokens, until, counts))
-            for i in range(args.streams)
-        ]
+        results: Any = multiprocessing.Queue()
+        load = multiprocessing.Process(target=_load_process, args=(
+            (args.base_url, keys, workers[0]["models"][0], args.streams, args.max_tokens, args.duration_s),
+            results))
+        load.start()
+        timings: dict[str, list[float]] = {name: [] for name in PATHS}
+        sizes: list[int] = []
         await asyncio.sleep(args.warmup_s)  # let the queues fill before measuring
-        await refresh_loop(console, until, args.interval_s, timings)
-        for task in streams:
-            task.cancel()
-        await asyncio.gather(*streams, return_exceptions=True)
+        await refresh_loop(console, time.monotonic() + args.duration_s - args.warmup_s, args.interval_s, timings, sizes)
+        counts = await asyncio.to_thread(results.get, True, 600)
+        await asyncio.to_thread(load.join, 60)
     summary = {
         name: {"n": len(v), "p50_ms": 1000 * percentile(v, 50), "p95_ms": 1000 * percentile(v, 95),
                "max_ms": 1000 * max(v, default=float("nan"))}
         for name, v in timings.items()
     }
     return {"tenants": args.tenants, "streams": args.streams, "duration_s": args.duration_s,
-            "interval_s": args.interval_s, "answers": counts, "latency": summary}
+            "interval_s": args.interval_s, "answers": counts, "latency": summary,
+            "update_bytes_max": max(sizes, default=0)}
 
 
 def cli() -> int:
@@ -144,7 +159,7 @@ def cli() -> int:
     for name, row in result["latency"].items():
         print(f"{name:>8}: n={row['n']:4d}  p50 {row['p50_ms']:7.1f} ms  p95 {row['p95_ms']:7.1f} ms  "
               f"max {row['max_ms']:7.1f} ms")
-    print(f"stream answers: {result['answers']}")
+    print(f"stream answers: {result['answers']}; largest update {result['update_bytes_max']} bytes")
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")

@@ -46,6 +46,9 @@ class _Bucket:
     itl_seen: int = 0
     tokens: int = 0
     requests: int = 0
+    # (ttft p95, itl p95) once the bucket is over: records are made at `now`, so a past bucket
+    # never changes, and a page refresh re-sorts only the current buckets' samples.
+    closed_p95: tuple[float | None, float | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,13 +170,14 @@ class LiveWindow:
             points = []
             for index in range(last - count + 1, last + 1):
                 b = buckets.get(index)
+                if b is None:
+                    points.append(SeriesPoint(index * self.bucket_s, None, None, 0.0))
+                    continue
+                p95 = b.closed_p95 or (percentile(b.ttft, 95), percentile(b.itl, 95))
+                if index < last:
+                    b.closed_p95 = p95
                 elapsed = min(self.bucket_s, now - index * self.bucket_s) if index == last else self.bucket_s
-                points.append(SeriesPoint(
-                    start=index * self.bucket_s,
-                    ttft_p95_s=percentile(b.ttft, 95) if b else None,
-                    itl_p95_s=percentile(b.itl, 95) if b else None,
-                    tokens_per_s=(b.tokens / max(elapsed, 1e-9)) if b else 0.0,
-                ))
+                points.append(SeriesPoint(index * self.bucket_s, p95[0], p95[1], b.tokens / max(elapsed, 1e-9)))
         return points
 
     def tenants(self, now: float | None = None) -> list[str]:

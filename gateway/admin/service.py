@@ -159,6 +159,11 @@ class AdminService:
             tenant, quota = await self._load(session, tenant_id)
         return tenant_out(tenant, quota)
 
+    async def tenant_names(self) -> dict[str, str]:
+        """Every tenant's name by id (one narrow query: the console labels live views with it)."""
+        async with self._sessions() as session:
+            return {tid: name for tid, name in (await session.execute(select(Tenant.id, Tenant.name))).all()}
+
     async def find_tenant_id(self, name: str) -> str | None:
         async with self._sessions() as session:
             return await session.scalar(select(Tenant.id).where(Tenant.name == name))

@@ -114,7 +114,7 @@ class ActionsController(Controller):
         except OpenAIError as exc:
             return refused(request, exc)
         rows = views.worker_rows(request.app.state.backend.snapshot(), WINDOW)
-        return render(request, "live/workers.html.j2", workers=rows, error=None)
+        return render(request, "live/workers.html.j2", workers=rows)
 
     @post("/batches/{batch_id:str}/cancel", include_in_schema=False, status_code=200)
     async def cancel_batch(self, request: AnyRequest, batch_id: FromPath[str]) -> Template:
@@ -123,5 +123,4 @@ class ActionsController(Controller):
             batches = await operations.recent_batches(request.app.state, 20)
         except OpenAIError as exc:
             return refused(request, exc)
-        return render(request, "live/batches.html.j2", batches=batches, names=await tenant_names(request),
-                      error=None)
+        return render(request, "live/batches.html.j2", batches=batches, names=await tenant_names(request))

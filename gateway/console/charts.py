@@ -29,15 +29,14 @@ def sparkline(values: Sequence[float | None], width: int = WIDTH, height: int = 
     peak = max(present, default=None)
     scale = peak if peak else 1.0
     step = (width - 2 * PAD) / max(1, len(values) - 1)
+    span = (height - 2 * PAD) / scale
     runs: list[list[tuple[float, float]]] = [[]]
     for i, value in enumerate(values):
         if value is None:
             if runs[-1]:
                 runs.append([])
             continue
-        x = PAD + i * step
-        y = height - PAD - (height - 2 * PAD) * (value / scale)
-        runs[-1].append((round(x, 1), round(y, 1)))
-    segments = tuple(" ".join(f"{x},{y}" for x, y in run) for run in runs if len(run) > 1)
-    dots = tuple(run[0] for run in runs if len(run) == 1)
+        runs[-1].append((PAD + i * step, height - PAD - span * value))
+    segments = tuple(" ".join([f"{x:.1f},{y:.1f}" for x, y in run]) for run in runs if len(run) > 1)
+    dots = tuple((round(run[0][0], 1), round(run[0][1], 1)) for run in runs if len(run) == 1)
     return Sparkline(segments, dots, peak, present[-1] if present else None, width, height)

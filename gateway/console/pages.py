@@ -6,6 +6,7 @@ telemetry window, `AdminService` and the admin operations; `views.py` shapes it 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Annotated, Any
 
@@ -36,8 +37,7 @@ from sluice.live_window import WINDOW
 from sluice.protocol import Priority
 
 ACTOR = "console"
-REFRESH_S = 2  # live fragments poll this often
-CHART_REFRESH_S = 5
+REFRESH_S = 2  # the live page refreshes this often
 Form = Annotated[dict[str, Any], Body(media_type=RequestEncodingType.URL_ENCODED)]
 AnyRequest = Request[Any, Any, Any]
 
@@ -49,7 +49,6 @@ def render(request: AnyRequest, name: str, status_code: int = 200, headers: dict
     return Template(template_name=name, status_code=status_code, headers=headers, context={
         "csrf": csrf_token(session) if session else "",
         "refresh_s": REFRESH_S,
-        "chart_refresh_s": CHART_REFRESH_S,
         "classes": [p.label for p in Priority],
         "quota_fields": QUOTA_FIELDS,
         **context,
@@ -61,7 +60,27 @@ def admin_service(request: AnyRequest) -> AdminService:
 
 
 async def tenant_names(request: AnyRequest) -> dict[str, str]:
-    return {t.id: t.name for t in await admin_service(request).list_tenants()}
+    return await admin_service(request).tenant_names()
+
+
+async def live_context(request: AnyRequest) -> dict[str, Any]:
+    async def recent_batches() -> list[dict[str, Any]] | None:
+        try:
+            return await operations.recent_batches(request.app.state, 20)
+        except OpenAIError:
+            return None  # the Batch API is not enabled here
+
+    names, batches = await asyncio.gather(tenant_names(request), recent_batches())  # two sessions at once
+    snapshot = request.app.state.backend.snapshot()
+    class_rows, tenant_rows = views.queue_rows(snapshot, names, WINDOW)
+    return {
+        "class_rows": class_rows, "tenant_rows": tenant_rows,
+        "workers": views.worker_rows(snapshot, WINDOW),
+        "charts": views.tenant_charts(WINDOW),
+        "horizon_min": round(WINDOW.horizon_s / 60), "bucket_s": round(WINDOW.bucket_s),
+        "batches": batches, "names": names,
+        "events": WINDOW.recent_events(30),
+    }
 
 
 class SignInController(Controller):
@@ -111,37 +130,13 @@ class PagesController(Controller):
 
     @get("", include_in_schema=False)
     async def overview(self, request: AnyRequest) -> Template:
-        return render(request, "overview.html.j2", nav="live")
+        return render(request, "overview.html.j2", nav="live", **await live_context(request))
 
-    @get("/live/queues", include_in_schema=False)
-    async def live_queues(self, request: AnyRequest) -> Template:
-        snapshot = request.app.state.backend.snapshot()
-        class_rows, tenant_rows = views.queue_rows(snapshot, await tenant_names(request), WINDOW)
-        return render(request, "live/queues.html.j2", class_rows=class_rows, tenant_rows=tenant_rows,
-                      backend=snapshot.get("queues", {}).get("backend", ""))
-
-    @get("/live/workers", include_in_schema=False)
-    async def live_workers(self, request: AnyRequest) -> Template:
-        rows = views.worker_rows(request.app.state.backend.snapshot(), WINDOW)
-        return render(request, "live/workers.html.j2", workers=rows, error=None)
-
-    @get("/live/charts", include_in_schema=False)
-    async def live_charts(self, request: AnyRequest) -> Template:
-        return render(request, "live/charts.html.j2", charts=views.tenant_charts(WINDOW),
-                      horizon_min=round(WINDOW.horizon_s / 60), bucket_s=round(WINDOW.bucket_s))
-
-    @get("/live/batches", include_in_schema=False)
-    async def live_batches(self, request: AnyRequest) -> Template:
-        try:
-            batches = await operations.recent_batches(request.app.state, 20)
-        except OpenAIError:
-            batches = None  # the Batch API is not enabled here
-        return render(request, "live/batches.html.j2", batches=batches, names=await tenant_names(request),
-                      error=None)
-
-    @get("/live/events", include_in_schema=False)
-    async def live_events(self, request: AnyRequest) -> Template:
-        return render(request, "live/events.html.j2", events=WINDOW.recent_events(30))
+    @get("/live", include_in_schema=False)
+    async def live(self, request: AnyRequest) -> Template:
+        """Every live section at once (htmx swaps each into its place, out of band): one request
+        per refresh, one snapshot, one tenant-name lookup."""
+        return render(request, "live.html.j2", **await live_context(request))
 
     @get("/tenants", include_in_schema=False)
     async def tenants(self, request: AnyRequest) -> Template:

@@ -41,10 +41,10 @@ def signed_in(gateway) -> tuple[httpx.Client, str]:
 
 def test_sign_in_sets_a_strict_httponly_cookie_and_pages_need_it(gateway) -> None:
     anonymous = httpx.Client(base_url=gateway.base_url, timeout=60)
-    for path in ("/console", "/console/tenants", "/console/live/queues"):
+    for path in ("/console", "/console/tenants", "/console/live"):
         answer = anonymous.get(path)
         assert answer.status_code == 303 and answer.headers["location"] == "/console/login"
-    polled = anonymous.get("/console/live/queues", headers={"hx-request": "true"})
+    polled = anonymous.get("/console/live", headers={"hx-request": "true"})
     assert polled.status_code == 401 and polled.headers["hx-redirect"] == "/console/login"
 
     client = httpx.Client(base_url=gateway.base_url, timeout=60)
@@ -150,14 +150,14 @@ def test_new_key_is_shown_once_and_actions_are_audited(gateway) -> None:
     assert all(new_key not in str(a["details"]) for a in audit)
 
 
-def test_live_fragments_render(gateway) -> None:
+def test_live_sections_render_out_of_band(gateway) -> None:
     client, _ = signed_in(gateway)
-    for path in ("/console/live/queues", "/console/live/workers", "/console/live/charts",
-                 "/console/live/batches", "/console/live/events"):
-        answer = client.get(path, headers={"hx-request": "true"})
-        assert answer.status_code == 200, (path, answer.text[:300])
-    assert "local-demo" in client.get("/console/live/workers").text
-    assert "not enabled" in client.get("/console/live/batches").text  # no Batch API in this app
+    answer = client.get("/console/live", headers={"hx-request": "true"})
+    assert answer.status_code == 200, answer.text[:300]
+    for section in ("queues", "workers", "charts", "batches", "events"):
+        assert f'<div id="{section}" hx-swap-oob="innerHTML">' in answer.text
+    assert "local-demo" in answer.text
+    assert "not enabled" in answer.text  # no Batch API in this app
     drained = client.post("/console/workers/local-demo/drain", headers={"hx-request": "true",
                                                                          "x-csrf-token": signed_in(gateway)[1]})
     assert drained.status_code == 403  # another session's token is not this one's
@@ -174,7 +174,7 @@ def test_sign_out_and_expiry_end_the_session(gateway) -> None:
         conn.execute(text("UPDATE console_session SET expires_at = '2000-01-01 00:00:00'"))
     engine.dispose()
     assert client.get("/console").status_code == 303
-    polled = client.get("/console/live/workers", headers={"hx-request": "true"})
+    polled = client.get("/console/live", headers={"hx-request": "true"})
     assert polled.status_code == 401 and polled.headers["hx-redirect"] == "/console/login"
     with gateway.admin() as admin:
         audit = admin.get("/admin/audit", params={"target": "console"}).json()["data"]
