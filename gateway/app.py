@@ -84,7 +84,8 @@ def create_app(
     usage = UsageService(session_factory)
     quotas = QuotaService(usage.day_total)
     tokenizers = TokenizerRegistry()
-    generation = GenerationService(backend, tokenizers, quotas, usage)
+    generation = GenerationService(backend, tokenizers, quotas, usage,
+                                   request_timeout_s=settings.gateway.request_timeout_s)
     admin = AdminService(session_factory, auth, usage.flush)
     state = State(
         {

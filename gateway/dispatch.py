@@ -348,14 +348,22 @@ class Dispatcher:
         """Send queued jobs to workers with room; returns how many went out."""
         sent = 0
         now = time.time()
+        # (model, class) no worker can take now: sending only fills workers, so it stays refused
+        # for this round, and a long queue for a model nobody serves costs one look per item.
+        refused: set[tuple[str, Priority]] = set()
         while True:
             chosen: list[WorkerConn] = []
 
             def accept(item: Pending[Job], chosen: list[WorkerConn] = chosen) -> bool:
+                key = (item.payload.request.model, item.priority)
+                if key in refused:
+                    return False
                 worker = self._pick_worker(item.payload)
-                if worker is not None:
-                    chosen.append(worker)
-                return worker is not None
+                if worker is None:
+                    refused.add(key)
+                    return False
+                chosen.append(worker)
+                return True
 
             item = self.scheduler.pop_if(now, accept)
             if item is None:

@@ -102,6 +102,15 @@ class _TenantQueues(Generic[T]):
         self._last_served = self.counters[tenant]
         return item
 
+    def take(self, tenant: str, item: Pending[T]) -> None:
+        """Removes `item` (queued for `tenant`), as `pop` would."""
+        queue = self.queues[tenant]
+        queue.remove(item)
+        if not queue:
+            del self.queues[tenant]
+        self.size -= 1
+        self._last_served = self.counters[tenant]
+
     def peek(self) -> Pending[T] | None:
         tenant = self.next_tenant()
         return None if tenant is None else self.queues[tenant][0]
@@ -208,11 +217,23 @@ class FairScheduler(Generic[T]):
         return item
 
     def pop_if(self, now: float, accept: Callable[[Pending[T]], bool]) -> Pending[T] | None:
-        """Pop the next item only if `accept(item)` (e.g. a worker can take its class)."""
-        item = self.peek(now)
-        if item is None or not accept(item):
+        """The first item in dispatch order that `accept(item)` takes (e.g. a worker serving its
+        model has room for its class). An item nobody can take now (no live worker serves its
+        model) does not hold back the items behind it: the chosen lane first, then the others most
+        urgent first; in a lane, tenants by virtual counter, each tenant's items in order."""
+        first = self._choose_lane(now)
+        if first is None:
             return None
-        return self.pop(now)
+        for priority in (first, *(p for p in Priority if p != first)):
+            lane = self._classes[priority]
+            for tenant in sorted(lane.queues, key=lambda t: (lane.counters[t], lane.queues[t][0].enqueued_at)):
+                for item in lane.queues[tenant]:
+                    if accept(item):
+                        lane.take(tenant, item)
+                        self._recent.append(priority)
+                        lane.charge(item.tenant, item.prompt_tokens, item.weight)
+                        return item
+        return None
 
     def charge(self, tenant: str, priority: Priority, tokens: int) -> None:
         """Generated tokens served to `tenant` (reported by a worker)."""

@@ -9,9 +9,11 @@ reservation to the tokens actually produced, records usage, and emits the teleme
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +111,20 @@ class Prepared:
     echo_prompt: str = ""
 
 
+class RequestTimedOut(OpenAIError):
+    """The request did not end within `gateway.request_timeout_s` of its acceptance (waiting for
+    a worker included): 504 before the answer started, an error event in a stream after."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            504,
+            f"The request did not complete within {timeout_s:g}s (waiting for a worker included); "
+            "it was stopped and nothing was charged for what did not run.",
+            type="timeout",
+            code="request_timeout",
+        )
+
+
 @dataclass(slots=True)
 class Flight:
     """One accepted request on its way; `finish()` runs exactly once, however it ends."""
@@ -129,10 +145,44 @@ class Flight:
     finish_reason: str | None = None
     error: str | None = None
     finished: bool = False
+    deadline: float = math.inf  # event-loop time by which it must have ended (request_timeout_s)
+    timed_out: bool = False
+    _first: RequestDelta | None = None  # read ahead by `first_delta`, not yet yielded
+    _iterator: AsyncIterator[RequestDelta] | None = None  # the one iterator over the submission
 
     @property
     def request_id(self) -> str:
         return self.prepared.request.request_id
+
+    async def first_delta(self) -> None:
+        """Waits (within the deadline) for the first delta, so that an expiry before it can be an
+        HTTP error; `deltas()` yields it first. Raises `RequestTimedOut`."""
+        with contextlib.suppress(StopAsyncIteration):  # ended with no delta: `deltas()` is empty
+            self._first = await self._next()
+
+    async def deltas(self) -> AsyncIterator[RequestDelta]:
+        """The submission's deltas, ended by `RequestTimedOut` once the deadline passes."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+            if first.finish_reason is not None:
+                return
+        while True:
+            try:
+                delta = await self._next()
+            except StopAsyncIteration:
+                return
+            yield delta
+
+    async def _next(self) -> RequestDelta:
+        if self._iterator is None:
+            self._iterator = aiter(self.submission)
+        try:
+            async with asyncio.timeout_at(self.deadline if math.isfinite(self.deadline) else None):
+                return await anext(self._iterator)
+        except TimeoutError:
+            self.timed_out = True
+            raise RequestTimedOut(self.service.request_timeout_s) from None
 
     def observe(self, delta: RequestDelta) -> None:
         """Bookkeeping for one delta: a few attribute writes, nothing per token."""
@@ -157,8 +207,11 @@ class Flight:
         self.finished = True
         prompt = self.prompt_tokens or len(self.prepared.request.prompt_token_ids)
         if aborted and self.finish_reason is None:
-            self.finish_reason = "abort"
-        self.service.quotas.settle(self.reservation, prompt, self.completion_tokens)
+            self.finish_reason = "timeout" if self.timed_out else "abort"
+        if self.timed_out and self.first_token_time is None:
+            self.service.quotas.release(self.reservation)  # it never ran: nothing is charged
+        else:
+            self.service.quotas.settle(self.reservation, prompt, self.completion_tokens)
         self.service.spawn(self._after(prompt, aborted))
 
     async def _after(self, prompt: int, aborted: bool) -> None:
@@ -203,11 +256,16 @@ class GenerationService:
         tokenizers: TokenizerRegistry,
         quotas: QuotaService,
         usage: UsageService,
+        *,
+        request_timeout_s: float = 600.0,
     ) -> None:
+        if not request_timeout_s > 0:
+            raise ValueError(f"gateway.request_timeout_s must be positive, got {request_timeout_s}")
         self.backend = backend
         self.tokenizers = tokenizers
         self.quotas = quotas
         self.usage = usage
+        self.request_timeout_s = request_timeout_s
         self._tasks: set[asyncio.Task[None]] = set()
 
     def spawn(self, coro: Any) -> None:
@@ -405,4 +463,5 @@ class GenerationService:
             self.quotas.release(reservation)
             raise
         telemetry.count_admission(tenant.name, request.priority.label)
-        return Flight(self, prepared, tenant, reservation, submission)
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        return Flight(self, prepared, tenant, reservation, submission, deadline=deadline)

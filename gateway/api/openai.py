@@ -89,6 +89,11 @@ async def _answer(
     flight = await generation.launch(tenant, prepared)
     quotas = generation.quotas
     if prepared.stream:
+        try:  # the first delta before the first byte: an expiry until then is an HTTP error
+            await _unless_disconnected(request, flight.first_delta())
+        except BaseException:
+            flight.finish(aborted=True)
+            raise
         return Stream(
             stream(flight),
             media_type="text/event-stream",  # type: ignore[return-value]

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec.structs import replace
 
-from sluice.gateway.api.generation import Flight
+from sluice.gateway.api.generation import Flight, RequestTimedOut
 from sluice.gateway.errors import OpenAIError
 from sluice.gateway.schemas import (
     AssistantMessage,
@@ -164,16 +164,20 @@ async def _stream(
     try:
         if opening is not None:
             yield opening
-        async for delta in flight.submission:
-            flight.observe(delta)
-            if delta.finish_reason is FinishReason.ERROR:
-                aborted = False
-                yield sse(_error_body(flight))
-                return
-            for frame in frames(delta):
-                yield frame
-            if delta.finish_reason is not None and flight.prepared.include_usage:
-                yield sse(replace(template, usage=_usage(flight)))
+        try:
+            async for delta in flight.deltas():
+                flight.observe(delta)
+                if delta.finish_reason is FinishReason.ERROR:
+                    aborted = False
+                    yield sse(_error_body(flight))
+                    return
+                for frame in frames(delta):
+                    yield frame
+                if delta.finish_reason is not None and flight.prepared.include_usage:
+                    yield sse(replace(template, usage=_usage(flight)))
+        except RequestTimedOut as exc:  # after the first byte: an error event ends the stream
+            yield sse(exc.body())
+            return  # `aborted` stays set: the request is stopped at its worker
         aborted = False
         yield DONE
     finally:
@@ -233,7 +237,7 @@ async def _collect(flight: Flight) -> tuple[str, tuple[PositionLogprobs, ...]]:
     positions: list[PositionLogprobs] = []
     aborted = True
     try:
-        async for delta in flight.submission:
+        async for delta in flight.deltas():
             flight.observe(delta)
             texts.append(delta.text)
             positions.extend(delta.logprobs)

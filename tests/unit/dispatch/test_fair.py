@@ -141,3 +141,17 @@ def test_bad_policy_values_are_rejected() -> None:
         ClassPolicy(min_share={Priority.BATCH: 1.5})
     with pytest.raises(ValueError, match="weight"):
         FairScheduler().push(item("x", "t", weight=0))
+
+
+def test_an_item_nobody_takes_does_not_block_the_items_behind_it() -> None:
+    """No head-of-line blocking: a request for a model no worker serves waits, others go."""
+    sched: FairScheduler[str] = FairScheduler()
+    sched.push(Pending("a1", "t1", Priority.INTERACTIVE, 0.0, "ghost"))
+    sched.push(Pending("a2", "t1", Priority.INTERACTIVE, 1.0, "ghost"))
+    sched.push(Pending("b1", "t1", Priority.INTERACTIVE, 2.0, "demo"))
+    sched.push(Pending("c1", "t2", Priority.BATCH, 3.0, "demo"))
+    served = lambda item: item.payload == "demo"  # noqa: E731
+    assert sched.pop_if(0.0, served).request_id == "b1"  # behind two of its own tenant's
+    assert sched.pop_if(0.0, served).request_id == "c1"  # a lower class, behind the stuck one
+    assert sched.pop_if(0.0, served) is None
+    assert len(sched) == 2
