@@ -16,7 +16,7 @@ from sluice.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from sluice.kernels.attention import AttentionMetadata, paged_attention_torch
 from sluice.kernels.paged_decode import paged_decode_triton
 from sluice.kernels.paged_prefill import paged_prefill_triton
-from sluice.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
+from sluice.kernels.rmsnorm import rms_norm_torch, rms_norm_triton
 from sluice.kernels.rotary import rotary_store_kv_ref, rotary_store_kv_triton
 
 Backend = Literal["torch", "triton"]
@@ -56,7 +56,7 @@ class Ops:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._triton:
             return rms_norm_triton(x, weight, eps, residual)
-        return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_torch(x, weight, eps, residual)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self._triton:

@@ -7,7 +7,7 @@ import torch
 
 from sluice.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from sluice.kernels.ops import Ops
-from sluice.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
+from sluice.kernels.rmsnorm import rms_norm_ref, rms_norm_torch, rms_norm_triton
 from sluice.kernels.rotary import rotary_store_kv_ref, rotary_store_kv_triton
 from sluice.kernels.testing import make_metadata, rel_error, tolerance
 
@@ -19,6 +19,23 @@ DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id
 def _randn(*shape: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("hidden", [64, 80, 256, 576, 4096])
+@pytest.mark.parametrize("rows", [1, 7, 130])
+def test_rms_norm_torch_is_bitwise_the_reference_in_float32(hidden: int, rows: int) -> None:
+    """The CPU engine's fused rms_norm must not move a single bit (greedy exactness against HF)."""
+    for seed in range(3):
+        x = 3 * _randn(rows, hidden, dtype=torch.float32, device="cpu", seed=seed)
+        residual = _randn(rows, hidden, dtype=torch.float32, device="cpu", seed=seed + 10)
+        weight = 1 + 0.1 * _randn(hidden, dtype=torch.float32, device="cpu", seed=seed + 20)
+        for res in (residual, None):
+            out, new_residual = rms_norm_torch(x, weight, 1e-5, res)
+            ref_out, ref_residual = rms_norm_ref(x, weight, 1e-5, res)
+            assert torch.equal(out, ref_out) and torch.equal(new_residual, ref_residual)
+    bf16 = _randn(rows, hidden, dtype=torch.bfloat16, device="cpu", seed=0)
+    bf16_weight = torch.ones(hidden, dtype=torch.bfloat16)
+    assert torch.equal(rms_norm_torch(bf16, bf16_weight, 1e-5)[0], rms_norm_ref(bf16, bf16_weight, 1e-5)[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
