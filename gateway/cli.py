@@ -6,8 +6,13 @@ import argparse
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from sluice.errors import CLIError
+
+if TYPE_CHECKING:
+    from sluice.workers.config import EngineConfig
+    from sluice.workers.server import WorkerOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,14 +54,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     worker.add_argument("--gateway", required=True, help="the gateway's worker address HOST:PORT")
     worker.add_argument("--worker-id", default=None, help="default: HOSTNAME-PID")
-    worker.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    worker.add_argument("--heartbeat-interval", type=float, default=None,
+                        help="seconds between heartbeats (default: [dispatch] heartbeat_interval_s)")
+    worker.add_argument(
+        "--config", default=None, help="config directory (default: $SLUICE_CONFIG_DIR or ./config)"
+    )
     worker.add_argument(
         "--engine-option",
         action="append",
         default=[],
         metavar="KEY=VALUE",
         help="any EngineConfig field (e.g. kv_cache_bytes=268435456); repeatable, "
-        "applied over the flags; values are TOML literals",
+        "applied over [engine] settings and the flags; values are TOML literals",
     )
     worker.add_argument(
         "--exit-with-parent",
@@ -68,22 +77,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from sluice.workers.server import run_worker
+
+    run_worker(*worker_setup(args))
+    return 0
+
+
+def worker_setup(args: argparse.Namespace) -> tuple[EngineConfig, WorkerOptions]:
+    """`sluice worker`'s engine and link settings: EngineConfig's defaults, then [engine] settings
+    (files and SLUICE_ENGINE_*), then the engine flags, then --engine-option."""
     from sluice.settings import load_settings
     from sluice.workers.cli import engine_config
-    from sluice.workers.server import WorkerOptions, parse_address, run_worker
+    from sluice.workers.server import WorkerOptions, parse_address
 
     host, port = parse_address(args.gateway)
-    gateway = load_settings().gateway
-    if args.heartbeat_interval <= 0:
-        raise CLIError(f"--heartbeat-interval must be positive, got {args.heartbeat_interval}")
+    # The same settings as `sluice serve` (files and SLUICE_* environment): [engine] under the flags.
+    settings = load_settings(args.config)
+    gateway = settings.gateway
+    heartbeat = settings.dispatch.heartbeat_interval_s if args.heartbeat_interval is None else args.heartbeat_interval
+    if heartbeat <= 0:
+        raise CLIError(f"--heartbeat-interval must be positive, got {heartbeat}")
     model_dir = Path(args.model)
-    config = apply_engine_options(engine_config(args, str(model_dir)), args.engine_option)
+    config = apply_engine_options(engine_config(args, str(model_dir), settings=settings.engine), args.engine_option)
     options = WorkerOptions(
         gateway_host=host,
         gateway_port=port,
         worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
         model_name=args.served_model_name or model_dir.resolve().name,
-        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_interval_s=heartbeat,
         parent_pid=os.getppid() if args.exit_with_parent else None,
         # From settings (environment included), never from argv: `ps` shows the command line.
         secret=gateway.worker_secret,
@@ -92,17 +113,16 @@ def _worker(args: argparse.Namespace) -> int:
     if not options.secret:
         raise CLIError("no worker secret: set SLUICE_GATEWAY_WORKER_SECRET (or [gateway] worker_secret) "
                        "to the gateway's value")
-    run_worker(config, options)
-    return 0
+    return config, options
 
 
-def apply_engine_options(config, options: list[str]):  # (EngineConfig, ...) -> EngineConfig
+def apply_engine_options(config: EngineConfig, options: list[str]) -> EngineConfig:
     """Overlays KEY=VALUE engine options (TOML literals, else strings) on an EngineConfig."""
     import dataclasses
     import tomllib
 
     fields = {f.name for f in dataclasses.fields(config)}
-    changes = {}
+    changes: dict[str, Any] = {}
     for option in options:
         key, sep, raw = option.partition("=")
         key = key.strip().replace("-", "_")

@@ -62,20 +62,6 @@ def reveal_secret(label: str, value: str, path: Path) -> str:
     return f"{label}: written to {path} (stdout is not a terminal)"
 
 
-def engine_option_args(engine: dict[str, Any]) -> list[str]:
-    args: list[str] = []
-    for key, value in engine.items():
-        if key in ("model", "device"):
-            continue
-        literal = (
-            ("true" if value else "false")
-            if isinstance(value, bool)
-            else (f'"{value}"' if isinstance(value, str) else str(value))
-        )
-        args += ["--engine-option", f"{key}={literal}"]
-    return args
-
-
 @dataclass
 class LocalWorkers:
     """The worker processes `serve` owns: spawned in their own process groups, restarted on death."""
@@ -119,10 +105,11 @@ class LocalWorkers:
             "--device",
             self.device,
             "--exit-with-parent",
-            "--heartbeat-interval",
-            str(self.settings.dispatch.heartbeat_interval_s),
-            *engine_option_args(self.settings.engine),
         ]
+        # The worker reads the same settings itself (the environment is inherited): [engine] included.
+        config_dir = Path(self.settings.config_dir)
+        if config_dir.is_dir():
+            args += ["--config", str(config_dir.resolve())]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_dir / f"worker-{worker_id}.log", "ab")  # noqa: SIM115
         try:

@@ -1,7 +1,7 @@
 """Settings: TOML files in the config directory, overridden by SLUICE_* environment variables.
 
 Files (all optional except where noted), in `$SLUICE_CONFIG_DIR` (default: ./config):
-  sluice.toml   sections [gateway] [admin] [database] [kafka] [broker] [scheduler] [dispatch] [engine] [logging]
+  sluice.toml   sections [gateway] [admin] [database] [kafka] [broker] [scheduler] [dispatch] [engine]
   models.toml   [[models]] name, path, and how a missing directory is made: demo = true or fetch = "NAME"
   tenants.toml  [[tenants]] the seed tenants (see TenantSeed)
 
@@ -41,6 +41,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     worker_tls_ca: str = ""  # worker side: verify the gateway's certificate against this CA file (TLS on)
     # GET /metrics needs `Authorization: Bearer <metrics_token>` (or the admin token); empty = admin only.
     metrics_token: str = ""
+    # POST /tokenize and /detokenize without an Authorization header (as vLLM serves them, for
+    # `vllm bench serve`); off: a tenant key is needed and scopes them to its models.
+    anonymous_tokenize: bool = False
     # Cheap limits checked before any tokenization (400 without spending CPU on the prompt).
     max_prompt_chars: int = 1_048_576  # characters of a prompt, or of all messages' content together
     max_messages: int = 2048  # messages of one chat request (OpenAI's own limit)
@@ -107,12 +110,6 @@ class DispatchSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # After start, every configured model is accepted for this long while workers (re)connect; then
     # only models some worker announced (a model whose workers are all down keeps being accepted).
     announce_grace_s: float = 60.0
-    remote_workers: tuple[str, ...] = ()  # documented addresses of workers started elsewhere
-
-
-class LoggingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    level: str = "INFO"
-    json: bool = False
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -150,7 +147,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     broker: BrokerSettings = msgspec.field(default_factory=BrokerSettings)
     scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
     dispatch: DispatchSettings = msgspec.field(default_factory=DispatchSettings)
-    logging: LoggingSettings = msgspec.field(default_factory=LoggingSettings)
     # Engine options for workers: keys of sluice.workers.config.EngineConfig (validated there).
     engine: dict[str, Any] = msgspec.field(default_factory=dict)
     models: tuple[ModelSpec, ...] = ()
@@ -158,7 +154,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     config_dir: str = "config"
 
 
-_SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "logging", "engine")
+_SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "engine")
 _FILES = {"sluice.toml": None, "models.toml": "models", "tenants.toml": "tenants"}
 
 
@@ -199,7 +195,7 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, dict[str, tuple[str, An
 _SECTION_TYPES: dict[str, type[msgspec.Struct]] = {
     "gateway": GatewaySettings, "admin": AdminSettings, "database": DatabaseSettings,
     "kafka": KafkaSettings, "broker": BrokerSettings, "scheduler": SchedulerSettings,
-    "dispatch": DispatchSettings, "logging": LoggingSettings,
+    "dispatch": DispatchSettings,
 }
 
 

@@ -213,6 +213,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise CLIError(f"--policies must be a comma-separated subset of {', '.join(POLICIES)}")
     if not Path(args.model).is_dir():
         raise CLIError(f"model directory {args.model} does not exist")
+    from sluice.workers.cli import engine_config
+
+    config = engine_config(args, args.model)  # unset flags: EngineConfig's defaults
     if args.threads < 0:
         raise CLIError("--threads must be 0 (all cores) or positive")
     if args.peer == "vllm":
@@ -225,16 +228,16 @@ def run_bench(args: argparse.Namespace) -> int:
     latency = None if args.skip_latency else bench_peer.LatencyPoints.make(
         model_cfg.vocab_size, args.seed, args.latency_prompt_len, args.latency_output_len, args.latency_streams)
     report: dict[str, Any] = {
-        "config": {"num_requests": args.num_requests, "seed": args.seed, "device": args.device,
+        "config": {"num_requests": args.num_requests, "seed": args.seed, "device": config.device,
                    "threads": torch.get_num_threads(), "prompt_tokens": sum(len(p) for p, _ in requests),
                    "output_tokens": sum(o for _, o in requests), "max_output_tokens": max(o for _, o in requests),
-                   "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
                    "repeat": args.repeat,
                    # Shared machines: a high load average marks the numbers as noisy.
                    "load_average_at_start": os.getloadavg()[0]},
         "sluice": {},
     }
-    if args.device == "cpu":
+    if config.device == "cpu":
         report["matmul_peak"] = bench_peer.matmul_peak(model_cfg)
         print(f"fp32 matmul peak {report['matmul_peak']['gflops']:.1f} GFLOP/s (best of the model's GEMM shapes)")
     peer = None
@@ -273,15 +276,16 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def _run_engines(args: argparse.Namespace, report: dict[str, Any], policies: list[str],
                  requests: list[tuple[list[int], int]], latency: bench_peer.LatencyPoints | None,
                  peer: bench_peer.VllmPeer | None) -> None:
+    device = report["config"]["device"]
     if not args.skip_hf:
         by_batch = {}
         for batch in args.hf_batch_sizes:
-            by_batch[str(batch)] = run_hf_static(args.model, requests, batch, args.device)
+            by_batch[str(batch)] = run_hf_static(args.model, requests, batch, device)
             print(f"hf_static batch {batch:<4} {by_batch[str(batch)]['output_tokens_per_s']:10.1f} output tok/s")
         report["hf_static_by_batch"] = by_batch
         report["hf_static"] = dict(max(by_batch.values(), key=lambda r: r["output_tokens_per_s"]))
         if latency is not None:
-            report["hf_static"]["latency"] = hf_latency(args.model, latency, args.device)
+            report["hf_static"]["latency"] = hf_latency(args.model, latency, device)
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
     peer_runs: list[dict[str, Any]] = []
     # Interleaved rounds: every engine once per round, so a noisy minute hits all of them.

@@ -12,13 +12,17 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from sluice.errors import CLIError
 from sluice.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from sluice.workers.config import EngineConfig
 
 # JSONL fields copied into SamplingParams (anything else besides id/prompt is an error).
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
@@ -64,35 +68,59 @@ def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(handler=run_bench)
 
 
+# (flag destination, EngineConfig field) of the engine flags that take a value.
+_ENGINE_FLAGS = (
+    ("policy", "policy"), ("device", "device"), ("dtype", "dtype"),
+    ("max_num_batched_tokens", "max_num_batched_tokens"), ("max_num_seqs", "max_num_seqs"),
+    ("max_prefill_chunk", "max_prefill_chunk"), ("max_model_len", "max_model_len"),
+    ("num_kv_blocks", "num_kv_blocks"), ("kernel_backend", "kernel_backend"),
+)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, *, with_policy: bool = True) -> None:
+    """Engine flags. None has a default of its own: an unset flag leaves the value to the settings
+    (where the command reads them) or to `EngineConfig`, the one place engine defaults live."""
+    from sluice.workers.config import DTYPES, KERNEL_BACKENDS, POLICIES
+
     if with_policy:
-        parser.add_argument("--policy", default="chunked", choices=("chunked", "prefill_first", "static"))
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+        parser.add_argument("--policy", default=None, choices=POLICIES)
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--dtype", default=None, choices=DTYPES)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-prefill-chunk", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kernel-backend", default="auto", choices=("auto", "torch", "triton"))
+    parser.add_argument("--kernel-backend", default=None, choices=KERNEL_BACKENDS)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-cuda-graphs", action="store_true")
 
 
-def engine_config(args: argparse.Namespace, model: str, policy: str | None = None):
+def engine_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields given as flags; unset flags are absent."""
+    values = {field: getattr(args, dest, None) for dest, field in _ENGINE_FLAGS}
+    given = {field: value for field, value in values.items() if value is not None}
+    if args.no_prefix_caching:
+        given["enable_prefix_caching"] = False
+    if args.no_cuda_graphs:
+        given["use_cuda_graphs"] = False
+    return given
+
+
+def engine_config(args: argparse.Namespace, model: str, policy: str | None = None,
+                  settings: Mapping[str, Any] | None = None) -> EngineConfig:
+    """EngineConfig for `model`: its defaults, then `settings` ([engine] and SLUICE_ENGINE_*), then the
+    flags, then `policy` when given (a benchmark sweeping policies)."""
     from sluice.workers.config import EngineConfig
 
     if not Path(model).is_dir():
         raise CLIError(
             f"model directory {model} does not exist (create one with `sluice model make-demo DIR`)"
         )
-    return EngineConfig(
-        model=model, device=args.device, dtype=args.dtype, policy=policy or args.policy,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks, kernel_backend=args.kernel_backend,
-        enable_prefix_caching=not args.no_prefix_caching, use_cuda_graphs=not args.no_cuda_graphs,
-    )
+    options = {**(settings or {}), **engine_flag_values(args)}
+    if policy is not None:
+        options["policy"] = policy
+    return EngineConfig(model=model, **options)
 
 
 def _make_demo(args: argparse.Namespace) -> int:

@@ -4,6 +4,10 @@ Benchmark clients (`vllm bench serve`) and vLLM-aware applications call these to
 prompt tokens with the server's own tokenizer. A tenant reaches only the models it may use; the
 request and answer shapes are vLLM's (`TokenizeCompletionRequest` / `TokenizeChatRequest` in one
 body, `{count, max_model_len, tokens, token_strs}`; `{model, tokens}` -> `{prompt}`).
+
+vLLM leaves these routes open (its API key guards /v1 only) and `vllm bench serve` calls them
+without a key; `[gateway] anonymous_tokenize = true` lets a request without an Authorization
+header through too, for every served model. Off by default: the tokenizer is CPU work.
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Controller, Request, Response, post
+from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency, Provide
+from litestar.handlers.base import BaseRouteHandler
 from litestar.params import JSONBody
 
 from sluice.gateway.api.generation import GenerationService, template_messages
-from sluice.gateway.auth import TenantContext, current_tenant, tenant_guard
+from sluice.gateway.auth import TenantContext, tenant_guard
 from sluice.gateway.errors import OpenAIError, bad_request, error_responses
 from sluice.gateway.openapi import TENANT_SECURITY
 from sluice.gateway.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
@@ -24,27 +30,43 @@ from sluice.gateway.tokenization import ModelTokenizer
 _ERRORS = error_responses(400, 401, 403, 404, 413, notes={404: "Unknown `model`, or none the tenant may use"})
 
 
-def _tokenizer(generation: GenerationService, tenant: TenantContext, model: str | None) -> ModelTokenizer:
+async def tokenize_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """A tenant key, as on /v1; no Authorization header at all only where anonymous_tokenize is on."""
+    if connection.headers.get("authorization") is None and connection.app.state.settings.gateway.anonymous_tokenize:
+        connection.state.tenant = None
+        return
+    await tenant_guard(connection, handler)
+
+
+def _tenant_or_none(request: ASGIConnection[Any, Any, Any, Any]) -> TenantContext | None:
+    return request.state.tenant  # type: ignore[no-any-return]
+
+
+def _tokenizer(generation: GenerationService, tenant: TenantContext | None, model: str | None) -> ModelTokenizer:
     if model is not None:
-        return generation.model_tokenizer(tenant, model)
-    allowed = [name for name in generation.tokenizers.names() if tenant.allows_model(name)]
+        return generation.tokenizers.get(model) if tenant is None else generation.model_tokenizer(tenant, model)
+    allowed = [name for name in generation.tokenizers.names() if tenant is None or tenant.allows_model(name)]
     if not allowed:
         raise OpenAIError(404, "No model is available to your tenant.", param="model", code="model_not_found")
-    return generation.model_tokenizer(tenant, allowed[0])
+    return generation.tokenizers.get(allowed[0])
+
+
+def _headers(generation: GenerationService, tenant: TenantContext | None) -> dict[str, str]:
+    return {} if tenant is None else generation.quotas.headers(tenant)
 
 
 class TokenizeController(Controller):
     path = "/"
     tags = ["vLLM tokenization"]  # noqa: RUF012
-    guards = [tenant_guard]  # noqa: RUF012
+    guards = [tokenize_guard]  # noqa: RUF012
     security = TENANT_SECURITY
-    dependencies = {"tenant": Provide(current_tenant, sync_to_thread=False)}  # noqa: RUF012
+    dependencies = {"tenant": Provide(_tenant_or_none, sync_to_thread=False)}  # noqa: RUF012
 
     @post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages (vLLM)", responses=_ERRORS)
     async def tokenize(
         self,
         request: Request[Any, Any, Any],
-        tenant: NamedDependency[TenantContext],
+        tenant: NamedDependency[TenantContext | None],
         data: JSONBody[TokenizeRequest],
     ) -> Response[TokenizeResponse]:
         generation: GenerationService = request.app.state.generation
@@ -76,13 +98,13 @@ class TokenizeController(Controller):
             tokens=tokens,
             token_strs=tokenizer.token_strings(tokens) if data.return_token_strs else None,
         )
-        return Response(body, headers=generation.quotas.headers(tenant))
+        return Response(body, headers=_headers(generation, tenant))
 
     @post("/detokenize", status_code=200, summary="Text of a token sequence (vLLM)", responses=_ERRORS)
     async def detokenize(
         self,
         request: Request[Any, Any, Any],
-        tenant: NamedDependency[TenantContext],
+        tenant: NamedDependency[TenantContext | None],
         data: JSONBody[DetokenizeRequest],
     ) -> Response[DetokenizeResponse]:
         generation: GenerationService = request.app.state.generation
@@ -90,4 +112,4 @@ class TokenizeController(Controller):
         if any(t < 0 or t >= tokenizer.vocab_size for t in data.tokens):
             raise bad_request(f"tokens must be between 0 and {tokenizer.vocab_size - 1}.", "tokens")
         body = DetokenizeResponse(prompt=tokenizer.decode(data.tokens))
-        return Response(body, headers=generation.quotas.headers(tenant))
+        return Response(body, headers=_headers(generation, tenant))

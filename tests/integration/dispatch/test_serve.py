@@ -35,8 +35,7 @@ def write_config(directory: Path, model_dir: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "sluice.toml").write_text(
         "[dispatch]\nlocal_workers = 1\nheartbeat_interval_s = 0.5\nheartbeat_timeout_s = 5.0\n"
-        "[engine]\nmax_num_seqs = 16\nmax_num_batched_tokens = 512\n"
-        "[logging]\nlevel = \"WARNING\"\n")
+        "[engine]\nmax_num_seqs = 16\nmax_num_batched_tokens = 512\n")
     (directory / "models.toml").write_text(f'[[models]]\nname = "demo"\npath = "{model_dir}"\n')
     (directory / "tenants.toml").write_text(
         '[[tenants]]\nname = "demo-chat"\npriority_ceiling = "interactive"\n'

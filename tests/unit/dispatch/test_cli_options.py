@@ -1,12 +1,16 @@
-"""`sluice serve` hands [engine] settings to its workers as --engine-option flags; round trip."""
+"""`sluice worker` builds its engine from the same settings as `sluice serve`: EngineConfig's
+defaults, then [engine] (files and SLUICE_ENGINE_*), then its flags, then --engine-option."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from sluice.cli import build_parser
 from sluice.errors import CLIError
-from sluice.gateway.cli import apply_engine_options
-from sluice.gateway.serve import check_engine_options, engine_option_args
+from sluice.gateway.cli import apply_engine_options, worker_setup
+from sluice.gateway.serve import check_engine_options
 from sluice.settings import ModelSpec, Settings
 from sluice.workers.config import EngineConfig
 from sluice.workers.server import parse_address
@@ -14,15 +18,42 @@ from sluice.workers.server import parse_address
 pytestmark = pytest.mark.unit
 
 
-def test_engine_settings_round_trip_through_worker_flags() -> None:
-    engine = {"policy": "prefill_first", "max_num_seqs": 7, "kv_cache_bytes": 1 << 20,
-              "enable_prefix_caching": False, "gpu_memory_utilization": 0.5}
-    args = engine_option_args(engine)
-    options = [args[i + 1] for i in range(0, len(args), 2)]
-    assert all(args[i] == "--engine-option" for i in range(0, len(args), 2))
-    config = apply_engine_options(EngineConfig(model="m"), options)
-    for key, value in engine.items():
-        assert getattr(config, key) == value
+def _worker_args(model: Path, *flags: str):  # -> argparse.Namespace
+    return build_parser().parse_args(["worker", "--model", str(model), "--gateway", "127.0.0.1:8100", *flags])
+
+
+def test_worker_layers_defaults_settings_flags_and_engine_options(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    (config_dir / "sluice.toml").write_text(
+        "[engine]\nmax_num_seqs = 7\npolicy = \"prefill_first\"\nmax_num_batched_tokens = 300\n"
+        "[dispatch]\nheartbeat_interval_s = 0.25\n")
+    monkeypatch.setenv("SLUICE_CONFIG_DIR", str(config_dir))
+    monkeypatch.setenv("SLUICE_GATEWAY_WORKER_SECRET", "s" * 32)
+    monkeypatch.setenv("SLUICE_ENGINE_GPU_MEMORY_UTILIZATION", "0.5")
+    monkeypatch.setenv("SLUICE_ENGINE_ENABLE_PREFIX_CACHING", "false")
+    model = tmp_path / "my-model"
+    model.mkdir()
+    config, options = worker_setup(_worker_args(model, "--max-num-batched-tokens", "100",
+                                                "--engine-option", "max_num_seqs=9"))
+    defaults = EngineConfig(model="m")
+    assert config.gpu_memory_utilization == 0.5 and config.enable_prefix_caching is False  # environment
+    assert config.policy == "prefill_first"  # file
+    assert config.max_num_batched_tokens == 100  # flag over file
+    assert config.max_num_seqs == 9  # --engine-option over file
+    assert config.block_size == defaults.block_size and config.kv_cache_bytes == defaults.kv_cache_bytes
+    assert options.heartbeat_interval_s == 0.25 and options.model_name == "my-model"
+    assert options.secret == "s" * 32
+    flagged, _ = worker_setup(_worker_args(model, "--heartbeat-interval", "2", "--config", str(config_dir)))
+    assert flagged.max_num_batched_tokens == 300
+
+
+def test_engine_flags_left_unset_fall_back_to_engine_config(tmp_path: Path) -> None:
+    from sluice.workers.cli import engine_config
+
+    args = build_parser().parse_args(["generate", "--model", str(tmp_path), "--input", "i", "--output", "o"])
+    assert engine_config(args, str(tmp_path)) == EngineConfig(model=str(tmp_path))
 
 
 def test_unknown_or_malformed_engine_options_are_one_line_errors() -> None:
