@@ -1,4 +1,5 @@
-"""Session-scoped model directories for the engine tests: the demo model and two tiny HF models.
+"""Session-scoped model directories for the engine tests: the demo model and two tiny HF models,
+and `hf_greedy`, HF transformers' greedy reference that every exactness test compares against.
 
 The tiny models are built with transformers' own config classes and random weights (std 0.1,
 so logits are peaked enough that greedy argmax has no near-ties), saved with save_pretrained,
@@ -8,8 +9,11 @@ comes from tests/conftest.py.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -93,3 +97,73 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Pat
             layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     return _save_tiny(model, tmp_path_factory.mktemp("tiny-qwen3"), demo_model_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """HF `generate`'s greedy continuation of one prompt, with the margin of each choice."""
+
+    token_ids: list[int]
+    runner_up_ids: list[int]  # the second-best token at each position
+    gaps: list[float]  # top-1 minus top-2 logit at each position (float32)
+
+
+HFGreedy = Callable[..., list[Reference]]
+
+
+def _hf_generate(model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Reference]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    references = []
+    with torch.inference_mode():
+        for prompt in prompts:  # each prompt alone: no padding
+            ids = torch.tensor([list(prompt)])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=None,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            top2 = torch.cat(out.logits).float().topk(2, dim=-1)  # [new tokens, 2]
+            references.append(Reference(
+                token_ids=out.sequences[0, len(prompt):].tolist(),
+                runner_up_ids=top2.indices[:, 1].tolist(),
+                gaps=(top2.values[:, 0] - top2.values[:, 1]).tolist(),
+            ))
+    return references
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(shared_cache_dir: Path) -> HFGreedy:
+    """(model_dir, prompts, max_new_tokens, persist=False) -> one Reference per prompt.
+
+    Computed once per session; with persist=True also stored in the run's shared cache (under a
+    file lock), keyed by the model's config and provenance files and the prompts, so xdist
+    workers compute it once between them."""
+    from filelock import FileLock
+
+    memo: dict[str, list[Reference]] = {}
+
+    def get(model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+            persist: bool = False) -> list[Reference]:
+        identity = [str(model_dir) if not persist else ""]
+        for name in ("config.json", "sluice_import.json"):
+            if (model_dir / name).is_file():
+                identity.append((model_dir / name).read_text())
+        key = hashlib.sha256(json.dumps([identity, [list(p) for p in prompts], max_new_tokens]).encode()).hexdigest()
+        if key in memo:
+            return memo[key]
+        if not persist:
+            memo[key] = _hf_generate(model_dir, prompts, max_new_tokens)
+            return memo[key]
+        path = shared_cache_dir / f"hf-greedy-{key[:24]}.json"
+        with FileLock(str(path) + ".lock"):
+            if path.is_file():
+                memo[key] = [Reference(**r) for r in json.loads(path.read_text())]
+            else:
+                memo[key] = _hf_generate(model_dir, prompts, max_new_tokens)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps([{"token_ids": r.token_ids, "runner_up_ids": r.runner_up_ids,
+                                            "gaps": r.gaps} for r in memo[key]]))
+                tmp.rename(path)
+        return memo[key]
+
+    return get

@@ -40,27 +40,9 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def hf_reference():
+def hf_reference(hf_greedy):
     """model dir -> greedy continuations from HF generate, computed once per model."""
-    from transformers import AutoModelForCausalLM
-
-    cache: dict[Path, list[list[int]]] = {}
-
-    def get(model_dir: Path) -> list[list[int]]:
-        if model_dir not in cache:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-            outputs = []
-            with torch.inference_mode():
-                for prompt in _prompts():
-                    ids = torch.tensor([prompt])
-                    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                         max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=0,
-                                         eos_token_id=None, pad_token_id=0)
-                    outputs.append(out[0, len(prompt):].tolist())
-            cache[model_dir] = outputs
-        return cache[model_dir]
-
-    return get
+    return lambda model_dir: [r.token_ids for r in hf_greedy(model_dir, _prompts(), MAX_NEW_TOKENS)]
 
 
 def _run(engine: LLMEngine) -> list[list[int]]:
