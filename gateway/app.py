@@ -85,7 +85,9 @@ def create_app(
     quotas = QuotaService(usage.day_total)
     tokenizers = TokenizerRegistry()
     generation = GenerationService(backend, tokenizers, quotas, usage,
-                                   request_timeout_s=settings.gateway.request_timeout_s)
+                                   request_timeout_s=settings.gateway.request_timeout_s,
+                                   max_prompt_chars=settings.gateway.max_prompt_chars,
+                                   max_messages=settings.gateway.max_messages)
     admin = AdminService(session_factory, auth, usage.flush)
     state = State(
         {

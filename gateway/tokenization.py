@@ -103,7 +103,7 @@ class ModelTokenizer:
                     "model's chat template cannot carry as text.", param=f"messages[{i}].content",
                 )
         if self._fast is not None:
-            return list(self._fast.encode(text, add_special_tokens=False).ids)
+            return encode_releasing_gil(self._fast, text)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def _specials_in(self, text: str) -> list[str]:
@@ -197,7 +197,14 @@ class _SpecialMarkup:
         return ids
 
     def _encode_plain(self, text: str) -> list[int]:
-        return list(self._plain.encode(text, add_special_tokens=False).ids) if text else []
+        return encode_releasing_gil(self._plain, text) if text else []
+
+
+def encode_releasing_gil(tokenizer: Any, text: str) -> list[int]:
+    """A Rust tokenizer's ids for `text` (no special tokens added). `Tokenizer.encode` holds the
+    GIL for its whole run (seconds for a large prompt, stalling the event loop even from a worker
+    thread); `encode_batch` releases it and gives the same ids."""
+    return list(tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
 
 
 class TokenizerRegistry:

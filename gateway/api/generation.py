@@ -1,9 +1,15 @@
 """From an OpenAI request body to an accepted `GenerateRequest`, and the bookkeeping at its end.
 
-Order of checks: model exists (404) → tenant may use it (403) → body fields (400) → prompt fits
+Order of checks: model exists (404) → tenant may use it (403) → cheap size limits (message count,
+characters: 400 before any tokenization) → body fields (400) → prompt fits
 the context (400) → per-request caps and rate/budget quotas (400/429) → submit (503 when no
 backend can take it). `Flight` then follows the request until it ends: it settles the quota
 reservation to the tokens actually produced, records usage, and emits the telemetry record.
+
+`prepare()` keeps the event loop free: a prompt over `INLINE_PROMPT_CHARS` characters is rendered
+and tokenized on a worker thread, at most `TOKENIZE_THREADS` at once (so three huge prompts do not
+hold three tokenizations' memory beside everything else), after the cheap limits have refused
+anything over `gateway.max_prompt_chars` / `gateway.max_messages`.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ TIER_TO_CLASS = {
 CLASS_TO_TIER = {Priority.INTERACTIVE: "priority", Priority.STANDARD: "default", Priority.BATCH: "flex"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+INLINE_PROMPT_CHARS = 16_384  # tokenized on the event loop up to this size (a thread hop costs more)
+TOKENIZE_THREADS = 2
 
 
 def resolve_priority(tenant: TenantContext, service_tier: str | None) -> Priority:
@@ -259,10 +267,15 @@ class GenerationService:
         usage: UsageService,
         *,
         request_timeout_s: float = 600.0,
+        max_prompt_chars: int = 1_048_576,
+        max_messages: int = 2048,
     ) -> None:
         if not request_timeout_s > 0:
             raise ValueError(f"gateway.request_timeout_s must be positive, got {request_timeout_s}")
         self.backend = backend
+        self.max_prompt_chars = max_prompt_chars
+        self.max_messages = max_messages
+        self._tokenize_slots = asyncio.Semaphore(TOKENIZE_THREADS)
         self.tokenizers = tokenizers
         self.quotas = quotas
         self.usage = usage
@@ -300,8 +313,46 @@ class GenerationService:
             )
         return tokenizer
 
+    async def prepare(self, tenant: TenantContext, body: ChatCompletionRequest | CompletionRequest) -> Prepared:
+        """prepare_chat / prepare_completion, on a worker thread when the prompt is large."""
+        prepare: Any = self.prepare_chat if isinstance(body, ChatCompletionRequest) else self.prepare_completion
+        if self._prompt_chars(body) <= INLINE_PROMPT_CHARS:
+            return prepare(tenant, body)
+        async with self._tokenize_slots:
+            return await asyncio.to_thread(prepare, tenant, body)
+
+    def _prompt_chars(self, body: ChatCompletionRequest | CompletionRequest) -> int:
+        """Characters to tokenize, counted cheaply (0 when a cheap limit will refuse the body at once)."""
+        if isinstance(body, CompletionRequest):
+            return len(body.prompt) if isinstance(body.prompt, str) else 0
+        if len(body.messages) > self.max_messages:
+            return 0
+        total = 0
+        for message in body.messages:
+            content = message.content
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(part.text or "") for part in content)
+        return total
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise bad_request(
+                f"The prompt has {chars} characters; at most {self.max_prompt_chars} are allowed.",
+                param,
+                code="string_above_max_length",
+            )
+
     def prepare_chat(self, tenant: TenantContext, body: ChatCompletionRequest) -> Prepared:
         tokenizer = self.model_tokenizer(tenant, body.model)
+        if len(body.messages) > self.max_messages:
+            raise bad_request(
+                f"messages has {len(body.messages)} items; at most {self.max_messages} are allowed.",
+                "messages",
+                code="array_above_max_length",
+            )
+        self._check_prompt_chars(self._prompt_chars(body), "messages")
         messages = template_messages(body.messages)
         _refuse_unsupported_chat_fields(body)
         if body.top_logprobs is not None and not body.logprobs:
@@ -327,7 +378,16 @@ class GenerationService:
             raise bad_request("echo is not supported.", "echo")
         prompt = body.prompt
         if isinstance(prompt, str):
+            self._check_prompt_chars(len(prompt), "prompt")
             prompt_ids = tokenizer.encode(prompt)
+        elif len(prompt) >= tokenizer.max_model_len:  # before looking at each of them
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {tokenizer.max_model_len} tokens; your prompt has "
+                f"{len(prompt)} tokens.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             prompt_ids = [int(t) for t in prompt]
             if any(t < 0 or t >= tokenizer.vocab_size for t in prompt_ids):

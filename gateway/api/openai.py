@@ -137,7 +137,7 @@ class OpenAIController(Controller):
         data: JSONBody[ChatCompletionRequest],
     ) -> Response[ChatCompletion]:
         generation: GenerationService = request.app.state.generation
-        prepared = generation.prepare_chat(tenant, data)
+        prepared = await generation.prepare(tenant, data)
         return await _answer(request, generation, tenant, prepared, stream_chat, complete_chat)
 
     @post(
@@ -154,7 +154,7 @@ class OpenAIController(Controller):
         data: JSONBody[CompletionRequest],
     ) -> Response[Completion]:
         generation: GenerationService = request.app.state.generation
-        prepared = generation.prepare_completion(tenant, data)
+        prepared = await generation.prepare(tenant, data)
         return await _answer(request, generation, tenant, prepared, stream_completion, complete_text)
 
     @get("/usage", summary="Your own token usage per model and UTC day", responses=_READ_ERRORS)

@@ -81,7 +81,7 @@ class BatchService:
                 param="file",
             )
         try:
-            lines = parse_batch_file(content)
+            lines = await asyncio.to_thread(parse_batch_file, content)  # seconds for a large file
         except InvalidBatchFile as exc:
             raise OpenAIError(400, str(exc), param="file", code="invalid_file") from None
         return await self._store_file(tenant_id, filename or "input.jsonl", purpose, content, len(lines))
@@ -235,6 +235,43 @@ class BatchService:
             custom_id=line.custom_id,
         )
 
+    def _line_requests(self, tenant: TenantContext, batch_id: str, endpoint: str,
+                       content: bytes) -> tuple[list[GenerateRequest], list[dict[str, Any]]]:
+        """Every line of an input file as a request, or the errors that fail the batch (CPU only)."""
+        errors: list[dict[str, Any]] = []
+        requests: list[GenerateRequest] = []
+        try:
+            lines = parse_batch_file(content)
+        except InvalidBatchFile as exc:
+            lines = []
+            errors = [
+                {"code": "invalid_line", "message": m, "param": None, "line": n or None}
+                for n, m in exc.errors
+            ]
+        for line in lines:
+            if line.url != endpoint:
+                errors.append(
+                    {
+                        "code": "mismatched_endpoint",
+                        "line": line.line_no,
+                        "param": "url",
+                        "message": f"the line's url {line.url} differs from the batch endpoint {endpoint}",
+                    }
+                )
+                continue
+            try:
+                requests.append(self._line_request(tenant, batch_id, line))
+            except OpenAIError as exc:
+                errors.append(
+                    {
+                        "code": exc.code or "invalid_request",
+                        "message": exc.message,
+                        "param": exc.param,
+                        "line": line.line_no,
+                    }
+                )
+        return requests, errors
+
     async def create_batch(
         self,
         tenant: TenantContext,
@@ -272,38 +309,8 @@ class BatchService:
                 param="input_file_id",
             )
         batch_id = new_id("batch")
-        errors: list[dict[str, Any]] = []
-        requests: list[GenerateRequest] = []
-        try:
-            lines = parse_batch_file(source.content)
-        except InvalidBatchFile as exc:
-            lines = []
-            errors = [
-                {"code": "invalid_line", "message": m, "param": None, "line": n or None}
-                for n, m in exc.errors
-            ]
-        for line in lines:
-            if line.url != endpoint:
-                errors.append(
-                    {
-                        "code": "mismatched_endpoint",
-                        "line": line.line_no,
-                        "param": "url",
-                        "message": f"the line's url {line.url} differs from the batch endpoint {endpoint}",
-                    }
-                )
-                continue
-            try:
-                requests.append(self._line_request(tenant, batch_id, line))
-            except OpenAIError as exc:
-                errors.append(
-                    {
-                        "code": exc.code or "invalid_request",
-                        "message": exc.message,
-                        "param": exc.param,
-                        "line": line.line_no,
-                    }
-                )
+        # Parsing and tokenizing thousands of lines takes seconds: off the event loop.
+        requests, errors = await asyncio.to_thread(self._line_requests, tenant, batch_id, endpoint, source.content)
         now = utcnow()
         row = Batch(
             id=batch_id,

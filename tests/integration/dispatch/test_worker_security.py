@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from sluice.broker import free_port
@@ -157,5 +158,67 @@ async def test_worker_port_over_tls(bootstrap_servers: str, demo_model_dir: Path
         context = ssl.create_default_context(cafile=str(cert))
         received = await impostor(port, lambda nonce: register("x", ""), context=context)
         assert [type(m) for m in received] == [WorkerChallenge, WorkerRejected]
+    finally:
+        await backend.stop()
+
+
+async def test_workers_announce_what_they_serve(bootstrap_servers: str, demo_model_dir: Path, start_worker) -> None:
+    """A model is served once a worker announced it (then also while its workers are down); a worker
+    with another tokenizer or a shorter context for that name is refused; the gateway answers 404
+    model_not_found for a model no worker announced."""
+    from sluice.gateway.api.generation import GenerationService
+    from sluice.gateway.auth import TenantContext
+    from sluice.gateway.errors import OpenAIError
+    from sluice.gateway.quotas import QuotaLimits, QuotaService
+    from sluice.gateway.schemas import ChatCompletionRequest
+    from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
+    from sluice.protocol import tokenizer_identity
+    from sluice.settings import DispatchSettings
+
+    from .conftest import terminate_group
+
+    port = free_port()
+    settings = make_settings(bootstrap_servers, demo_model_dir, dispatch=DispatchSettings(
+        heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, local_workers=0, announce_grace_s=0.0))
+    backend = KafkaBackend(settings, worker_port=port)
+    await backend.start()
+    try:
+        registry = TokenizerRegistry()
+        registry.add(ModelTokenizer.load("demo", demo_model_dir))
+        generation = GenerationService(backend, registry, QuotaService(), None)  # type: ignore[arg-type]
+        tenant = TenantContext(id="t", name="t", priority_ceiling=Priority.INTERACTIVE,
+                               default_class=Priority.STANDARD, weight=1.0, allowed_models=frozenset(),
+                               enabled=True, limits=QuotaLimits())
+        body = msgspec.convert({"model": "demo", "messages": [{"role": "user", "content": "hi"}]},
+                               ChatCompletionRequest)
+        with pytest.raises(OpenAIError) as missing:
+            await generation.prepare(tenant, body)
+        assert missing.value.status == 404 and missing.value.code == "model_not_found"
+
+        expected = backend.dispatcher.expected_models["demo"]
+        assert expected.tokenizer == tokenizer_identity(demo_model_dir) != ""
+
+        def announcing(info: ServedModelInfo):
+            def make(nonce: bytes) -> WorkerRegister:
+                reg = register("odd", worker_proof(WORKER_SECRET, nonce, "odd"))
+                return msgspec.structs.replace(reg, models=(info,))
+            return make
+
+        wrong = (ServedModelInfo(name="demo", max_model_len=10**6, tokenizer="0" * 64), "tokenizer")
+        short = (ServedModelInfo(name="demo", max_model_len=8, tokenizer=expected.tokenizer), "max_model_len")
+        unknown = (ServedModelInfo(name="other", max_model_len=10**6), "does not list")
+        for info, why in (wrong, short, unknown):
+            received = await impostor(port, announcing(info))
+            assert isinstance(received[-1], WorkerRejected) and why in received[-1].reason, (why, received)
+        assert not backend.could_serve("demo")
+
+        worker = start_worker(demo_model_dir, port, "aw1")
+        await wait_for(lambda: "aw1" in backend.dispatcher.workers, 180, "the worker to register")
+        assert backend.could_serve("demo")
+        prepared = await generation.prepare(tenant, body)
+        assert prepared.request.model == "demo"
+        terminate_group(worker)
+        await wait_for(lambda: "aw1" not in backend.dispatcher.workers, 60, "the worker to be gone")
+        assert backend.could_serve("demo")  # temporarily down: its requests wait for a worker
     finally:
         await backend.stop()

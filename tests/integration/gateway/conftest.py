@@ -32,6 +32,7 @@ class Gateway:
     admin_token: str
     database_url: str
     app: Any
+    metrics_token: str = ""
     _names: int = 0
     secrets_seen: list[str] = field(default_factory=list)
 
@@ -69,8 +70,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
     directory = tmp_path_factory.mktemp("gateway")
     database_url = f"sqlite+aiosqlite:///{directory / 'sluice.db'}"
     admin_token = "slc-admin-" + secrets.token_urlsafe(32)
+    metrics_token = "metrics-" + secrets.token_urlsafe(24)
     settings = Settings(
-        gateway=GatewaySettings(max_body_bytes=256 * 1024, key_cache_ttl_s=30.0),
+        gateway=GatewaySettings(max_body_bytes=256 * 1024, key_cache_ttl_s=30.0, metrics_token=metrics_token),
         admin=AdminSettings(token=admin_token),
         database=DatabaseSettings(url=database_url),
     )
@@ -89,7 +91,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
             raise RuntimeError("the gateway did not start")
         time.sleep(0.05)
     try:
-        yield Gateway(f"http://127.0.0.1:{port}", admin_token, database_url, app)
+        yield Gateway(f"http://127.0.0.1:{port}", admin_token, database_url, app, metrics_token)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

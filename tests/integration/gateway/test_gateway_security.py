@@ -99,3 +99,21 @@ def test_secrets_never_logged(gateway, caplog: pytest.LogCaptureFixture) -> None
     for secret in [gateway.admin_token, *gateway.secrets_seen, created["key"]]:
         assert secret not in logged
         assert secret not in audit
+
+
+def test_metrics_need_the_metrics_token_or_the_admin_token(gateway) -> None:
+    """/metrics names tenants and counts their tokens: closed to anonymous callers and tenant keys."""
+    import httpx
+
+    tenant, key = gateway.tenant()
+    with gateway.client(key) as client:
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    url = gateway.base_url + "/metrics"
+    for headers in ({}, {"authorization": f"Bearer {key}"}, {"authorization": "Bearer metrics-wrong"},
+                    {"authorization": f"Basic {gateway.metrics_token}"}):
+        denied = httpx.get(url, headers=headers)
+        assert denied.status_code == 401 and tenant["name"] not in denied.text
+        assert set(denied.json()["error"]) == {"message", "type", "param", "code"}
+    for token in (gateway.metrics_token, gateway.admin_token):
+        allowed = httpx.get(url, headers={"authorization": f"Bearer {token}"})
+        assert allowed.status_code == 200 and "sluice:" in allowed.text
