@@ -66,16 +66,10 @@ def test_every_model_and_tenant_key_is_a_setting_with_its_value() -> None:
         assert all(getattr(tenant.quotas, k) == v for k, v in quotas.items())
 
 
-# Declared by the hardening work (issue #11) for limits it is wiring into the request path; each
-# entry goes as soon as some code reads it.
-NOT_YET_READ = {"gateway": {"max_prompt_chars", "max_messages"}}
-
-
 @pytest.mark.parametrize("section", sorted(SECTIONS))
 def test_every_setting_is_read_by_the_code(section: str) -> None:
     code = _code()
-    unread = [key for key in SECTIONS[section].__struct_fields__
-              if not re.search(rf"\.{key}\b", code) and key not in NOT_YET_READ.get(section, ())]
+    unread = [key for key in SECTIONS[section].__struct_fields__ if not re.search(rf"\.{key}\b", code)]
     assert not unread, f"[{section}] settings no code reads: {unread} (use them or remove them)"
 
 
