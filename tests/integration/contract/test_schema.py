@@ -33,7 +33,7 @@ ERROR_REF = "#/components/schemas/ErrorResponse"
 
 
 def real_routes() -> set[tuple[str, str]]:
-    """(path template, method) of every route of the app that `sluice serve` runs."""
+    """(path template, method) of every API route of the app that `sluice serve` runs."""
     settings = Settings(kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"))
     batches = batch_components(settings)
     app = create_app(
@@ -43,7 +43,9 @@ def real_routes() -> set[tuple[str, str]]:
         (re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path), method.lower())
         for route in app.routes
         if isinstance(route, HTTPRoute) and not route.path.startswith("/schema")
-        for method in route.methods
+        for handler in route.route_handlers
+        if handler.resolve_include_in_schema()  # the console's browser pages are not API
+        for method in handler.http_methods
         if method not in ("OPTIONS", "HEAD")
     }
 
