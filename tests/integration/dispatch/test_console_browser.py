@@ -49,8 +49,7 @@ def write_config(directory: Path, model_dir: Path) -> Path:
     (directory / "sluice.toml").write_text(
         "[dispatch]\nlocal_workers = 1\nheartbeat_interval_s = 0.5\nheartbeat_timeout_s = 10.0\n"
         "max_worker_waiting = 2\n"
-        "[engine]\nmax_num_seqs = 4\nmax_num_batched_tokens = 256\n"
-        "[logging]\nlevel = \"WARNING\"\n")
+        "[engine]\nmax_num_seqs = 4\nmax_num_batched_tokens = 256\n")
     (directory / "models.toml").write_text(f'[[models]]\nname = "demo"\npath = "{model_dir}"\n')
     (directory / "tenants.toml").write_text(
         '[[tenants]]\nname = "demo-chat"\npriority_ceiling = "interactive"\n'
