@@ -206,7 +206,15 @@ async def test_lines_over_a_rate_limit_wait_instead_of_failing(gateway) -> None:
     done = await wait_done(narrow, batch.id)
     assert done.status == "completed"
     assert done.request_counts.completed == 6 and done.request_counts.failed == 0
-    assert backend.deferrals_total > 0 and backend.deferred == 0
+    assert backend.deferrals_total > 0
+    # A deferred copy of a line that another delivery already answered (the queue keeper re-enqueues
+    # lines it does not see held) ends at its retry, as a skipped duplicate: none stays behind.
+    for _ in range(240):
+        if backend.deferred == 0:
+            break
+        await asyncio.sleep(0.5)
+    assert backend.deferred == 0
+    assert (await narrow.batches.retrieve(batch.id)).request_counts.completed == 6
 
 
 async def test_lines_left_after_the_completion_window_expire_the_batch(gateway, database_url: str) -> None:
