@@ -1,7 +1,8 @@
 """The admin console in a real browser: Debian's Chromium, headless, driven by Playwright, against a
 real `sluice serve` (embedded-style: the session broker, SQLite, one local worker, the demo model).
 
-One server and one browser for the module (the tests run in order and share a signed-in page).
+One server and one browser for the module (the tests run in order and share a signed-in page;
+`make test` runs each module on one xdist worker, `--dist loadscope`).
 Without /usr/bin/chromium the module is skipped, except under CI=true, where that is a failure.
 With SLUICE_UPDATE_SCREENSHOT=1 the screenshot of the console under load replaces docs/console.png.
 """
@@ -27,7 +28,7 @@ from sluice.broker import free_port
 from .conftest import REPO
 from .test_serve import ADMIN_TOKEN, Serve, batch_file
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("console-browser")]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

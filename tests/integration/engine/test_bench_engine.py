@@ -21,7 +21,7 @@ def test_bench_engine_writes_report(tmp_path: Path, demo_model_dir: Path) -> Non
                  "--prompt-len", "uniform:4:20", "--output-len", "fixed:3", "--hf-batch-sizes", "2,4",
                  "--policies", "chunked,static", "--scheduler-sizes", "4", "--max-model-len", "128",
                  "--num-kv-blocks", "32", "--latency-prompt-len", "20",
-                 "--latency-output-len", "4", "--latency-streams", "1,3"])
+                 "--latency-output-len", "16", "--latency-streams", "1,3"])
     assert code == 0
     report = json.loads(out.read_text())
     assert report["hf_static"]["output_tokens"] == 12 and report["hf_static"]["output_tokens_per_s"] > 0

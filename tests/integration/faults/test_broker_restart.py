@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from sluice.broker import EmbeddedBroker, free_port
+from sluice.protocol import Priority
 from sluice.settings import SchedulerSettings
 
 from .conftest import FaultGateway, fault_settings, jsonl, open_gateway, wait_for
@@ -52,8 +53,14 @@ async def test_batches_complete_after_a_broker_restart(own_broker: EmbeddedBroke
     caplog.set_level(logging.INFO, logger="sluice.gateway")
     settings = fault_settings(own_broker.bootstrap_servers, demo_model_dir, database_url, scheduler=BACKLOG)
     async for gw in open_gateway(settings, worker_port):
+        # The worker is drained while the first batch is queued, so the restart finds most of its
+        # lines still in the broker (on a fast machine they would all be answered before it).
+        assert (await gw.client.post("/admin/workers/fw/drain", headers=gw.admin)).status_code == 200
         before = await _create(gw, 24)
+        consumer = gw.backend._consumers[Priority.BATCH]
+        await wait_for(lambda: consumer.paused, 60, "the gateway's batch backlog to fill")
         await asyncio.to_thread(restart, own_broker)
+        assert (await gw.client.post("/admin/workers/fw/undrain", headers=gw.admin)).status_code == 200
         # Tansu 0.6 (memory storage) cannot serve back a record produced into a topic it created
         # implicitly on that produce; the gateway recreates its topics within seconds, and a batch
         # accepted after that runs (see the README on what the embedded broker keeps).
