@@ -244,9 +244,15 @@ class KafkaBackend:
 
     # ---- consuming -----------------------------------------------------------------------------
 
-    async def _on_request(self, request: GenerateRequest, ref: RecordRef) -> None:
+    async def _on_request(self, request: GenerateRequest, ref: RecordRef, *, claimed: bool = False) -> None:
         """One consumed record. Whatever goes wrong with it ends that request alone (with an error
-        its client or batch sees), never the consumer."""
+        its client or batch sees), never the consumer. A second record of a request that another
+        task is routing (awaiting the database) or has deferred is a duplicate (Kafka delivers at
+        least once; the audit may re-enqueue a line): its offset is finished, nothing runs twice.
+        `claimed`: the caller (a deferred retry) already holds the request in `_routing`."""
+        if not claimed and (request.request_id in self._routing or request.request_id in self._deferred_ids):
+            self._finish_ref(ref)
+            return
         self._routing.add(request.request_id)
         try:
             await self._route(request, ref)
@@ -344,7 +350,7 @@ class KafkaBackend:
         self._adjust_backlog(request.priority, -1)
         if self._started:
             self._routing.add(request.request_id)  # held from now on, not only once the task runs
-            self._spawn(self._on_request(request, ref))
+            self._spawn(self._on_request(request, ref, claimed=True))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
