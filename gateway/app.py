@@ -1,7 +1,8 @@
 """The gateway's Litestar application: OpenAI routes, admin API, admin console, health, metrics.
 
-`create_app` builds every service once and stores it on `app.state` (quotas, usage, auth, admin,
-generation, tokenizers, session_factory, backend); the Batch API controllers (`gateway/batches`) join through
+`create_app` builds every service once and stores it on `app.state` (shared, quotas, usage, auth,
+admin, generation, tokenizers, session_factory, backend); `shared` is the state replicas share
+(`[shared]`: in-process, or Redis); the Batch API controllers (`gateway/batches`) join through
 `extra_route_handlers` and reuse `tenant_guard` / `current_tenant` and the quota/usage services.
 """
 
@@ -39,6 +40,7 @@ from sluice.gateway.methods import OptionsMiddleware
 from sluice.gateway.openapi import COMPONENTS, ContractJsonPlugin
 from sluice.gateway.quotas import QuotaService
 from sluice.gateway.seed import seed_tenants
+from sluice.gateway.shared import open_shared
 from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
 from sluice.gateway.usage import UsageService
 from sluice.settings import Settings
@@ -80,9 +82,10 @@ def create_app(
     if session_factory is None:
         owned_engine = make_engine(settings.database.url, echo=settings.database.echo)
         session_factory = make_session_factory(owned_engine)
-    auth = AuthService(session_factory, cache_ttl_s=settings.gateway.key_cache_ttl_s)
+    shared = open_shared(settings.shared)
+    auth = AuthService(session_factory, cache_ttl_s=settings.gateway.key_cache_ttl_s, bus=shared.bus)
     usage = UsageService(session_factory)
-    quotas = QuotaService(usage.day_total)
+    quotas = QuotaService(usage.day_total, ledger=shared.ledger)
     tokenizers = TokenizerRegistry()
     generation = GenerationService(backend, tokenizers, quotas, usage,
                                    request_timeout_s=settings.gateway.request_timeout_s,
@@ -94,6 +97,7 @@ def create_app(
             "settings": settings,
             "backend": backend,
             "session_factory": session_factory,
+            "shared": shared,
             "auth": auth,
             "usage": usage,
             "quotas": quotas,
@@ -111,6 +115,7 @@ def create_app(
         if owned_engine is not None:
             await migrate(settings.database.url)
         telemetry.configure(settings.gateway.record_log_path)
+        await shared.start()
         generated = await auth.ensure_admin_token(settings.admin.token)
         await seed_tenants(admin, settings.tenants)
         app.state.generated_admin_token = generated
@@ -123,6 +128,7 @@ def create_app(
     async def shutdown(app: Litestar) -> None:
         await backend.stop()
         await generation.drain()
+        await shared.stop()
         await usage.close()
         await auth.drain()
         if owned_engine is not None:

@@ -4,7 +4,8 @@ Keys are `sk-slc-` + 32 random bytes (base64url). Only the SHA-256 of a key is s
 bits of entropy a fast hash is safe. A lookup hashes the presented key, finds the row by hash
 (an index lookup reveals nothing useful about the secret) and still compares with
 `hmac.compare_digest`. Results are cached for `key_cache_ttl_s`; revoke, rotate and tenant
-changes evict the cache immediately in this process. Unknown keys are remembered too, briefly
+changes are announced on the invalidation bus (gateway/invalidation.py), which evicts them at once
+here and, when the state is shared, on every other replica too. Unknown keys are remembered too, briefly
 (`UNKNOWN_KEY_TTL_S`, at most `UNKNOWN_KEY_CACHE_SIZE` of them, evicted when a key with that hash
 is created), so a client retrying a bad key does not cost a database query each time.
 
@@ -35,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.gateway.db.models import AdminToken, ApiKey, Quota, Tenant
 from sluice.gateway.errors import OpenAIError
+from sluice.gateway.invalidation import Change, InvalidationBus, LocalBus
 from sluice.gateway.quotas import QuotaLimits
 from sluice.protocol import Priority
 
@@ -116,7 +118,11 @@ class AuthService:
     """Authenticates tenant keys (cached) and the admin token."""
 
     def __init__(
-        self, session_factory: async_sessionmaker[AsyncSession], *, cache_ttl_s: float = 30.0
+        self,
+        session_factory: async_sessionmaker[AsyncSession],
+        *,
+        cache_ttl_s: float = 30.0,
+        bus: InvalidationBus | None = None,
     ) -> None:
         self._sessions = session_factory
         self._ttl = cache_ttl_s
@@ -125,6 +131,8 @@ class AuthService:
         self._last_used_written: dict[str, float] = {}  # key id -> monotonic time of last write
         self._admin_hashes: frozenset[str] = frozenset()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._bus: InvalidationBus = bus if bus is not None else LocalBus()
+        self._bus.subscribe(self._apply)
 
     # ---- tenant keys ---------------------------------------------------------------------------
 
@@ -210,6 +218,21 @@ class AuthService:
                 )
         except Exception:  # best effort: a busy database must not fail requests
             log.warning("could not record last use of key %s", key_id, exc_info=True)
+
+    async def announce(self, change: Change) -> None:
+        """A committed admin change: evicts it here and on every replica sharing the bus."""
+        await self._bus.publish(change)
+
+    def _apply(self, change: Change) -> None:
+        if change.kind == "key":
+            self.invalidate_key(change.ident)
+        elif change.kind == "tenant":
+            self.invalidate_tenant(change.ident)
+        elif change.kind == "key_created":
+            self.key_created(change.ident)
+        else:
+            self._cache.clear()
+            self._unknown.clear()
 
     def invalidate_key(self, key_id: str) -> None:
         for digest in [d for d, e in self._cache.items() if e.context.key_id == key_id]:

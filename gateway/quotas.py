@@ -1,7 +1,8 @@
-"""Per-tenant quotas, enforced at admission; exact within one gateway process.
+"""Per-tenant quotas, enforced at admission; exact within one gateway process, or across replicas
+when the counters live in Redis (`[shared] url`, see gateway/ledger.py and docs/scale-out.md).
 
 Limits (None = unlimited): requests/min and tokens/min over a sliding 60 s window, tokens per UTC
-day (the day's total read from usage_daily once, then kept in memory), concurrent requests
+day (the day's total read from usage_daily once, then kept in the ledger), concurrent requests
 (queued + running), queued requests (admitted, no token yet), and the per-request caps
 max_prompt_tokens / max_output_tokens (400: no retry helps).
 
@@ -10,28 +11,27 @@ above what is left of the daily budget — is a 429 with `x-should-retry: false`
 (the OpenAI SDKs honour that header and do not retry); the message says what to change.
 
 A `Reservation` holds prompt + max_tokens against the minute and day budgets from admission until
-`settle` (actual tokens) or `release` (full refund). All bookkeeping after the optional day load
-is synchronous, so no other coroutine can interleave between a check and its update.
+`settle` (actual tokens) or `release` (full refund). Each check-and-update is one atomic step of
+the ledger; `mark_running`, `settle` and `release` return at once (a shared ledger applies them in
+the background: `flush` waits for them).
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sluice.gateway.errors import OpenAIError
+from sluice.gateway.ledger import Ask, DayUnseeded, LocalLedger, QuotaLedger, Refusal
 from sluice.protocol import Priority
 
 if TYPE_CHECKING:
     from sluice.gateway.auth import TenantContext
 
-WINDOW_S = 60.0
 MAX_RETRY_AFTER_S = 60
 
 DayLoader = Callable[[str, dt.date], Awaitable[int]]
@@ -82,40 +82,13 @@ class QuotaExceeded(OpenAIError):
 
 
 @dataclass(slots=True)
-class _TokenEntry:
-    at: float  # monotonic admission time
-    tokens: int  # reserved, then the actual count once settled
-
-
-@dataclass(slots=True)
-class _TenantState:
-    requests: deque[float] = field(default_factory=deque)  # admission times in the window
-    tokens: deque[_TokenEntry] = field(default_factory=deque)
-    tokens_in_window: int = 0
-    day: dt.date | None = None
-    day_used: int = 0  # settled tokens of `day` (database + this process)
-    day_reserved: int = 0  # in-flight reservations not yet settled
-    live: int = 0  # admitted and not settled: queued + running
-    queued: int = 0  # admitted and no token yet
-    day_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def expire(self, now: float) -> None:
-        horizon = now - WINDOW_S
-        while self.requests and self.requests[0] <= horizon:
-            self.requests.popleft()
-        while self.tokens and self.tokens[0].at <= horizon:
-            self.tokens_in_window -= self.tokens.popleft().tokens
-
-
-@dataclass(slots=True)
 class Reservation:
     tenant_id: str
     priority: Priority
     prompt_tokens: int
     max_tokens: int
     day: dt.date
-    _entry: _TokenEntry
-    _state: _TenantState
+    hold: str  # the ledger's id of this hold
     running: bool = False
     done: bool = False
 
@@ -145,29 +118,17 @@ def format_reset(seconds: float) -> str:
 
 
 class QuotaService:
+    """The quota policy over a ledger (gateway/ledger.py): in-process by default, Redis when shared."""
+
     def __init__(
-        self, day_loader: DayLoader | None = None, *, clock: Callable[[], float] = time.monotonic
+        self,
+        day_loader: DayLoader | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        ledger: QuotaLedger | None = None,
     ) -> None:
-        self._states: dict[str, _TenantState] = {}
         self._day_loader = day_loader
-        self._clock = clock
-
-    def _state(self, tenant_id: str) -> _TenantState:
-        state = self._states.get(tenant_id)
-        if state is None:
-            state = self._states[tenant_id] = _TenantState()
-        return state
-
-    async def _ensure_day(self, tenant_id: str, state: _TenantState, today: dt.date) -> None:
-        if state.day == today:
-            return
-        async with state.day_lock:
-            if state.day == today:
-                return
-            used = await self._day_loader(tenant_id, today) if self._day_loader is not None else 0
-            state.day, state.day_used = today, used
-            # reservations made on the previous day settle against it; the new day starts clean
-            state.day_reserved = 0
+        self._ledger: QuotaLedger = ledger if ledger is not None else LocalLedger(clock)
 
     def check_request_size(self, tenant: TenantContext, prompt_tokens: int, max_tokens: int) -> None:
         """Per-request caps: 400, because waiting would not help."""
@@ -195,87 +156,70 @@ class QuotaService:
         """Checks every limit and reserves prompt + max_tokens; raises OpenAIError / QuotaExceeded."""
         self.check_request_size(tenant, prompt_tokens, max_tokens)
         limits = tenant.limits
-        state = self._state(tenant.id)
-        today = dt.datetime.now(dt.UTC).date()
-        if limits.tokens_per_day is not None:
-            await self._ensure_day(tenant.id, state, today)
-        # ---- from here on: no await, so check-then-update is atomic on the event loop ----
-        now = self._clock()
-        state.expire(now)
         need = prompt_tokens + max_tokens
-        headers = self.headers(tenant)
-        if limits.max_concurrent is not None and state.live >= limits.max_concurrent:
+        if limits.tokens_per_minute is not None and need > limits.tokens_per_minute:
             raise QuotaExceeded(
+                f"Request too large: prompt + max_tokens is {need} tokens, more than your limit of "
+                f"{limits.tokens_per_minute} tokens per minute, so it can never be admitted; "
+                "lower max_tokens or shorten the prompt (retrying does not help).",
+                code="request_too_large",
+                retry_after=None,
+                headers=self.headers(tenant),
+                param="max_tokens",
+            )
+        ask = Ask(tenant.id, limits, need, dt.datetime.now(dt.UTC).date())
+        outcome = await self._ledger.admit(ask)
+        while isinstance(outcome, DayUnseeded):  # once a day per tenant (per process when in-process)
+            used = await self._day_loader(tenant.id, ask.day) if self._day_loader is not None else 0
+            await self._ledger.seed_day(tenant.id, ask.day, used)
+            outcome = await self._ledger.admit(ask)
+        if isinstance(outcome, Refusal):
+            raise self._refused(tenant, outcome, need)
+        return Reservation(tenant.id, priority, prompt_tokens, max_tokens, ask.day, outcome)
+
+    def _refused(self, tenant: TenantContext, refusal: Refusal, need: int) -> QuotaExceeded:
+        limits, headers = tenant.limits, self.headers(tenant)
+        if refusal.limit == "concurrent":
+            return QuotaExceeded(
                 f"Too many concurrent requests: your limit is {limits.max_concurrent} "
                 "queued or running at once.",
                 code="rate_limit_exceeded",
                 retry_after=1,
                 headers=headers,
             )
-        if limits.max_queued is not None and state.queued >= limits.max_queued:
-            raise QuotaExceeded(
+        if refusal.limit == "queued":
+            return QuotaExceeded(
                 f"Too many queued requests: your limit is {limits.max_queued}.",
                 code="rate_limit_exceeded",
                 retry_after=1,
                 headers=headers,
             )
-        if limits.requests_per_minute is not None and len(state.requests) >= limits.requests_per_minute:
-            raise _retry_later(
+        if refusal.limit == "requests":
+            return _retry_later(
                 f"Rate limit reached: {limits.requests_per_minute} requests per minute.",
-                wait=state.requests[0] + WINDOW_S - now,
+                wait=refusal.wait_s,
                 headers=headers,
             )
-        if limits.tokens_per_minute is not None:
-            if need > limits.tokens_per_minute:
-                raise QuotaExceeded(
-                    f"Request too large: prompt + max_tokens is {need} tokens, more than your limit of "
-                    f"{limits.tokens_per_minute} tokens per minute, so it can never be admitted; "
-                    "lower max_tokens or shorten the prompt (retrying does not help).",
-                    code="request_too_large",
-                    retry_after=None,
-                    headers=headers,
-                    param="max_tokens",
-                )
-            if state.tokens_in_window + need > limits.tokens_per_minute:
-                raise _retry_later(
-                    f"Rate limit reached: {limits.tokens_per_minute} tokens per minute "
-                    "(prompt + max_tokens reserved).",
-                    wait=self._token_wait(state, need, limits.tokens_per_minute, now),
-                    headers=headers,
-                )
-        if limits.tokens_per_day is not None:
-            left = limits.tokens_per_day - state.day_used - state.day_reserved
-            if need > left:
-                raise QuotaExceeded(
-                    f"You exceeded your daily token budget ({limits.tokens_per_day} tokens per "
-                    f"UTC day; {max(0, left)} left, this request needs {need}).",
-                    code="insufficient_quota",
-                    retry_after=None,
-                    headers=headers,
-                )
-        entry = _TokenEntry(now, need)
-        state.requests.append(now)
-        state.tokens.append(entry)
-        state.tokens_in_window += need
-        state.day_reserved += need if state.day == today else 0
-        state.live += 1
-        state.queued += 1
-        return Reservation(tenant.id, priority, prompt_tokens, max_tokens, today, entry, state)
-
-    @staticmethod
-    def _token_wait(state: _TenantState, need: int, limit: int, now: float) -> float:
-        freed = 0
-        for entry in state.tokens:
-            freed += entry.tokens
-            if state.tokens_in_window - freed + need <= limit:
-                return entry.at + WINDOW_S - now
-        return WINDOW_S
+        if refusal.limit == "tokens":
+            return _retry_later(
+                f"Rate limit reached: {limits.tokens_per_minute} tokens per minute "
+                "(prompt + max_tokens reserved).",
+                wait=refusal.wait_s,
+                headers=headers,
+            )
+        return QuotaExceeded(
+            f"You exceeded your daily token budget ({limits.tokens_per_day} tokens per "
+            f"UTC day; {refusal.day_left} left, this request needs {need}).",
+            code="insufficient_quota",
+            retry_after=None,
+            headers=headers,
+        )
 
     def mark_running(self, reservation: Reservation) -> None:
         """The first token arrived: the request no longer counts as queued."""
         if not reservation.running and not reservation.done:
             reservation.running = True
-            reservation._state.queued -= 1
+            self._ledger.mark_running(reservation.tenant_id, reservation.hold)
 
     def settle(self, reservation: Reservation, prompt_tokens: int, completion_tokens: int) -> None:
         """The request ended: charge what it actually used instead of the reservation. Idempotent."""
@@ -286,44 +230,31 @@ class QuotaService:
         self._finish(reservation, 0)
 
     def _finish(self, reservation: Reservation, used: int) -> None:
-        if reservation.done:
-            return
-        state = reservation._state
-        if not reservation.running:
-            state.queued -= 1
-        reservation.done = True
-        state.live -= 1
-        entry = reservation._entry
-        if state.tokens and state.tokens[0].at <= entry.at:  # still inside the minute window
-            state.tokens_in_window += used - entry.tokens
-        entry.tokens = used
-        if state.day == reservation.day:
-            state.day_reserved -= reservation.reserved_tokens
-            state.day_used += used
+        if not reservation.done:
+            reservation.done = True
+            self._ledger.finish(reservation.tenant_id, reservation.hold, used)
 
     def headers(self, tenant: TenantContext) -> dict[str, str]:
         """`x-ratelimit-*` for the configured minute limits (sent on every authenticated answer)."""
         limits = tenant.limits
-        state = self._states.get(tenant.id)
-        now = self._clock()
-        if state is not None:
-            state.expire(now)
         out: dict[str, str] = {}
+        if limits.requests_per_minute is None and limits.tokens_per_minute is None:
+            return out
+        view = self._ledger.view(tenant.id)
         if limits.requests_per_minute is not None:
-            used = len(state.requests) if state else 0
-            reset = (state.requests[0] + WINDOW_S - now) if state and state.requests else 0.0
             out["x-ratelimit-limit-requests"] = str(limits.requests_per_minute)
-            out["x-ratelimit-remaining-requests"] = str(max(0, limits.requests_per_minute - used))
-            out["x-ratelimit-reset-requests"] = format_reset(reset)
+            out["x-ratelimit-remaining-requests"] = str(max(0, limits.requests_per_minute - view.requests))
+            out["x-ratelimit-reset-requests"] = format_reset(view.requests_reset_s)
         if limits.tokens_per_minute is not None:
-            used = state.tokens_in_window if state else 0
-            reset = (state.tokens[0].at + WINDOW_S - now) if state and state.tokens else 0.0
             out["x-ratelimit-limit-tokens"] = str(limits.tokens_per_minute)
-            out["x-ratelimit-remaining-tokens"] = str(max(0, limits.tokens_per_minute - used))
-            out["x-ratelimit-reset-tokens"] = format_reset(reset)
+            out["x-ratelimit-remaining-tokens"] = str(max(0, limits.tokens_per_minute - view.tokens))
+            out["x-ratelimit-reset-tokens"] = format_reset(view.tokens_reset_s)
         return out
 
     def live(self, tenant_id: str) -> tuple[int, int]:
         """(queued + running, queued) of a tenant in this process."""
-        state = self._states.get(tenant_id)
-        return (state.live, state.queued) if state else (0, 0)
+        return self._ledger.live(tenant_id)
+
+    async def flush(self) -> None:
+        """Waits until every settlement so far has reached the ledger's store."""
+        await self._ledger.flush()

@@ -1,12 +1,14 @@
 """Settings: TOML files in the config directory, overridden by SLUICE_* environment variables.
 
 Files (all optional except where noted), in `$SLUICE_CONFIG_DIR` (default: ./config):
-  sluice.toml   sections [gateway] [admin] [database] [kafka] [broker] [scheduler] [dispatch] [engine]
+  sluice.toml   sections [gateway] [admin] [database] [kafka] [broker] [scheduler] [dispatch] [shared]
+                [engine]
   models.toml   [[models]] name, path, and how a missing directory is made: demo = true or fetch = "NAME"
   tenants.toml  [[tenants]] the seed tenants (see TenantSeed)
 
 Environment overrides: SLUICE_<SECTION>_<KEY>=value, e.g. SLUICE_GATEWAY_PORT=8080,
 SLUICE_DATABASE_URL=postgresql+asyncpg://..., SLUICE_KAFKA_BOOTSTRAP_SERVERS=kafka:9092,
+SLUICE_SHARED_URL=redis://127.0.0.1:6379/0,
 SLUICE_ADMIN_TOKEN=... . Values are read as TOML literals when they parse (numbers, booleans,
 arrays), otherwise as strings. An override naming a known section but an unknown key is an error.
 Every problem is reported as one ConfigError naming the file (or variable), the key and the fault.
@@ -112,6 +114,38 @@ class DispatchSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     announce_grace_s: float = 60.0
 
 
+class SharedSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where gateway replicas share quota counters and cache invalidations (docs/scale-out.md)."""
+
+    url: str = ""  # empty = in this process (one gateway); redis://HOST[:PORT][/DB] = Redis
+    lease_s: float = 10.0  # a replica that stops renewing has its holds released after this long
+    prefix: str = "sluice"  # of every Redis key and channel (several deployments on one Redis)
+
+
+def check_shared_url(url: str) -> None:
+    """Raises ValueError unless `url` is empty or redis://HOST[:PORT][/DB] (rediss:// for TLS).
+    The messages never repeat the URL: it may hold a password."""
+    if not url:
+        return
+    from urllib.parse import urlsplit
+
+    expected = "expected redis://HOST[:PORT][/DB] (empty = in-process)"
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(f"url must start with redis:// or rediss://; {expected}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"url has a port that is not 1..65535; {expected}") from None
+    if not parts.hostname:
+        raise ValueError(f"url names no host; {expected}")
+    if port == 0:
+        raise ValueError(f"url has a port that is not 1..65535; {expected}")
+    database = parts.path.strip("/")
+    if database and not database.isdigit():
+        raise ValueError(f"url: the database after the host must be a number; {expected}")
+
+
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str
     path: str
@@ -147,6 +181,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     broker: BrokerSettings = msgspec.field(default_factory=BrokerSettings)
     scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
     dispatch: DispatchSettings = msgspec.field(default_factory=DispatchSettings)
+    shared: SharedSettings = msgspec.field(default_factory=SharedSettings)
     # Engine options for workers: keys of sluice.workers.config.EngineConfig (validated there).
     engine: dict[str, Any] = msgspec.field(default_factory=dict)
     models: tuple[ModelSpec, ...] = ()
@@ -154,7 +189,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     config_dir: str = "config"
 
 
-_SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "engine")
+_SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "shared", "engine")
 _FILES = {"sluice.toml": None, "models.toml": "models", "tenants.toml": "tenants"}
 
 
@@ -195,7 +230,7 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, dict[str, tuple[str, An
 _SECTION_TYPES: dict[str, type[msgspec.Struct]] = {
     "gateway": GatewaySettings, "admin": AdminSettings, "database": DatabaseSettings,
     "kafka": KafkaSettings, "broker": BrokerSettings, "scheduler": SchedulerSettings,
-    "dispatch": DispatchSettings,
+    "dispatch": DispatchSettings, "shared": SharedSettings,
 }
 
 
@@ -237,6 +272,15 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
     for key in ("max_prompt_chars", "max_messages"):
         if getattr(gw, key) < 1:
             raise ConfigError(f"{gw_source}: [gateway] {key} must be at least 1, got {getattr(gw, key)}")
+    shared, shared_source = settings.shared, sources.get("shared", "[shared]")
+    try:
+        check_shared_url(shared.url)
+    except ValueError as exc:
+        raise ConfigError(f"{shared_source}: [shared] {exc}") from None
+    if not shared.lease_s > 0:
+        raise ConfigError(f"{shared_source}: [shared] lease_s must be positive, got {shared.lease_s}")
+    if not shared.prefix or any(c.isspace() for c in shared.prefix):
+        raise ConfigError(f"{shared_source}: [shared] prefix must be non-empty, without spaces")
     if settings.admin.demo_key_ttl_days < 1:
         raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] demo_key_ttl_days must be at least 1")
     if not settings.admin.console_session_ttl_s > 0:

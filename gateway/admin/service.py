@@ -26,10 +26,11 @@ from sluice.gateway.admin.schemas import (
     TenantOut,
     TenantPatch,
 )
-from sluice.gateway.auth import AuthService, generate_key
+from sluice.gateway.auth import AuthService, generate_key, hash_secret
 from sluice.gateway.db.base import Base, new_id, utcnow
 from sluice.gateway.db.models import QUOTA_FIELDS, ApiKey, AuditLog, Quota, Tenant
 from sluice.gateway.errors import OpenAIError
+from sluice.gateway.invalidation import Change
 from sluice.protocol import Priority
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class AdminService:
             raise OpenAIError(
                 409, "A tenant with that name already exists.", param="name", code="tenant_exists"
             ) from None
-        self._auth.invalidate_tenant(tenant_id)
+        await self._auth.announce(Change("tenant", tenant_id))
         if changes.get("enabled") is False:
             await self._tenant_disabled(tenant_id)
         return tenant_out(tenant, quota)
@@ -225,7 +226,7 @@ class AdminService:
                     disabled=False,
                     message="The tenant and its keys were deleted.",
                 )
-        self._auth.invalidate_tenant(tenant_id)
+        await self._auth.announce(Change("tenant", tenant_id))
         await self._tenant_disabled(tenant_id)
         return result
 
@@ -259,7 +260,9 @@ class AdminService:
                 raise OpenAIError(400, "expires_at must be in the future.", param="expires_at")
         async with self._sessions() as session, session.begin():
             await self._load(session, tenant_id)
-            return self._new_key(session, tenant_id, body.name, expires_at, actor, "key.create")
+            created = self._new_key(session, tenant_id, body.name, expires_at, actor, "key.create")
+        await self._auth.announce(Change("key_created", hash_secret(created.key)))
+        return created
 
     def _new_key(
         self,
@@ -282,7 +285,6 @@ class AdminService:
             expires_at=expires_at,
         )
         session.add(key)
-        self._auth.key_created(digest)
         self._audit(
             session,
             actor,
@@ -326,7 +328,7 @@ class AdminService:
             if key.revoked_at is None:
                 key.revoked_at = utcnow()
                 self._audit(session, actor, "key.revoke", tenant_id, {"key_id": key_id, "prefix": key.prefix})
-        self._auth.invalidate_key(key_id)
+        await self._auth.announce(Change("key", key_id))
         return key_out(key)
 
     async def rotate_key(self, tenant_id: str, key_id: str, actor: str = ADMIN_ACTOR) -> KeyCreated:
@@ -340,7 +342,8 @@ class AdminService:
             created = self._new_key(
                 session, tenant_id, old.name, old.expires_at, actor, "key.rotate", {"replaces": key_id}
             )
-        self._auth.invalidate_key(key_id)
+        await self._auth.announce(Change("key", key_id))
+        await self._auth.announce(Change("key_created", hash_secret(created.key)))
         return created
 
     # ---- quotas --------------------------------------------------------------------------------
@@ -354,7 +357,7 @@ class AdminService:
             _, quota = await self._load(session, tenant_id)
             quota = self._apply_quota(session, tenant_id, quota, changes)
             self._audit(session, actor, "quota.update", tenant_id, changes)
-        self._auth.invalidate_tenant(tenant_id)
+        await self._auth.announce(Change("tenant", tenant_id))
         return Quotas(**quota.limits())
 
     @staticmethod

@@ -71,6 +71,13 @@ def test_config_dir_from_environment(config_dir: Path) -> None:
         ("sluice.toml", "[engine]\npolicy = 'fastest'", r"\[engine\] policy must be one of"),
         ("sluice.toml", "[engine]\nmodel = 'x'", r"set per worker"),
         ("sluice.toml", "[engine]\nblock_size = 12", r"block_size must be a power of two"),
+        ("sluice.toml", "[shared]\nurl = 'http://x'", r"sluice\.toml: \[shared\] url must start with redis://"),
+        ("sluice.toml", "[shared]\nurl = 'redis://h:99999'", r"\[shared\] url has a port that is not 1\.\.65535"),
+        ("sluice.toml", "[shared]\nurl = 'redis:///0'", r"\[shared\] url names no host"),
+        ("sluice.toml", "[shared]\nurl = 'redis://h/zero'", r"\[shared\] url: the database .* must be a number"),
+        ("sluice.toml", "[shared]\nurl = 5", r"sluice\.toml.*Expected `str`.*\$\.shared\.url"),
+        ("sluice.toml", "[shared]\nlease_s = 0", r"\[shared\] lease_s must be positive"),
+        ("sluice.toml", "[shared]\nprefix = ''", r"\[shared\] prefix must be non-empty"),
         ("tenants.toml", "[[tenants]]\nname = 'a'\nweight = 0", r"tenants\.toml: tenant 'a': weight must be positive"),
         ("tenants.toml", "[[tenants]]\nname = 'a'\n[[tenants]]\nname = 'a'", r"empty or repeated"),
         ("tenants.toml", "[[tenants]]\nname = 'a'\npriority_ceiling = 'vip'", r"tenants\.toml.*\$\.tenants\[0\]"),
@@ -93,6 +100,16 @@ def test_bad_environment_override_names_the_variable(config_dir: Path) -> None:
         load_settings(config_dir, environ={"SLUICE_GATEWAY_PROT": "1"})
     with pytest.raises(ConfigError, match=r"environment.*Expected `int`"):
         load_settings(config_dir, environ={"SLUICE_GATEWAY_PORT": "abc"})
+
+
+def test_shared_url_from_environment_and_its_errors_are_one_line_without_secrets(config_dir: Path) -> None:
+    assert load_settings(config_dir, environ={}).shared.url == ""  # in-process by default
+    settings = load_settings(config_dir, environ={"SLUICE_SHARED_URL": "redis://127.0.0.1:6379/0"})
+    assert settings.shared.url == "redis://127.0.0.1:6379/0"
+    for garbage in ("mysql://:hunter2@db/1", "redis://:hunter2@host:port/0", "\x00\x01", "redis://:hunter2@/0"):
+        with pytest.raises(ConfigError, match=r"SLUICE_SHARED_\*.*\[shared\] url") as caught:
+            load_settings(config_dir, environ={"SLUICE_SHARED_URL": garbage})
+        assert "\n" not in str(caught.value) and "hunter2" not in str(caught.value)
 
 
 def test_binary_garbage_is_a_clear_error(config_dir: Path) -> None:

@@ -1,0 +1,194 @@
+"""The Lua scripts of the Redis quota ledger (gateway/redis_ledger.py).
+
+Redis runs a script as one command: nothing else runs between its reads and writes, so each
+check-and-update is atomic across every replica. Times are the Redis server's clock (TIME, in
+ms), so replicas' clocks do not matter. ARGV[1] is the key prefix; the keys, per tenant T:
+
+  P:t:T:rq    ZSET  hold -> admission ms          admissions in the 60 s window
+  P:t:T:tk    ZSET  hold -> admission ms          token entries in the window
+  P:t:T:tv    HASH  hold -> tokens                reserved, then used once settled
+  P:t:T:tw    STR   sum of tv over the window
+  P:t:T:live  STR   holds queued or running       P:t:T:queued  STR  holds queued
+  P:d:T:DAY:used / :resv  STR  the UTC day's used tokens (seeded from the database) / reserved
+  P:holds:R   HASH  hold -> {t, n, d, s, r}       replica R's holds (tenant, need, day, q|r, day reserved)
+  P:replicas  ZSET  R -> lease deadline ms        a replica past its deadline is swept
+
+The keys a script touches are derived from its arguments and the hold records, so the ledger
+needs one Redis (standalone or Sentinel-managed), not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+_COMMON = r"""
+local P = ARGV[1]
+local WINDOW = 60000
+local DAY_TTL = 172800
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function tkey(tenant, name) return P .. ':t:' .. tenant .. ':' .. name end
+local function dkey(tenant, day, name) return P .. ':d:' .. tenant .. ':' .. day .. ':' .. name end
+local function num(v) return tonumber(v) or 0 end
+
+local function expire(tenant, now)
+  local horizon = now - WINDOW
+  redis.call('ZREMRANGEBYSCORE', tkey(tenant, 'rq'), '-inf', horizon)
+  local old = redis.call('ZRANGEBYSCORE', tkey(tenant, 'tk'), '-inf', horizon)
+  if #old == 0 then return end
+  local freed = 0
+  for _, hold in ipairs(old) do
+    freed = freed + num(redis.call('HGET', tkey(tenant, 'tv'), hold))
+    redis.call('HDEL', tkey(tenant, 'tv'), hold)
+  end
+  redis.call('DECRBY', tkey(tenant, 'tw'), freed)
+  redis.call('ZREMRANGEBYSCORE', tkey(tenant, 'tk'), '-inf', horizon)
+end
+
+local function view(tenant, now)
+  local rq = redis.call('ZRANGE', tkey(tenant, 'rq'), 0, 0, 'WITHSCORES')
+  local tk = redis.call('ZRANGE', tkey(tenant, 'tk'), 0, 0, 'WITHSCORES')
+  local rreset, treset = 0, 0
+  if #rq > 0 then rreset = tonumber(rq[2]) + WINDOW - now end
+  if #tk > 0 then treset = tonumber(tk[2]) + WINDOW - now end
+  return {redis.call('ZCARD', tkey(tenant, 'rq')), rreset, num(redis.call('GET', tkey(tenant, 'tw'))), treset}
+end
+
+-- Ends a hold: `rec` is its record, or nil when it is gone already (its replica was swept), in
+-- which case only the real usage is charged.
+local function end_hold(tenant, day, hold, used, rec)
+  if rec then
+    redis.call('DECR', tkey(tenant, 'live'))
+    if rec.s == 'q' then redis.call('DECR', tkey(tenant, 'queued')) end
+    if rec.r == 1 then redis.call('DECRBY', dkey(tenant, day, 'resv'), rec.n) end
+  end
+  if used > 0 and redis.call('EXISTS', dkey(tenant, day, 'used')) == 1 then
+    redis.call('INCRBY', dkey(tenant, day, 'used'), used)
+  end
+  local old = redis.call('HGET', tkey(tenant, 'tv'), hold)
+  if old then  -- still inside the minute window: the entry now counts what was used
+    redis.call('HSET', tkey(tenant, 'tv'), hold, used)
+    redis.call('INCRBY', tkey(tenant, 'tw'), used - tonumber(old))
+  end
+end
+
+-- Releases every hold of every replica whose lease deadline has passed.
+local function sweep(now)
+  local dead = redis.call('ZRANGEBYSCORE', P .. ':replicas', '-inf', now)
+  for _, replica in ipairs(dead) do
+    local key = P .. ':holds:' .. replica
+    local all = redis.call('HGETALL', key)
+    for i = 1, #all, 2 do
+      local rec = cjson.decode(all[i + 1])
+      end_hold(rec.t, rec.d, all[i], 0, rec)
+    end
+    redis.call('DEL', key)
+    redis.call('ZREM', P .. ':replicas', replica)
+  end
+end
+"""
+
+# ARGV: prefix, replica, hold, lease ms, tenant, need, day, then the limits max_concurrent,
+# max_queued, requests_per_minute, tokens_per_minute, tokens_per_day ('' = none).
+# Returns {status, detail, requests, requests reset ms, tokens, tokens reset ms}; status is ok,
+# unseeded, concurrent, queued, requests (detail: wait ms), tokens (wait ms) or day (tokens left).
+ADMIT = _COMMON + r"""
+local replica, hold, lease = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local tenant, need, day = ARGV[5], tonumber(ARGV[6]), ARGV[7]
+local mc, mq, rpm, tpm, tpd = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]),
+  tonumber(ARGV[11]), tonumber(ARGV[12])
+local now = now_ms()
+redis.call('ZADD', P .. ':replicas', now + lease, replica)
+sweep(now)
+expire(tenant, now)
+local function answer(status, detail)
+  local v = view(tenant, now)
+  return {status, detail, v[1], v[2], v[3], v[4]}
+end
+local seeded = redis.call('EXISTS', dkey(tenant, day, 'used')) == 1
+if tpd and not seeded then return answer('unseeded', 0) end
+if mc and num(redis.call('GET', tkey(tenant, 'live'))) >= mc then return answer('concurrent', 0) end
+if mq and num(redis.call('GET', tkey(tenant, 'queued'))) >= mq then return answer('queued', 0) end
+if rpm and redis.call('ZCARD', tkey(tenant, 'rq')) >= rpm then
+  local first = redis.call('ZRANGE', tkey(tenant, 'rq'), 0, 0, 'WITHSCORES')
+  return answer('requests', tonumber(first[2]) + WINDOW - now)
+end
+local in_window = num(redis.call('GET', tkey(tenant, 'tw')))
+if tpm and in_window + need > tpm then
+  local entries = redis.call('ZRANGE', tkey(tenant, 'tk'), 0, -1, 'WITHSCORES')
+  local freed, wait = 0, WINDOW
+  for i = 1, #entries, 2 do
+    freed = freed + num(redis.call('HGET', tkey(tenant, 'tv'), entries[i]))
+    if in_window - freed + need <= tpm then
+      wait = tonumber(entries[i + 1]) + WINDOW - now
+      break
+    end
+  end
+  return answer('tokens', wait)
+end
+if tpd then
+  local used = num(redis.call('GET', dkey(tenant, day, 'used')))
+  local left = tpd - used - num(redis.call('GET', dkey(tenant, day, 'resv')))
+  if need > left then return answer('day', math.max(0, left)) end
+end
+for _, name in ipairs({'rq', 'tk'}) do redis.call('ZADD', tkey(tenant, name), now, hold) end
+redis.call('HSET', tkey(tenant, 'tv'), hold, need)
+redis.call('INCRBY', tkey(tenant, 'tw'), need)
+for _, name in ipairs({'rq', 'tk', 'tv', 'tw'}) do redis.call('PEXPIRE', tkey(tenant, name), WINDOW + 1000) end
+local reserved = 0
+if seeded then
+  redis.call('INCRBY', dkey(tenant, day, 'resv'), need)
+  redis.call('EXPIRE', dkey(tenant, day, 'resv'), DAY_TTL)
+  reserved = 1
+end
+redis.call('INCR', tkey(tenant, 'live'))
+redis.call('INCR', tkey(tenant, 'queued'))
+local rec = {t = tenant, n = need, d = day, s = 'q', r = reserved}
+redis.call('HSET', P .. ':holds:' .. replica, hold, cjson.encode(rec))
+return answer('ok', 0)
+"""
+
+# ARGV: prefix, tenant, day, used tokens. The first writer wins.
+SEED_DAY = _COMMON + r"""
+redis.call('SET', dkey(ARGV[2], ARGV[3], 'used'), ARGV[4], 'NX', 'EX', DAY_TTL)
+return 0
+"""
+
+# ARGV: prefix, replica, hold.
+MARK_RUNNING = _COMMON + r"""
+local key = P .. ':holds:' .. ARGV[2]
+local raw = redis.call('HGET', key, ARGV[3])
+if raw then
+  local rec = cjson.decode(raw)
+  if rec.s == 'q' then
+    rec.s = 'r'
+    redis.call('DECR', tkey(rec.t, 'queued'))
+    redis.call('HSET', key, ARGV[3], cjson.encode(rec))
+  end
+end
+return 0
+"""
+
+# ARGV: prefix, replica, hold, tenant, day, used tokens. Returns the tenant's view (as ADMIT's last four).
+FINISH = _COMMON + r"""
+local key, hold, tenant, day = P .. ':holds:' .. ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local now = now_ms()
+expire(tenant, now)
+local raw = redis.call('HGET', key, hold)
+local rec = nil
+if raw then
+  rec = cjson.decode(raw)
+  redis.call('HDEL', key, hold)
+end
+end_hold(tenant, day, hold, tonumber(ARGV[6]), rec)
+return view(tenant, now)
+"""
+
+# ARGV: prefix, replica, lease ms. Renews the replica's lease (0: gives it up, so its holds are
+# released now) and sweeps every replica whose lease has run out.
+REFRESH = _COMMON + r"""
+local now = now_ms()
+redis.call('ZADD', P .. ':replicas', now + tonumber(ARGV[3]), ARGV[2])
+sweep(now)
+return 0
+"""

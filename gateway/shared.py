@@ -1,0 +1,59 @@
+"""The state gateway replicas share, built once from `[shared]`: a quota ledger and an
+invalidation bus, in this process (`url` empty) or in Redis (docs/scale-out.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from sluice.gateway.invalidation import InvalidationBus, LocalBus, RedisBus
+from sluice.gateway.ledger import LocalLedger, QuotaLedger
+from sluice.gateway.redis_ledger import RedisLedger
+from sluice.settings import SharedSettings
+
+# A Redis that does not answer within this long fails the admission (503), not the event loop.
+REDIS_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True)
+class SharedState:
+    ledger: QuotaLedger
+    bus: InvalidationBus
+    clients: tuple[Redis, ...] = field(default=())
+
+    async def start(self) -> None:
+        await self.ledger.start()
+        await self.bus.start()
+
+    async def stop(self) -> None:
+        """After the gateway's own requests have ended: settles what is left and gives the lease up."""
+        await self.bus.stop()
+        await self.ledger.stop()
+        for client in self.clients:
+            await client.aclose()
+
+
+def _client(url: str, *, retries: int) -> Redis:
+    return Redis.from_url(
+        url,
+        socket_timeout=REDIS_TIMEOUT_S,
+        socket_connect_timeout=REDIS_TIMEOUT_S,
+        retry=Retry(NoBackoff(), retries),
+        health_check_interval=5,
+    )
+
+
+def open_shared(settings: SharedSettings, *, replica: str | None = None) -> SharedState:
+    if not settings.url:
+        return SharedState(LocalLedger(), LocalBus())
+    commands = _client(settings.url, retries=1)
+    # The subscription gets no silent retries: the bus must see every break (it may have missed messages).
+    subscription = _client(settings.url, retries=0)
+    return SharedState(
+        RedisLedger(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
+        RedisBus(subscription, f"{settings.prefix}:invalidate"),
+        (commands, subscription),
+    )
