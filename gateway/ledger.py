@@ -93,6 +93,10 @@ class QuotaLedger(Protocol):
         """(queued + running, queued) holds of a tenant taken by this process."""
         ...
 
+    async def finished(self, hold: str) -> None:
+        """Waits until `finish` of this hold has reached the store."""
+        ...
+
     async def flush(self) -> None:
         """Waits until every `mark_running` / `finish` so far has reached the store."""
         ...
@@ -240,6 +244,9 @@ class LocalLedger:
     def live(self, tenant_id: str) -> tuple[int, int]:
         state = self._states.get(tenant_id)
         return (state.live, state.queued) if state else (0, 0)
+
+    async def finished(self, hold: str) -> None:
+        return None
 
     async def flush(self) -> None:
         return None

@@ -255,6 +255,11 @@ class QuotaService:
         """(queued + running, queued) of a tenant in this process."""
         return self._ledger.live(tenant_id)
 
+    async def settled(self, reservation: Reservation) -> None:
+        """Waits until this reservation's `settle` / `release` has reached the ledger's store, so
+        that the client's next request finds the slot free on every replica."""
+        await self._ledger.finished(reservation.hold)
+
     async def flush(self) -> None:
         """Waits until every settlement so far has reached the ledger's store."""
         await self._ledger.flush()

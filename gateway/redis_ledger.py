@@ -73,6 +73,7 @@ class RedisLedger:
         self._views: dict[str, tuple[WindowView, float]] = {}  # tenant -> (last view, monotonic read time)
         self._retry: list[_Finish] = []  # settlements that did not reach Redis yet
         self._tasks: set[asyncio.Task[None]] = set()
+        self._finishing: dict[str, asyncio.Task[None]] = {}  # hold -> its settlement in flight
         self._refresher: asyncio.Task[None] | None = None
 
     async def _run(self, script: str, *args: str | int) -> Any:
@@ -156,10 +157,11 @@ class RedisLedger:
 
     # ---- settlement (returns at once, applied in the background) --------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def mark_running(self, tenant_id: str, hold: str) -> None:
         mine = self._mine.get(hold)
@@ -176,7 +178,13 @@ class RedisLedger:
     def finish(self, tenant_id: str, hold: str, used: int) -> None:
         mine = self._mine.pop(hold, None)
         if mine is not None:
-            self._spawn(self._finish(_Finish(tenant_id, hold, mine.day, used)))
+            task = self._finishing[hold] = self._spawn(self._finish(_Finish(tenant_id, hold, mine.day, used)))
+            task.add_done_callback(lambda _: self._finishing.pop(hold, None))
+
+    async def finished(self, hold: str) -> None:
+        task = self._finishing.get(hold)
+        if task is not None:
+            await asyncio.shield(task)  # a cancelled waiter must not cancel the settlement
 
     async def _finish(self, item: _Finish) -> None:
         try:

@@ -223,6 +223,11 @@ class Flight:
             self.service.quotas.settle(self.reservation, prompt, self.completion_tokens)
         self.service.spawn(self._after(prompt, aborted))
 
+    async def settled(self) -> None:
+        """After `finish()`: waits until the quota ledger has applied it (a shared ledger applies
+        it in the background), so the client's next request, on any replica, finds it ended."""
+        await self.service.quotas.settled(self.reservation)
+
     async def _after(self, prompt: int, aborted: bool) -> None:
         if aborted:
             try:
@@ -516,6 +521,7 @@ class GenerationService:
             submission = await self.backend.submit(request)
         except BackendUnavailable as exc:
             self.quotas.release(reservation)
+            await self.quotas.settled(reservation)  # a retry at once finds the slot free
             telemetry.count_rejection(tenant.name, "unavailable", request.priority.label)
             # The reason names internal addresses (the Kafka broker); it is for the operator's log.
             log.warning("request %s not accepted: %s", request.request_id, exc)

@@ -179,6 +179,8 @@ async def _stream(
             yield sse(exc.body())
             return  # `aborted` stays set: the request is stopped at its worker
         aborted = False
+        flight.finish()
+        await flight.settled()  # before [DONE]: the client's next request finds this one ended
         yield DONE
     finally:
         # Runs on normal end, on client disconnect (cancellation) and on generator close.
@@ -246,6 +248,7 @@ async def _collect(flight: Flight) -> tuple[str, tuple[PositionLogprobs, ...]]:
         raise
     finally:
         flight.finish(aborted=aborted and flight.finish_reason is None)
+    await flight.settled()  # before the answer: the client's next request finds this one ended
     if flight.finish_reason == FinishReason.ERROR:
         raise OpenAIError(500, _failure_message(flight), type="server_error", code="generation_failed")
     return "".join(texts), tuple(positions)

@@ -1,6 +1,7 @@
 """Two gateway apps ("replicas A and B") on one database and one Redis: an admin change made
 through A reaches B's key cache within 1 s (its cache TTL is 300 s, so only the invalidation
-can explain it), and a tenant's requests-per-minute limit holds across both."""
+can explain it), a tenant's requests-per-minute limit holds across both, and a request's slot is
+free on the other app as soon as its answer has arrived."""
 
 from __future__ import annotations
 
@@ -105,3 +106,15 @@ async def test_requests_per_minute_holds_across_both_apps(two_replicas) -> None:
         answer = await client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
         codes.append(answer.status_code)
     assert codes == [200, 200, 200, 429, 429]
+
+
+async def test_a_finished_request_frees_its_slot_on_the_other_app_before_its_answer(two_replicas) -> None:
+    a, b, admin = two_replicas
+    _, _, key = await new_key(a, admin, quotas={"max_concurrent": 1})
+    headers = {"authorization": f"Bearer {key}"}
+    body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 2}
+    for client, stream in ((a, False), (b, False), (a, True), (b, True), (a, False)):
+        answer = await client.post("/v1/completions", json={**body, "stream": stream}, headers=headers)
+        assert answer.status_code == 200, answer.text
+        if stream:
+            assert answer.text.rstrip().endswith("data: [DONE]")
