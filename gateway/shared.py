@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from sluice.gateway.invalidation import InvalidationBus, LocalBus, RedisBus
@@ -27,6 +28,16 @@ class SharedState:
     async def start(self) -> None:
         await self.ledger.start()
         await self.bus.start()
+
+    async def ready(self) -> dict[str, bool]:
+        """`/ready`'s check: {"shared": Redis answers}, or nothing when the state is in-process."""
+        if not self.clients:
+            return {}
+        try:
+            await self.clients[0].ping()
+        except (RedisError, OSError):
+            return {"shared": False}
+        return {"shared": True}
 
     async def stop(self) -> None:
         """After the gateway's own requests have ended: settles what is left and gives the lease up."""

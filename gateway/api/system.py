@@ -37,7 +37,7 @@ async def health() -> Health:
 @get(
     "/ready",
     tags=["System"],
-    summary="Readiness: database and backend (200, else 503 with details)",
+    summary="Readiness: database, shared store (when configured) and backend (200, else 503 with details)",
     responses={503: ResponseSpec(Readiness, description="Not ready: `checks` says what is missing")},
 )
 async def ready(request: Request[Any, Any, Any]) -> Response[Readiness]:
@@ -48,6 +48,7 @@ async def ready(request: Request[Any, Any, Any]) -> Response[Readiness]:
         checks["database"] = True
     except Exception:
         checks["database"] = False
+    checks.update(await request.app.state.shared.ready())
     try:
         checks.update(await request.app.state.backend.ready())
     except Exception:

@@ -75,6 +75,7 @@ async def test_key_revoked_on_a_is_refused_by_b_within_a_second(two_replicas) ->
     revoked = await a.delete(f"/admin/tenants/{tenant_id}/keys/{key_id}", headers=admin)
     assert revoked.status_code == 200, revoked.text
     await until_status(b, key, 401)
+    assert (await b.get("/ready")).json()["checks"]["shared"] is True
     refused = await b.get("/v1/models", headers={"authorization": f"Bearer {key}"})
     assert refused.json()["error"]["code"] == "invalid_api_key"
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import os
+import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
@@ -116,6 +120,58 @@ async def test_killed_replica_releases_its_holds_within_the_lease(replicas: Make
     assert survivor.live("killed") == (1, 1)
     assert isinstance(await try_admit(survivor, t, 10, 290), Reservation)  # 700 + 300: the last slot
     assert await try_admit(survivor, t) == "rate_limit_exceeded"
+
+
+VICTIM = """
+import asyncio, sys
+from redis.asyncio import Redis
+from sluice.gateway.auth import TenantContext
+from sluice.gateway.quotas import QuotaLimits, QuotaService
+from sluice.gateway.redis_ledger import RedisLedger
+from sluice.protocol import Priority
+
+async def main(url, prefix, lease_s):
+    ledger = RedisLedger(Redis.from_url(url), prefix=prefix, lease_s=float(lease_s), replica="victim")
+    await ledger.start()
+    quotas = QuotaService(ledger=ledger)
+    t = TenantContext(id="sigkill", name="sigkill", priority_ceiling=Priority.STANDARD,
+                      default_class=Priority.STANDARD, weight=1.0, allowed_models=frozenset(), enabled=True,
+                      limits=QuotaLimits(max_concurrent=2, tokens_per_minute=1000))
+    for _ in range(2):
+        await quotas.admit(t, 10, 290, Priority.STANDARD)
+    print("held", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+async def test_sigkilled_replica_process_releases_its_holds_within_the_lease(
+    replicas: Make, redis_url: str, prefix: str, lease_s: float
+) -> None:
+    (survivor, _), = await replicas(1)
+    t = tenant("sigkill", max_concurrent=2, tokens_per_minute=1000)
+    root = Path(__file__).resolve().parents[3]
+    victim = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", VICTIM, redis_url, prefix, str(lease_s),
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    try:
+        assert victim.stdout is not None
+        assert await asyncio.wait_for(victim.stdout.readline(), 60) == b"held\n"
+        assert await try_admit(survivor, t) == "rate_limit_exceeded"  # both slots held by the victim
+        os.kill(victim.pid, signal.SIGKILL)
+        await victim.wait()
+        killed_at = time.monotonic()
+        while not isinstance(outcome := await try_admit(survivor, t, 10, 690), Reservation):
+            assert outcome == "rate_limit_exceeded"
+            assert time.monotonic() - killed_at < 3 * lease_s, "the killed replica's holds were not released"
+            await asyncio.sleep(0.05)
+        assert isinstance(await try_admit(survivor, t, 10, 290), Reservation)  # 700 + 300 tokens, 2 slots
+    finally:
+        if victim.returncode is None:
+            victim.kill()
+            await victim.wait()
 
 
 async def test_daily_budget_is_seeded_from_the_database_once_for_all_replicas(replicas: Make) -> None:

@@ -36,3 +36,5 @@ async def test_unreachable_redis_is_a_503_for_admission(demo_model_dir: Path, tm
         assert error["code"] == "service_unavailable" and error["type"] == "server_error"
         assert answer.headers["retry-after"] == "1"
         assert "127.0.0.1" not in answer.text  # internals go to the operator's log, not the client
+        readiness = await client.get("/ready")
+        assert readiness.status_code == 503 and readiness.json()["checks"]["shared"] is False
