@@ -1,11 +1,16 @@
 """A real gateway over HTTP: uvicorn in a background thread on a free port, the demo model served
 by LocalEngineBackend, a fresh SQLite database migrated by Alembic. One server per test module;
 each test creates its own tenants, so tests do not see each other's quotas or usage.
+
+A module can run its tests against both kinds of shared state by overriding `shared_mode` with a
+module-scoped fixture parametrized over "in-process" and "redis" (the Redis one needs
+$SLUICE_TEST_REDIS_URL: skipped without it, a failure under CI=true).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import socket
 import threading
@@ -21,7 +26,7 @@ import uvicorn
 
 from sluice.gateway.app import create_app
 from sluice.gateway.backend import LocalEngineBackend
-from sluice.settings import AdminSettings, DatabaseSettings, GatewaySettings, Settings
+from sluice.settings import AdminSettings, DatabaseSettings, GatewaySettings, Settings, SharedSettings
 
 ENGINE_OPTIONS = {"max_num_seqs": 32, "kv_cache_bytes": 32 * 2**20, "max_num_batched_tokens": 512}
 
@@ -66,7 +71,23 @@ def _free_socket() -> socket.socket:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Gateway]:
+def shared_mode() -> str:
+    return "in-process"
+
+
+def _shared_settings(mode: str) -> SharedSettings:
+    if mode == "in-process":
+        return SharedSettings()
+    url = os.environ.get("SLUICE_TEST_REDIS_URL", "")
+    if not url:
+        if os.environ.get("CI") == "true":
+            pytest.fail("SLUICE_TEST_REDIS_URL is not set: under CI=true the Redis mode must run")
+        pytest.skip("SLUICE_TEST_REDIS_URL is not set: no Redis for the shared-state mode")
+    return SharedSettings(url=url, prefix=f"sluice-test-{secrets.token_hex(6)}")
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, shared_mode: str) -> Iterator[Gateway]:
     directory = tmp_path_factory.mktemp("gateway")
     database_url = f"sqlite+aiosqlite:///{directory / 'sluice.db'}"
     admin_token = "slc-admin-" + secrets.token_urlsafe(32)
@@ -75,6 +96,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
         gateway=GatewaySettings(max_body_bytes=256 * 1024, key_cache_ttl_s=30.0, metrics_token=metrics_token),
         admin=AdminSettings(token=admin_token),
         database=DatabaseSettings(url=database_url),
+        shared=_shared_settings(shared_mode),
     )
     backend = LocalEngineBackend({"demo": demo_model_dir}, ENGINE_OPTIONS)
     app = create_app(settings, backend)
@@ -96,6 +118,20 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+        if settings.shared.url:
+            _remove_keys(settings.shared)
+
+
+def _remove_keys(shared: SharedSettings) -> None:
+    import redis
+
+    client = redis.Redis.from_url(shared.url)
+    try:
+        keys = list(client.scan_iter(match=f"{shared.prefix}:*", count=500))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
 
 
 def run(coro: Any) -> Any:

@@ -1,4 +1,5 @@
-"""Quotas through real HTTP: RPM bursts, TPM refund on disconnect, daily budget, concurrency, PATCH."""
+"""Quotas through real HTTP: RPM bursts, TPM refund on disconnect, daily budget, concurrency, PATCH;
+with the counters in this process and in Redis (the shared ledger gives the same answers)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import pytest
 pytestmark = pytest.mark.integration
 
 CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module", params=["in-process", "redis"])
+def shared_mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 def wait_for(predicate, what: str, timeout: float = 60.0):
