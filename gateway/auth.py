@@ -131,6 +131,9 @@ class AuthService:
         self._last_used_written: dict[str, float] = {}  # key id -> monotonic time of last write
         self._admin_hashes: frozenset[str] = frozenset()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Counts the changes applied: a lookup that read the database before a change arrived
+        # does not cache what it read (it may be what the change invalidated).
+        self._changes = 0
         self._bus: InvalidationBus = bus if bus is not None else LocalBus()
         self._bus.subscribe(self._apply)
 
@@ -168,6 +171,7 @@ class AuthService:
         return entry.context
 
     async def _load(self, digest: str, now_mono: float) -> _CacheEntry | None:
+        changes_before = self._changes
         async with self._sessions() as session:
             row = (
                 await session.execute(
@@ -177,17 +181,16 @@ class AuthService:
                     .where(ApiKey.hash == digest)
                 )
             ).first()
-        if row is None:
+        current = self._changes == changes_before
+        if row is None or not hmac.compare_digest(row[0].hash, digest) or row[0].revoked_at is not None:
             self._cache.pop(digest, None)
-            self._remember_unknown(digest, now_mono)
+            if current:
+                self._remember_unknown(digest, now_mono)
             return None
         key, tenant, quota = row
-        if not hmac.compare_digest(key.hash, digest) or key.revoked_at is not None:
-            self._cache.pop(digest, None)
-            self._remember_unknown(digest, now_mono)
-            return None
         entry = _CacheEntry(tenant_context(tenant, quota, key.id), key.expires_at, now_mono + self._ttl)
-        self._cache[digest] = entry
+        if current:
+            self._cache[digest] = entry
         return entry
 
     def _remember_unknown(self, digest: str, now_mono: float) -> None:
@@ -224,6 +227,7 @@ class AuthService:
         await self._bus.publish(change)
 
     def _apply(self, change: Change) -> None:
+        self._changes += 1
         if change.kind == "key":
             self.invalidate_key(change.ident)
         elif change.kind == "tenant":

@@ -296,3 +296,40 @@ async def test_usage_survives_a_database_that_refuses_writes(tmp_path) -> None:
     finally:
         await usage.close()
         await engine.dispose()
+
+
+async def test_a_change_arriving_during_a_key_lookup_is_not_undone_by_it(services) -> None:
+    """The lookup read the row before the change: it answers from what it read, but does not cache
+    it, so the next lookup sees the change (otherwise a revocation could be undone for a TTL)."""
+    from contextlib import asynccontextmanager
+
+    from sluice.gateway.invalidation import Change, LocalBus
+
+    sessions, _, admin, _ = services
+    tenant = await admin.create_tenant(TenantCreate(name="racy"))
+    created = await admin.create_key(tenant.id, KeyCreate(name="k"))
+    bus = LocalBus()
+    raced: list[bool] = []
+
+    class ChangeDuringQuery:
+        def __init__(self, session) -> None:
+            self._session = session
+
+        async def execute(self, *args, **kwargs):
+            result = await self._session.execute(*args, **kwargs)
+            if not raced:  # the first lookup only
+                raced.append(True)
+                await admin.revoke_key(tenant.id, created.id)  # committed while this lookup is in flight
+                bus.deliver(Change("key", created.id))
+            return result
+
+    @asynccontextmanager
+    async def racing_sessions():
+        async with sessions() as session:
+            yield ChangeDuringQuery(session)
+
+    auth = AuthService(racing_sessions, cache_ttl_s=300.0, bus=bus)  # type: ignore[arg-type]
+    assert (await auth.authenticate(created.key)).id == tenant.id  # read before the revocation
+    with pytest.raises(OpenAIError) as caught:
+        await auth.authenticate(created.key)
+    assert caught.value.status == 401
