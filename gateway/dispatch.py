@@ -49,6 +49,7 @@ from sluice import telemetry
 from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
 from sluice.protocol import (
     MAX_FRAME_BYTES,
+    READ_CHUNK_BYTES,
     AbortRequest,
     FinishReason,
     FrameDecoder,
@@ -63,6 +64,7 @@ from sluice.protocol import (
     WorkerRejected,
     encode_frame,
     proof_matches,
+    read_opening,
 )
 from sluice.settings import Settings
 
@@ -427,7 +429,7 @@ class Dispatcher:
             for message in rest:
                 self._on_message(worker, message)
             while True:
-                data = await reader.read(1 << 16)
+                data = await reader.read(READ_CHUNK_BYTES)
                 if not data:
                     break
                 if worker.worker_id not in self.workers:
@@ -450,16 +452,13 @@ class Dispatcher:
     async def _read_register(reader: asyncio.StreamReader,
                              decoder: FrameDecoder) -> tuple[WorkerRegister, list[Message]]:
         """The peer's first message, which must be a WorkerRegister, and whatever came with it."""
-        while True:
-            data = await reader.read(1 << 16)
-            if not data:
-                raise WorkerRefused("closed the connection before registering")
-            messages = decoder.feed(data)
-            if messages:
-                first, rest = messages[0], list(messages[1:])
-                if not isinstance(first, WorkerRegister):
-                    raise WorkerRefused(f"sent {type(first).__name__} instead of registering")
-                return first, rest
+        messages = await read_opening(reader, decoder)
+        if not messages:
+            raise WorkerRefused("closed the connection before registering")
+        first = messages[0]
+        if not isinstance(first, WorkerRegister):
+            raise WorkerRefused(f"sent {type(first).__name__} instead of registering")
+        return first, messages[1:]
 
     def _check_register(self, message: WorkerRegister, nonce: bytes) -> None:
         if not message.proof or not proof_matches(self.worker_secret, nonce, message.worker_id, message.proof):

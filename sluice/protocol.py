@@ -7,6 +7,7 @@ frame per message (see `encode_frame` / `FrameDecoder`).
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
 import hmac
@@ -272,3 +273,22 @@ class FrameDecoder:
             messages.append(_decoder.decode(bytes(self._buffer[_HEADER.size:end])))
             del self._buffer[:end]
         return messages
+
+
+READ_CHUNK_BYTES = 1 << 16  # what one socket read asks for
+
+
+async def read_opening(reader: asyncio.StreamReader, decoder: FrameDecoder) -> list[Message]:
+    """Reads until the peer's first whole frame: the messages decoded by then ([] if it closed first).
+
+    Both ends open a connection with it: the worker waits for the gateway's `WorkerChallenge`, the
+    gateway for the worker's `WorkerRegister`. A read may carry more than one frame, so the caller
+    gets them all and checks the first.
+    """
+    while True:
+        data = await reader.read(READ_CHUNK_BYTES)
+        if not data:
+            return []
+        messages = decoder.feed(data)
+        if messages:
+            return messages

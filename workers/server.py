@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import msgspec
 
 from sluice.protocol import (
+    READ_CHUNK_BYTES,
     AbortRequest,
     FinishReason,
     FrameDecoder,
@@ -42,6 +43,7 @@ from sluice.protocol import (
     WorkerRegister,
     WorkerRejected,
     encode_frame,
+    read_opening,
     tokenizer_identity,
     worker_proof,
 )
@@ -186,15 +188,12 @@ class _GatewayLink:
 
     @staticmethod
     async def _challenge(reader: asyncio.StreamReader, decoder: FrameDecoder) -> bytes:
-        while True:
-            data = await reader.read(1 << 16)
-            if not data:
-                raise ConnectionResetError("the gateway closed the connection before its challenge")
-            messages = decoder.feed(data)
-            if messages:
-                if isinstance(messages[0], WorkerChallenge) and len(messages) == 1:
-                    return messages[0].nonce
-                raise ValueError("the gateway did not open with a challenge")
+        messages = await read_opening(reader, decoder)
+        if not messages:
+            raise ConnectionResetError("the gateway closed the connection before its challenge")
+        if isinstance(messages[0], WorkerChallenge) and len(messages) == 1:
+            return messages[0].nonce
+        raise ValueError("the gateway did not open with a challenge")
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     outbox: asyncio.Queue[bytes], decoder: FrameDecoder) -> None:
@@ -209,7 +208,7 @@ class _GatewayLink:
         writer_task = asyncio.create_task(write())
         try:
             while True:
-                data = await reader.read(1 << 16)
+                data = await reader.read(READ_CHUNK_BYTES)
                 if not data:
                     return
                 for message in decoder.feed(data):

@@ -30,6 +30,7 @@ from sluice.protocol import (
     WorkerRegister,
     WorkerRejected,
     encode_frame,
+    read_opening,
     worker_proof,
 )
 from sluice.settings import GatewaySettings
@@ -59,10 +60,8 @@ async def impostor(port: int, make: object, *, context: ssl.SSLContext | None = 
     the gateway sent until it closed the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
     decoder = FrameDecoder()
-    received: list[Message] = []
     try:
-        while not received:
-            received += decoder.feed(await asyncio.wait_for(reader.read(1 << 16), 30))
+        received = await asyncio.wait_for(read_opening(reader, decoder), 30)
         challenge = received[0]
         assert isinstance(challenge, WorkerChallenge)
         reply = make(challenge.nonce)  # type: ignore[operator]
