@@ -188,56 +188,63 @@ REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5
 
 _REQUEST_LABELS = ("model", "class")
 
-TTFT = Histogram("sluice:time_to_first_token_seconds", "Time to first token (arrival -> first token).",
-                 _REQUEST_LABELS, buckets=TTFT_BUCKETS, registry=REGISTRY)
-ITL = Histogram("sluice:inter_token_latency_seconds", "Gap between consecutive output tokens of a request.",
-                _REQUEST_LABELS, buckets=ITL_BUCKETS, registry=REGISTRY)
-E2E = Histogram("sluice:e2e_request_latency_seconds", "Arrival -> finish of a request.",
-                _REQUEST_LABELS, buckets=REQUEST_LATENCY_BUCKETS, registry=REGISTRY)
-QUEUE_TIME = Histogram("sluice:request_queue_time_seconds", "Arrival -> dispatch to a worker.",
-                       _REQUEST_LABELS, buckets=REQUEST_LATENCY_BUCKETS, registry=REGISTRY)
-PREFILL_TIME = Histogram("sluice:request_prefill_time_seconds", "Engine: first scheduled -> first token.",
-                         _REQUEST_LABELS, buckets=REQUEST_LATENCY_BUCKETS, registry=REGISTRY)
-DECODE_TIME = Histogram("sluice:request_decode_time_seconds", "First token -> finish.",
-                        _REQUEST_LABELS, buckets=REQUEST_LATENCY_BUCKETS, registry=REGISTRY)
 
-PROMPT_TOKENS = Counter("sluice:prompt_tokens_total", "Prompt tokens of finished requests.",
-                        ("model", "tenant"), registry=REGISTRY)
-GENERATION_TOKENS = Counter("sluice:generation_tokens_total", "Generated tokens of finished requests.",
-                            ("model", "tenant"), registry=REGISTRY)
-REQUESTS = Counter("sluice:requests_total", "Finished requests by class, tenant and finish reason.",
-                   ("model", "class", "tenant", "finish_reason"), registry=REGISTRY)
-REJECTIONS = Counter("sluice:request_rejections_total", "Requests refused before admission (quotas, limits).",
-                     ("tenant", "reason"), registry=REGISTRY)
-PREEMPTIONS = Counter("sluice:num_preemptions_total", "Requests preempted by a worker's engine.",
-                      ("worker",), registry=REGISTRY)
-PREFIX_CACHE_QUERIES = Counter("sluice:prefix_cache_queries_total", "Prompt tokens looked up in the cache.",
-                               ("worker",), registry=REGISTRY)
-PREFIX_CACHE_HITS = Counter("sluice:prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
-                            ("worker",), registry=REGISTRY)
+def _request_histogram(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
+    """A per-request latency histogram, labelled by model and class."""
+    return Histogram(name, documentation, _REQUEST_LABELS, buckets=buckets, registry=REGISTRY)
 
-WAITING = Gauge("sluice:num_requests_waiting", "Requests queued at the gateway, per class.",
-                ("class",), registry=REGISTRY)
-RUNNING = Gauge("sluice:num_requests_running", "Requests dispatched to workers and not finished, per class.",
-                ("class",), registry=REGISTRY)
-KV_USAGE = Gauge("sluice:kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (0..1, as in vLLM).",
-                 ("worker",), registry=REGISTRY)
-PREFIX_HIT_RATE = Gauge("sluice:prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens, per worker.",
-                        ("worker",), registry=REGISTRY)
-WORKER_RUNNING = Gauge("sluice:worker_num_requests_running", "Requests running inside a worker's engine.",
-                       ("worker",), registry=REGISTRY)
-WORKER_WAITING = Gauge("sluice:worker_num_requests_waiting", "Requests waiting inside a worker's engine.",
-                       ("worker",), registry=REGISTRY)
+
+def _counter(name: str, documentation: str, labels: Sequence[str] = ()) -> Counter:
+    return Counter(name, documentation, labels, registry=REGISTRY)
+
+
+def _gauge(name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
+    return Gauge(name, documentation, labels, registry=REGISTRY)
+
+
+TTFT = _request_histogram("sluice:time_to_first_token_seconds", "Time to first token (arrival -> first token).",
+                          TTFT_BUCKETS)
+ITL = _request_histogram("sluice:inter_token_latency_seconds", "Gap between consecutive output tokens of a request.",
+                         ITL_BUCKETS)
+E2E = _request_histogram("sluice:e2e_request_latency_seconds", "Arrival -> finish of a request.",
+                         REQUEST_LATENCY_BUCKETS)
+QUEUE_TIME = _request_histogram("sluice:request_queue_time_seconds", "Arrival -> dispatch to a worker.",
+                                REQUEST_LATENCY_BUCKETS)
+PREFILL_TIME = _request_histogram("sluice:request_prefill_time_seconds", "Engine: first scheduled -> first token.",
+                                  REQUEST_LATENCY_BUCKETS)
+DECODE_TIME = _request_histogram("sluice:request_decode_time_seconds", "First token -> finish.",
+                                 REQUEST_LATENCY_BUCKETS)
+
+PROMPT_TOKENS = _counter("sluice:prompt_tokens_total", "Prompt tokens of finished requests.", ("model", "tenant"))
+GENERATION_TOKENS = _counter("sluice:generation_tokens_total", "Generated tokens of finished requests.",
+                             ("model", "tenant"))
+REQUESTS = _counter("sluice:requests_total", "Finished requests by class, tenant and finish reason.",
+                    ("model", "class", "tenant", "finish_reason"))
+REJECTIONS = _counter("sluice:request_rejections_total", "Requests refused before admission (quotas, limits).",
+                      ("tenant", "reason"))
+PREEMPTIONS = _counter("sluice:num_preemptions_total", "Requests preempted by a worker's engine.", ("worker",))
+PREFIX_CACHE_QUERIES = _counter("sluice:prefix_cache_queries_total", "Prompt tokens looked up in the cache.",
+                                ("worker",))
+PREFIX_CACHE_HITS = _counter("sluice:prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
+                             ("worker",))
+
+WAITING = _gauge("sluice:num_requests_waiting", "Requests queued at the gateway, per class.", ("class",))
+RUNNING = _gauge("sluice:num_requests_running", "Requests dispatched to workers and not finished, per class.",
+                 ("class",))
+KV_USAGE = _gauge("sluice:kv_cache_usage_perc", "Fraction of a worker's KV blocks in use (0..1, as in vLLM).",
+                  ("worker",))
+PREFIX_HIT_RATE = _gauge("sluice:prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens, per worker.",
+                         ("worker",))
+WORKER_RUNNING = _gauge("sluice:worker_num_requests_running", "Requests running inside a worker's engine.", ("worker",))
+WORKER_WAITING = _gauge("sluice:worker_num_requests_waiting", "Requests waiting inside a worker's engine.", ("worker",))
 # Usage is written behind (gateway/usage.py): a count that keeps growing means the database is not
 # taking the writes.
-USAGE_PENDING = Gauge("sluice:usage_pending_rows", "(tenant, model, day) usage rows not yet written.",
-                      registry=REGISTRY)
-WORKER_TOKENS = Counter("sluice:worker_generation_tokens_total", "Tokens generated by a worker (as they stream).",
-                        ("worker",), registry=REGISTRY)
-ADMISSIONS = Counter("sluice:request_admissions_total", "Requests admitted (accepted into a queue).",
-                     ("tenant", "class"), registry=REGISTRY)
-USAGE_WRITE_FAILURES = Counter("sluice:usage_write_failures_total", "Failed usage writes (retried later).",
-                               registry=REGISTRY)
+USAGE_PENDING = _gauge("sluice:usage_pending_rows", "(tenant, model, day) usage rows not yet written.")
+WORKER_TOKENS = _counter("sluice:worker_generation_tokens_total", "Tokens generated by a worker (as they stream).",
+                         ("worker",))
+ADMISSIONS = _counter("sluice:request_admissions_total", "Requests admitted (accepted into a queue).",
+                      ("tenant", "class"))
+USAGE_WRITE_FAILURES = _counter("sluice:usage_write_failures_total", "Failed usage writes (retried later).")
 
 
 class _BoundedLabel:
