@@ -1,25 +1,26 @@
-"""JSON request bodies are decoded strictly, exactly as the OpenAPI document describes them.
+"""JSON request bodies are decoded strictly, exactly as the OpenAPI document describes them, once.
 
 Litestar 2 converts bodies with msgspec's lax mode (`strict=False`), which accepts `"5"` for an
 integer and `0` for a boolean. This hook, run before each handler, decodes a JSON body with
 msgspec's strict mode into the handler's body type, so a body the schema rejects is a 400 naming
-the field; Litestar's own (lax) conversion then sees only bodies that already passed.
+the field. The decoded body is left in Litestar's request state, so Litestar does not decode it a
+second time (it takes a struct of the right type as it is).
+
+A dense body (one that may hold many JSON values) is judged in a helper process first
+(`body_check`): decoding it here would hold the event loop for as long as it takes.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-import msgspec
 from litestar import Request
 from litestar.enums import RequestEncodingType
 from litestar.params import BodyKwarg
+from litestar.utils.scope.state import ScopeState
 
-from sluice.gateway.errors import OpenAIError
-
-_PATH = re.compile(r" - at `\$\.?([^`]*)`")
-_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+from sluice.gateway.body_check import BodyJudge, InvalidBody, decode, is_dense
+from sluice.gateway.errors import OpenAIError, body_fault
 
 
 def _json_body_type(request: Request[Any, Any, Any]) -> Any | None:
@@ -32,16 +33,6 @@ def _json_body_type(request: Request[Any, Any, Any]) -> Any | None:
     return field.annotation
 
 
-def body_error(error: msgspec.ValidationError) -> OpenAIError:
-    """msgspec's "Expected `int` >= 1 - at `$.max_tokens`" as a 400 with param `max_tokens`."""
-    text = str(error)
-    match = _PATH.search(text)
-    if match is None or not match.group(1):
-        return OpenAIError(400, f"Invalid request body: {text}.")
-    param = match.group(1)
-    return OpenAIError(400, f"Invalid `{param}` in the request body: {text[: match.start()]}.", param=param)
-
-
 async def strict_json_body(request: Request[Any, Any, Any]) -> None:
     """Litestar `before_request` hook: raises the 400 for a JSON body its type rejects."""
     body_type = _json_body_type(request)
@@ -50,12 +41,13 @@ async def strict_json_body(request: Request[Any, Any, Any]) -> None:
     raw = await request.body()
     if not raw.strip():
         raise OpenAIError(400, "The request needs a JSON body.")
-    decoder = _decoders.get(body_type)
-    if decoder is None:
-        decoder = _decoders[body_type] = msgspec.json.Decoder(body_type)
+    if is_dense(raw):
+        judge: BodyJudge = request.app.state.body_judge
+        fault = await judge.judge(raw, body_type, request.app.state.generation.limits)
+        if fault is not None:
+            raise body_fault(fault)
     try:
-        decoder.decode(raw)
-    except msgspec.ValidationError as exc:
-        raise body_error(exc) from None
-    except msgspec.DecodeError as exc:
-        raise OpenAIError(400, f"The request body is not valid JSON: {exc}.") from None
+        body = decode(raw, body_type)
+    except InvalidBody as exc:
+        raise body_fault(exc.fault) from None
+    ScopeState.from_scope(request.scope).json = body

@@ -18,6 +18,7 @@ from litestar.exceptions import HTTPException, NotAuthorizedException, Validatio
 from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 
+from sluice.gateway.body_check import NESTED_TOO_DEEPLY, BodyFault
 from sluice.gateway.methods import allowed_methods
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, param=param, code=code)
 
 
+def body_fault(fault: BodyFault) -> OpenAIError:
+    return bad_request(fault.message, fault.param, fault.code)
+
+
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
@@ -117,7 +122,6 @@ _TYPES = {
     429: "rate_limit_exceeded",
     503: "service_unavailable",
 }
-NESTED_TOO_DEEPLY = "The JSON is nested too deeply."
 _PATH_RE = re.compile(r"`\$\.([A-Za-z0-9_\.\[\]]+)`")
 
 

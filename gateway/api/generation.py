@@ -27,7 +27,8 @@ from typing import Any
 from sluice import telemetry
 from sluice.gateway.auth import TenantContext
 from sluice.gateway.backend import BackendUnavailable, GenerationBackend, Submission
-from sluice.gateway.errors import OpenAIError, bad_request, service_unavailable
+from sluice.gateway.body_check import SizeLimits, prompt_chars, size_fault
+from sluice.gateway.errors import OpenAIError, bad_request, body_fault, service_unavailable
 from sluice.gateway.quotas import QuotaExceeded, QuotaService, Reservation
 from sluice.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
@@ -278,8 +279,7 @@ class GenerationService:
         if not request_timeout_s > 0:
             raise ValueError(f"gateway.request_timeout_s must be positive, got {request_timeout_s}")
         self.backend = backend
-        self.max_prompt_chars = max_prompt_chars
-        self.max_messages = max_messages
+        self.limits = SizeLimits(max_messages=max_messages, max_prompt_chars=max_prompt_chars)
         self._tokenize_slots = asyncio.Semaphore(TOKENIZE_THREADS)
         self.tokenizers = tokenizers
         self.quotas = quotas
@@ -328,36 +328,16 @@ class GenerationService:
 
     def _prompt_chars(self, body: ChatCompletionRequest | CompletionRequest) -> int:
         """Characters to tokenize, counted cheaply (0 when a cheap limit will refuse the body at once)."""
-        if isinstance(body, CompletionRequest):
-            return len(body.prompt) if isinstance(body.prompt, str) else 0
-        if len(body.messages) > self.max_messages:
-            return 0
-        total = 0
-        for message in body.messages:
-            content = message.content
-            if isinstance(content, str):
-                total += len(content)
-            elif isinstance(content, list):
-                total += sum(len(part.text or "") for part in content)
-        return total
+        return 0 if size_fault(body, self.limits) is not None else prompt_chars(body)
 
-    def _check_prompt_chars(self, chars: int, param: str) -> None:
-        if chars > self.max_prompt_chars:
-            raise bad_request(
-                f"The prompt has {chars} characters; at most {self.max_prompt_chars} are allowed.",
-                param,
-                code="string_above_max_length",
-            )
+    def _check_size(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        fault = size_fault(body, self.limits)
+        if fault is not None:
+            raise body_fault(fault)
 
     def prepare_chat(self, tenant: TenantContext, body: ChatCompletionRequest) -> Prepared:
         tokenizer = self.model_tokenizer(tenant, body.model)
-        if len(body.messages) > self.max_messages:
-            raise bad_request(
-                f"messages has {len(body.messages)} items; at most {self.max_messages} are allowed.",
-                "messages",
-                code="array_above_max_length",
-            )
-        self._check_prompt_chars(self._prompt_chars(body), "messages")
+        self._check_size(body)
         messages = template_messages(body.messages)
         _refuse_unsupported_chat_fields(body)
         if body.top_logprobs is not None and not body.logprobs:
@@ -381,9 +361,9 @@ class GenerationService:
         tokenizer = self.model_tokenizer(tenant, body.model)
         if body.echo:
             raise bad_request("echo is not supported.", "echo")
+        self._check_size(body)
         prompt = body.prompt
         if isinstance(prompt, str):
-            self._check_prompt_chars(len(prompt), "prompt")
             prompt_ids = tokenizer.encode(prompt)
         elif len(prompt) >= tokenizer.max_model_len:  # before looking at each of them
             raise OpenAIError(

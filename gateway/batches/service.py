@@ -342,14 +342,16 @@ class BatchService:
             return batch_view(fresh, *await self.counts(batch_id, session))
 
     async def _enqueue_all(self, batch_id: str, requests: list[GenerateRequest]) -> None:
-        gate = asyncio.Semaphore(ENQUEUE_CONCURRENCY)
+        # A fixed set of senders takes the lines in turn: one task per line (20,000 of them) would
+        # hold the event loop for a second just to create them and take their first steps.
+        lines = iter(requests)
 
-        async def one(request: GenerateRequest) -> None:
-            async with gate:
+        async def sender() -> None:
+            for request in lines:
                 await self.backend.enqueue_batch_line(request)
 
         try:
-            await asyncio.gather(*(one(r) for r in requests))
+            await asyncio.gather(*(sender() for _ in range(min(ENQUEUE_CONCURRENCY, len(requests)))))
         except BackendUnavailable as exc:
             async with self.sessions() as session, session.begin():
                 await session.execute(
