@@ -8,6 +8,7 @@ flash area (`HX-Retarget`), with the admin API's status code and message.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from litestar import Controller, post
@@ -16,6 +17,7 @@ from litestar.response import Response, Template
 
 from sluice.gateway.admin import operations
 from sluice.gateway.admin.schemas import TenantPatch
+from sluice.gateway.admin.service import AdminService
 from sluice.gateway.console import forms, views
 from sluice.gateway.console.pages import ACTOR, AnyRequest, Form, admin_service, render, tenant_names
 from sluice.gateway.console.security import console_guard
@@ -38,6 +40,19 @@ async def tenant_section(request: AnyRequest, tenant_id: str, flash: str | None 
                   audit=await admin.audit(20, tenant_id))
 
 
+async def change_tenant(request: AnyRequest, tenant_id: str, change: Callable[[AdminService], Awaitable[Any]], *,
+                        flash: str | Callable[[Any], str] | None = None, shows_key: bool = False) -> Template:
+    """Runs `change` (form parsing included, so a bad field is refused too) and answers the tenant
+    panel with `flash` (a message, or one made from the change's result) or, with `shows_key`, the
+    key the change created shown once."""
+    try:
+        result = await change(admin_service(request))
+    except OpenAIError as exc:
+        return refused(request, exc)
+    message = flash(result) if callable(flash) else flash
+    return await tenant_section(request, tenant_id, flash=message, created_key=result if shows_key else None)
+
+
 class ActionsController(Controller):
     path = "/"
     guards = [console_guard]  # noqa: RUF012
@@ -52,53 +67,39 @@ class ActionsController(Controller):
 
     @post("/tenants/{tenant_id:str}", include_in_schema=False, status_code=200)
     async def update_tenant(self, request: AnyRequest, tenant_id: FromPath[str], data: Form) -> Template:
-        try:
-            await admin_service(request).update_tenant(tenant_id, forms.tenant_patch(data), actor=ACTOR)
-        except OpenAIError as exc:
-            return refused(request, exc)
-        return await tenant_section(request, tenant_id, flash="Settings saved.")
+        return await change_tenant(
+            request, tenant_id, lambda admin: admin.update_tenant(tenant_id, forms.tenant_patch(data), actor=ACTOR),
+            flash="Settings saved.")
 
     @post("/tenants/{tenant_id:str}/enabled", include_in_schema=False, status_code=200)
     async def set_enabled(self, request: AnyRequest, tenant_id: FromPath[str], data: Form) -> Template:
         enabled = data.get("enabled") == "true"
-        try:
-            await admin_service(request).update_tenant(tenant_id, TenantPatch(enabled=enabled), actor=ACTOR)
-        except OpenAIError as exc:
-            return refused(request, exc)
-        message = "Tenant enabled." if enabled else "Tenant disabled: its keys no longer work."
-        return await tenant_section(request, tenant_id, flash=message)
+        return await change_tenant(
+            request, tenant_id, lambda admin: admin.update_tenant(tenant_id, TenantPatch(enabled=enabled), actor=ACTOR),
+            flash="Tenant enabled." if enabled else "Tenant disabled: its keys no longer work.")
 
     @post("/tenants/{tenant_id:str}/quotas", include_in_schema=False, status_code=200)
     async def update_quotas(self, request: AnyRequest, tenant_id: FromPath[str], data: Form) -> Template:
-        try:
-            await admin_service(request).update_quotas(tenant_id, forms.quotas_patch(data), actor=ACTOR)
-        except OpenAIError as exc:
-            return refused(request, exc)
-        return await tenant_section(request, tenant_id, flash="Quotas saved.")
+        return await change_tenant(
+            request, tenant_id, lambda admin: admin.update_quotas(tenant_id, forms.quotas_patch(data), actor=ACTOR),
+            flash="Quotas saved.")
 
     @post("/tenants/{tenant_id:str}/keys", include_in_schema=False, status_code=200)
     async def create_key(self, request: AnyRequest, tenant_id: FromPath[str], data: Form) -> Template:
-        try:
-            created = await admin_service(request).create_key(tenant_id, forms.key_create(data), actor=ACTOR)
-        except OpenAIError as exc:
-            return refused(request, exc)
-        return await tenant_section(request, tenant_id, created_key=created)
+        return await change_tenant(
+            request, tenant_id, lambda admin: admin.create_key(tenant_id, forms.key_create(data), actor=ACTOR),
+            shows_key=True)
 
     @post("/tenants/{tenant_id:str}/keys/{key_id:str}/revoke", include_in_schema=False, status_code=200)
     async def revoke_key(self, request: AnyRequest, tenant_id: FromPath[str], key_id: FromPath[str]) -> Template:
-        try:
-            key = await admin_service(request).revoke_key(tenant_id, key_id, actor=ACTOR)
-        except OpenAIError as exc:
-            return refused(request, exc)
-        return await tenant_section(request, tenant_id, flash=f"Key {key.prefix}… revoked.")
+        return await change_tenant(
+            request, tenant_id, lambda admin: admin.revoke_key(tenant_id, key_id, actor=ACTOR),
+            flash=lambda key: f"Key {key.prefix}… revoked.")
 
     @post("/tenants/{tenant_id:str}/keys/{key_id:str}/rotate", include_in_schema=False, status_code=200)
     async def rotate_key(self, request: AnyRequest, tenant_id: FromPath[str], key_id: FromPath[str]) -> Template:
-        try:
-            created = await admin_service(request).rotate_key(tenant_id, key_id, actor=ACTOR)
-        except OpenAIError as exc:
-            return refused(request, exc)
-        return await tenant_section(request, tenant_id, created_key=created)
+        return await change_tenant(
+            request, tenant_id, lambda admin: admin.rotate_key(tenant_id, key_id, actor=ACTOR), shows_key=True)
 
     @post("/workers/{worker_id:str}/drain", include_in_schema=False, status_code=200)
     async def drain(self, request: AnyRequest, worker_id: FromPath[str]) -> Template:
