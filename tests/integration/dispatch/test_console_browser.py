@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +25,7 @@ import pytest
 from sluice.broker import free_port
 
 from .conftest import REPO
-from .test_serve import ADMIN_TOKEN, Serve, batch_file
+from .test_serve import ADMIN_TOKEN, Serve, batch_file, serve_environment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -63,13 +62,8 @@ def write_config(directory: Path, model_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, bootstrap_servers: str) -> Iterator[Serve]:
     directory = tmp_path_factory.mktemp("console")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-               SLUICE_CONFIG_DIR=str(write_config(directory / "config", demo_model_dir)),
-               SLUICE_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,
-               SLUICE_KAFKA_TOPIC_PREFIX=f"console{time.monotonic_ns()}",
-               SLUICE_DATABASE_URL=f"sqlite+aiosqlite:///{directory / 'sluice.db'}",
-               SLUICE_GATEWAY_WORKER_PORT=str(free_port()), SLUICE_GATEWAY_RECORD_LOG_PATH="",
-               SLUICE_ADMIN_TOKEN=ADMIN_TOKEN)
+    env = serve_environment(directory, write_config(directory / "config", demo_model_dir), bootstrap_servers,
+                            "console")
     serve = Serve(directory, env, free_port())
     try:
         serve.wait_ready()

@@ -98,16 +98,21 @@ def alive(pid: int) -> bool:
     return True
 
 
+def serve_environment(directory: Path, config_dir: Path, bootstrap_servers: str, topic_prefix: str) -> dict[str, str]:
+    """The environment of a `sluice serve` under test: the session broker (topics of its own),
+    SQLite under `directory`, a free worker port, no record log, the tests' admin token."""
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+                SLUICE_CONFIG_DIR=str(config_dir),
+                SLUICE_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,
+                SLUICE_KAFKA_TOPIC_PREFIX=f"{topic_prefix}{time.monotonic_ns()}",
+                SLUICE_DATABASE_URL=f"sqlite+aiosqlite:///{directory / 'sluice.db'}",
+                SLUICE_GATEWAY_WORKER_PORT=str(free_port()), SLUICE_GATEWAY_RECORD_LOG_PATH="",
+                SLUICE_ADMIN_TOKEN=ADMIN_TOKEN)
+
+
 @pytest.fixture
 def serve_env(tmp_path: Path, demo_model_dir: Path, bootstrap_servers: str) -> Iterator[dict[str, str]]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-               SLUICE_CONFIG_DIR=str(write_config(tmp_path / "config", demo_model_dir)),
-               SLUICE_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,
-               SLUICE_KAFKA_TOPIC_PREFIX=f"serve{time.monotonic_ns()}",
-               SLUICE_DATABASE_URL=f"sqlite+aiosqlite:///{tmp_path / 'sluice.db'}",
-               SLUICE_GATEWAY_WORKER_PORT=str(free_port()), SLUICE_GATEWAY_RECORD_LOG_PATH="",
-               SLUICE_ADMIN_TOKEN=ADMIN_TOKEN)
-    yield env
+    yield serve_environment(tmp_path, write_config(tmp_path / "config", demo_model_dir), bootstrap_servers, "serve")
 
 
 def batch_file(n: int) -> bytes:

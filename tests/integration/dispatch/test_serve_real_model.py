@@ -7,7 +7,6 @@ models.toml looks for it), so the test does not download it a second time.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 from sluice.broker import free_port
 
 from .conftest import REPO
-from .test_serve import ADMIN_TOKEN, Serve
+from .test_serve import Serve, serve_environment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -44,14 +43,7 @@ def test_plain_serve_answers_with_the_real_model(tmp_path: Path, real_model_dir:
     (tmp_path / "var" / "models").mkdir(parents=True)
     (tmp_path / "var" / "models" / "smollm2-135m-instruct").symlink_to(real_model_dir)
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-               SLUICE_CONFIG_DIR=str(tmp_path / "config"),
-               SLUICE_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,
-               SLUICE_KAFKA_TOPIC_PREFIX=f"real{time.monotonic_ns()}",
-               SLUICE_DATABASE_URL=f"sqlite+aiosqlite:///{tmp_path / 'sluice.db'}",
-               SLUICE_GATEWAY_WORKER_PORT=str(free_port()), SLUICE_GATEWAY_RECORD_LOG_PATH="",
-               SLUICE_ADMIN_TOKEN=ADMIN_TOKEN)
-    serve = Serve(tmp_path, env, port)
+    serve = Serve(tmp_path, serve_environment(tmp_path, tmp_path / "config", bootstrap_servers, "real"), port)
     try:
         serve.wait_ready(timeout=300)
         printed = _printed(serve)
