@@ -51,8 +51,12 @@ def _tokenizer(generation: GenerationService, tenant: TenantContext | None, mode
     return generation.tokenizers.get(allowed[0])
 
 
-def _headers(generation: GenerationService, tenant: TenantContext | None) -> dict[str, str]:
-    return {} if tenant is None else generation.quotas.headers(tenant)
+def _resolve(request: Request[Any, Any, Any], tenant: TenantContext | None,
+             model: str | None) -> tuple[ModelTokenizer, dict[str, str]]:
+    """The tokenizer a request names (or its tenant's first model) and the answer's quota headers."""
+    generation: GenerationService = request.app.state.generation
+    tokenizer = _tokenizer(generation, tenant, model)
+    return tokenizer, {} if tenant is None else generation.quotas.headers(tenant)
 
 
 class TokenizeController(Controller):
@@ -69,8 +73,7 @@ class TokenizeController(Controller):
         tenant: NamedDependency[TenantContext | None],
         data: JSONBody[TokenizeRequest],
     ) -> Response[TokenizeResponse]:
-        generation: GenerationService = request.app.state.generation
-        tokenizer = _tokenizer(generation, tenant, data.model)
+        tokenizer, headers = _resolve(request, tenant, data.model)
         if data.prompt is not None and data.messages is None:
             add_special = True if data.add_special_tokens is None else data.add_special_tokens
             tokens = tokenizer.encode(data.prompt, add_special_tokens=add_special)
@@ -98,7 +101,7 @@ class TokenizeController(Controller):
             tokens=tokens,
             token_strs=tokenizer.token_strings(tokens) if data.return_token_strs else None,
         )
-        return Response(body, headers=_headers(generation, tenant))
+        return Response(body, headers=headers)
 
     @post("/detokenize", status_code=200, summary="Text of a token sequence (vLLM)", responses=_ERRORS)
     async def detokenize(
@@ -107,9 +110,8 @@ class TokenizeController(Controller):
         tenant: NamedDependency[TenantContext | None],
         data: JSONBody[DetokenizeRequest],
     ) -> Response[DetokenizeResponse]:
-        generation: GenerationService = request.app.state.generation
-        tokenizer = _tokenizer(generation, tenant, data.model)
+        tokenizer, headers = _resolve(request, tenant, data.model)
         if any(t < 0 or t >= tokenizer.vocab_size for t in data.tokens):
             raise bad_request(f"tokens must be between 0 and {tokenizer.vocab_size - 1}.", "tokens")
         body = DetokenizeResponse(prompt=tokenizer.decode(data.tokens))
-        return Response(body, headers=_headers(generation, tenant))
+        return Response(body, headers=headers)
