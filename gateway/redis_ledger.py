@@ -128,9 +128,12 @@ class RedisLedger:
                 _limit(limits.max_concurrent), _limit(limits.max_queued), _limit(limits.requests_per_minute),
                 _limit(limits.tokens_per_minute), _limit(limits.tokens_per_day),
             )
-        except RedisError as exc:
+        except asyncio.CancelledError:
             # The script may have run with its answer lost: end the hold in case it exists.
             self._retry.append(_Finish(ask.tenant_id, hold, day, 0))
+            raise
+        except RedisError as exc:
+            self._retry.append(_Finish(ask.tenant_id, hold, day, 0))  # as above
             log.error("shared state: admission failed, Redis unreachable: %s", exc)
             raise service_unavailable() from None
         status = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])

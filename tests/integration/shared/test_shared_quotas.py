@@ -4,6 +4,7 @@ connection and lease, share one tenant's limits through the Redis ledger."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import os
 import signal
@@ -172,6 +173,23 @@ async def test_sigkilled_replica_process_releases_its_holds_within_the_lease(
         if victim.returncode is None:
             victim.kill()
             await victim.wait()
+
+
+async def test_an_admission_cancelled_in_flight_leaves_no_hold(replicas: Make) -> None:
+    (a, a_ledger), (b, _) = await replicas(2)
+    t = tenant("cancelled", max_concurrent=1)
+    for delay in (0.0, 0.0002, 0.0005, 0.001, 0.002, 0.005):  # before sending, while Redis runs it, after
+        task = asyncio.ensure_future(a.admit(t, 1, 1, Priority.STANDARD))
+        await asyncio.sleep(delay)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            a.release(await task)  # it completed before the cancellation: an ordinary admission
+        await a.flush()
+        await a_ledger.refresh()  # an admission whose answer was lost is ended at the next renewal
+        taken = await try_admit(b, t)
+        assert isinstance(taken, Reservation), f"a hold leaked (cancelled after {delay}s)"
+        b.release(taken)
+        await b.flush()
 
 
 async def test_daily_budget_is_seeded_from_the_database_once_for_all_replicas(replicas: Make) -> None:
