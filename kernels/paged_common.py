@@ -162,6 +162,19 @@ def check_paged_inputs(
         raise ValueError(f"{op}: block_tables rows must be contiguous")
 
 
+def paged_strides(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
+) -> tuple[int, ...]:
+    """The strides both paged kernels take after their pointers, in their order: stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh."""
+    return (
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0), out.stride(0), out.stride(1),
+    )  # fmt: skip
+
+
 def paged_output(op: str, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """The tensor a launcher writes: `out` once checked against q, or a new one like q."""
     if out is None:

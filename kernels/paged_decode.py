@@ -29,6 +29,7 @@ from sluice.kernels.paged_common import (
     dot_flags,
     head_block,
     paged_output,
+    paged_strides,
 )
 
 
@@ -241,10 +242,7 @@ def paged_decode_triton(
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_parts)](
         q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         out, part_out, part_max, part_sum,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_tables.stride(0), out.stride(0), out.stride(1),
+        *paged_strides(q, k_cache, v_cache, meta, out),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
         scale * LOG2E, head_dim, group_size, partition_size,

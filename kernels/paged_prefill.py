@@ -27,6 +27,7 @@ from sluice.kernels.paged_common import (
     dot_flags,
     head_block,
     paged_output,
+    paged_strides,
 )
 
 
@@ -139,10 +140,7 @@ def paged_prefill_triton(
     grid = (triton.cdiv(meta.max_query_len, tiles.block_m), meta.num_seqs, num_q_heads)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, out,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_tables.stride(0), out.stride(0), out.stride(1),
+        *paged_strides(q, k_cache, v_cache, meta, out),
         scale * LOG2E, head_dim, num_q_heads // num_kv_heads,
         PAGE_SIZE=block_size,
         BLOCK_M=tiles.block_m,
