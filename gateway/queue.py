@@ -33,9 +33,27 @@ from sluice.settings import KafkaSettings
 log = logging.getLogger(__name__)
 
 COMMIT_RETRY_MAX_S = 5.0  # a failing commit is retried at most this far apart
+STOP_TIMEOUT_S = 5.0  # stopping a Kafka client (a last commit, leaving the group) takes at most this
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(GenerateRequest)
+
+
+async def stop_client(client: AIOKafkaConsumer | AIOKafkaProducer) -> None:
+    """Stops an aiokafka client within `STOP_TIMEOUT_S`, whatever state the broker is in.
+
+    After a broker outage aiokafka's consumer `stop()` can raise the CancelledError of its own
+    coordinator task: that is not this task being cancelled, so it is logged, not propagated
+    (propagating it aborts the gateway's shutdown)."""
+    try:
+        await asyncio.wait_for(client.stop(), STOP_TIMEOUT_S)
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+        log.warning("stopping the Kafka %s was cut short", type(client).__name__)
+    except Exception as exc:
+        log.warning("stopping the Kafka %s failed (%r)", type(client).__name__, exc)
 
 
 class QueueUnavailable(Exception):
@@ -114,8 +132,7 @@ class RequestLog:
     async def stop(self) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(producer.stop(), self._timeout)
+            await stop_client(producer)
 
     async def ping(self, timeout_s: float = 1.0) -> bool:
         """Whether the broker answers a metadata request now (for readiness)."""
@@ -280,8 +297,7 @@ class ClassConsumer:
         if consumer is not None:
             with contextlib.suppress(Exception):
                 await self._flush_commits(consumer)
-            with contextlib.suppress(Exception):
-                await consumer.stop()
+            await stop_client(consumer)
 
     def pause(self) -> None:
         if self._consumer is not None and not self._paused:

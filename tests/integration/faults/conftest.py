@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import pytest
 from dispatch.conftest import StartWorker, make_settings, start_worker, wait_for  # noqa: F401
 from litestar.testing import AsyncTestClient
 
-from sluice.broker import free_port
+from sluice.broker import EmbeddedBroker, free_port
 from sluice.gateway.app import create_app
 from sluice.gateway.batches import batch_components
 from sluice.gateway.kafka_backend import KafkaBackend
@@ -69,6 +69,16 @@ class FaultGateway:
                 content = (await self.sdk.files.content(file_id)).content.decode()
                 out += [json.loads(x) for x in content.splitlines() if x]
         return out
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path) -> Iterator[EmbeddedBroker]:
+    """A broker of this test alone: stopping or restarting it must not disturb the session's broker."""
+    broker = EmbeddedBroker(log_path=tmp_path / "tansu.log").start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
 
 
 @pytest.fixture(scope="module")

@@ -22,16 +22,6 @@ from .conftest import FaultGateway, fault_settings, jsonl, open_gateway, wait_fo
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.fixture
-def own_broker(tmp_path: Path) -> Any:
-    """A broker of this test alone: restarting it must not disturb the session's broker."""
-    broker = EmbeddedBroker(log_path=tmp_path / "tansu.log").start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
-
-
 def restart(broker: EmbeddedBroker) -> None:
     broker.stop()
     time.sleep(0.5)
