@@ -25,7 +25,7 @@ import pytest
 from sluice.broker import free_port
 
 from .conftest import REPO
-from .test_serve import ADMIN_TOKEN, Serve, batch_file, serve_environment
+from .test_serve import ADMIN_TOKEN, Serve, batch_file, serve_environment, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -42,28 +42,21 @@ if not Path(CHROMIUM).exists():
 
 from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
 
-
-def write_config(directory: Path, model_dir: Path) -> Path:
-    """A small worker (4 sequences) so that a few dozen streams make a queue at the gateway."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "sluice.toml").write_text(
-        "[dispatch]\nlocal_workers = 1\nheartbeat_interval_s = 0.5\nheartbeat_timeout_s = 10.0\n"
-        "max_worker_waiting = 2\n"
-        "[engine]\nmax_num_seqs = 4\nmax_num_batched_tokens = 256\n")
-    (directory / "models.toml").write_text(f'[[models]]\nname = "demo"\npath = "{model_dir}"\n')
-    (directory / "tenants.toml").write_text(
-        '[[tenants]]\nname = "demo-chat"\npriority_ceiling = "interactive"\n'
-        '[[tenants]]\nname = "rag-search"\n'
-        '[[tenants]]\nname = "nightly"\ndefault_class = "batch"\npriority_ceiling = "batch"\n'
-        '[[tenants]]\nname = "tight"\n[tenants.quotas]\nrequests_per_minute = 3\n')
-    return directory
+# A small worker (4 sequences) so that a few dozen streams make a queue at the gateway.
+CONSOLE_TOML = ("[dispatch]\nlocal_workers = 1\nheartbeat_interval_s = 0.5\nheartbeat_timeout_s = 10.0\n"
+                "max_worker_waiting = 2\n"
+                "[engine]\nmax_num_seqs = 4\nmax_num_batched_tokens = 256\n")
+CONSOLE_TENANTS = ('[[tenants]]\nname = "demo-chat"\npriority_ceiling = "interactive"\n'
+                   '[[tenants]]\nname = "rag-search"\n'
+                   '[[tenants]]\nname = "nightly"\ndefault_class = "batch"\npriority_ceiling = "batch"\n'
+                   '[[tenants]]\nname = "tight"\n[tenants.quotas]\nrequests_per_minute = 3\n')
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, bootstrap_servers: str) -> Iterator[Serve]:
     directory = tmp_path_factory.mktemp("console")
-    env = serve_environment(directory, write_config(directory / "config", demo_model_dir), bootstrap_servers,
-                            "console")
+    config = write_config(directory / "config", demo_model_dir, sluice_toml=CONSOLE_TOML, tenants_toml=CONSOLE_TENANTS)
+    env = serve_environment(directory, config, bootstrap_servers, "console")
     serve = Serve(directory, env, free_port())
     try:
         serve.wait_ready()

@@ -31,15 +31,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ADMIN_TOKEN = "slc-admin-serve-tests-" + "y" * 24
 
 
-def write_config(directory: Path, model_dir: Path) -> Path:
+SERVE_TOML = ("[dispatch]\nlocal_workers = 1\nheartbeat_interval_s = 0.5\nheartbeat_timeout_s = 5.0\n"
+              "[engine]\nmax_num_seqs = 16\nmax_num_batched_tokens = 512\n")
+SERVE_TENANTS = ('[[tenants]]\nname = "demo-chat"\npriority_ceiling = "interactive"\n'
+                 '[[tenants]]\nname = "nightly"\ndefault_class = "batch"\npriority_ceiling = "batch"\n')
+
+
+def write_config(directory: Path, model_dir: Path, *, sluice_toml: str = SERVE_TOML,
+                 tenants_toml: str = SERVE_TENANTS) -> Path:
+    """A config directory serving the demo model as "demo", with these settings and tenants."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "sluice.toml").write_text(
-        "[dispatch]\nlocal_workers = 1\nheartbeat_interval_s = 0.5\nheartbeat_timeout_s = 5.0\n"
-        "[engine]\nmax_num_seqs = 16\nmax_num_batched_tokens = 512\n")
+    (directory / "sluice.toml").write_text(sluice_toml)
     (directory / "models.toml").write_text(f'[[models]]\nname = "demo"\npath = "{model_dir}"\n')
-    (directory / "tenants.toml").write_text(
-        '[[tenants]]\nname = "demo-chat"\npriority_ceiling = "interactive"\n'
-        '[[tenants]]\nname = "nightly"\ndefault_class = "batch"\npriority_ceiling = "batch"\n')
+    (directory / "tenants.toml").write_text(tenants_toml)
     return directory
 
 
