@@ -29,6 +29,14 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _with_config(src: Path, dst: Path, **changes: object) -> Path:
+    """A copy of the model directory `src` whose config.json has `changes` applied."""
+    d = _copy(src, dst)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | changes))
+    return d
+
+
 def test_sharded_checkpoint_loads_same_weights(tmp_path: Path, tiny_llama_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -56,10 +64,7 @@ def test_missing_shard_is_named(tmp_path: Path, tiny_llama_dir: Path) -> None:
 
 
 def test_unsupported_architecture(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    d = _copy(tiny_llama_dir, tmp_path / "m")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = ["FalconForCausalLM"]
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = _with_config(tiny_llama_dir, tmp_path / "m", architectures=["FalconForCausalLM"])
     with pytest.raises(ModelLoadError, match="unsupported architecture FalconForCausalLM"):
         _load(d)
 
@@ -87,10 +92,7 @@ def test_truncated_safetensors(tmp_path: Path, tiny_llama_dir: Path) -> None:
 
 
 def test_shape_mismatch_names_tensor(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    d = _copy(tiny_llama_dir, tmp_path / "m")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["intermediate_size"] = 96
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = _with_config(tiny_llama_dir, tmp_path / "m", intermediate_size=96)
     with pytest.raises(ModelLoadError, match=r"tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape"):
         _load(d)
 
