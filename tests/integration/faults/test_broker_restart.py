@@ -48,7 +48,7 @@ async def test_batches_complete_after_a_broker_restart(own_broker: EmbeddedBroke
         assert (await gw.client.post("/admin/workers/fw/drain", headers=gw.admin)).status_code == 200
         before = await _create(gw, 24)
         consumer = gw.backend._consumers[Priority.BATCH]
-        await wait_for(lambda: consumer.paused, 60, "the gateway's batch backlog to fill")
+        await wait_for(lambda c=consumer: c.paused, 60, "the gateway's batch backlog to fill")
         await asyncio.to_thread(restart, own_broker)
         assert (await gw.client.post("/admin/workers/fw/undrain", headers=gw.admin)).status_code == 200
         # Tansu 0.6 (memory storage) cannot serve back a record produced into a topic it created
