@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from sluice.gateway import redis_scripts
 from sluice.gateway.errors import service_unavailable
-from sluice.gateway.ledger import Ask, DayUnseeded, Outcome, Refusal, RefusedLimit, WindowView
+from sluice.gateway.ledger import WINDOW_S, Ask, DayUnseeded, Outcome, Refusal, RefusedLimit, WindowView
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class RedisLedger:
             for name in ("ADMIT", "SEED_DAY", "MARK_RUNNING", "FINISH", "REFRESH")
         }
         self._mine: dict[str, _MyHold] = {}  # this replica's holds
-        self._views: dict[str, tuple[WindowView, float]] = {}  # tenant -> (last view, monotonic read time)
+        self._views: dict[str, tuple[WindowView, float, int]] = {}  # tenant -> (newest view, monotonic read time, seq)
         self._retry: list[_Finish] = []  # settlements that did not reach Redis yet
         self._tasks: set[asyncio.Task[None]] = set()
         self._finishing: dict[str, asyncio.Task[None]] = {}  # hold -> its settlement in flight
@@ -205,16 +205,22 @@ class RedisLedger:
     # ---- views -----------------------------------------------------------------------------------
 
     def _remember_view(self, tenant_id: str, values: list[Any]) -> None:
-        requests, requests_reset, tokens, tokens_reset = (int(v) for v in values)
+        """Keeps the newest view Redis produced (its sequence number), whatever order the
+        replies of concurrent scripts arrive in. A view older than the window is replaced
+        whatever its number (the counter starts over after a Redis restart)."""
+        requests, requests_reset, tokens, tokens_reset, seq = (int(v) for v in values)
+        known = self._views.get(tenant_id)
+        if known is not None and known[2] > seq and time.monotonic() - known[1] < WINDOW_S:
+            return
         view = WindowView(requests, requests_reset / 1000, tokens, tokens_reset / 1000)
-        self._views[tenant_id] = (view, time.monotonic())
+        self._views[tenant_id] = (view, time.monotonic(), seq)
 
     def view(self, tenant_id: str) -> WindowView:
         """The window as the last script on this replica saw it (the headers are advisory)."""
         found = self._views.get(tenant_id)
         if found is None:
             return WindowView()
-        view, read_at = found
+        view, read_at, _ = found
         elapsed = time.monotonic() - read_at
         return WindowView(
             view.requests, max(0.0, view.requests_reset_s - elapsed),

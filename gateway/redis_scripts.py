@@ -51,7 +51,10 @@ local function view(tenant, now)
   local rreset, treset = 0, 0
   if #rq > 0 then rreset = tonumber(rq[2]) + WINDOW - now end
   if #tk > 0 then treset = tonumber(tk[2]) + WINDOW - now end
-  return {redis.call('ZCARD', tkey(tenant, 'rq')), rreset, num(redis.call('GET', tkey(tenant, 'tw'))), treset}
+  -- seq orders the views: replies of concurrent scripts reach a replica in any order
+  local seq = redis.call('INCR', tkey(tenant, 'seq'))
+  redis.call('PEXPIRE', tkey(tenant, 'seq'), 86400000)
+  return {redis.call('ZCARD', tkey(tenant, 'rq')), rreset, num(redis.call('GET', tkey(tenant, 'tw'))), treset, seq}
 end
 
 -- Ends a hold: `rec` is its record, or nil when it is gone already (its replica was swept), in
@@ -103,7 +106,7 @@ sweep(now)
 expire(tenant, now)
 local function answer(status, detail)
   local v = view(tenant, now)
-  return {status, detail, v[1], v[2], v[3], v[4]}
+  return {status, detail, v[1], v[2], v[3], v[4], v[5]}
 end
 local seeded = redis.call('EXISTS', dkey(tenant, day, 'used')) == 1
 if tpd and not seeded then return answer('unseeded', 0) end
@@ -169,7 +172,7 @@ end
 return 0
 """
 
-# ARGV: prefix, replica, hold, tenant, day, used tokens. Returns the tenant's view (as ADMIT's last four).
+# ARGV: prefix, replica, hold, tenant, day, used tokens. Returns the tenant's view (as ADMIT's last five).
 FINISH = _COMMON + r"""
 local key, hold, tenant, day = P .. ':holds:' .. ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local now = now_ms()
