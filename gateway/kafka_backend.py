@@ -131,7 +131,7 @@ class KafkaBackend:
         self.settings = settings
         self.batch_handler = batch_handler
         self._worker_port = worker_port
-        self._log = RequestLog(settings.kafka, settings.kafka.produce_timeout_s)
+        self._log = RequestLog(settings.kafka, settings.kafka.produce_timeout_s, on_recreated=self._topics_recreated)
         self.dispatcher = Dispatcher(settings, self._on_finished)
         self._consumers: dict[Priority, ClassConsumer] = {}
         self._streams: dict[str, StreamSubmission] = {}  # accepted by this process, not yet finished
@@ -411,7 +411,8 @@ class KafkaBackend:
         since_audit = LOST_LINES_CHECK_S  # audit once at start: the broker may have restarted
         while True:
             try:
-                await ensure_topics(self.settings.kafka)
+                if await ensure_topics(self.settings.kafka):
+                    self._topics_recreated()
                 for consumer in self._consumers.values():
                     if (await asyncio.wait_for(consumer.check(), QUEUE_CHECK_S * 5)).lost:
                         self._queue_lost = True
@@ -431,6 +432,13 @@ class KafkaBackend:
                     failure = ""
             await asyncio.sleep(QUEUE_CHECK_S)
             since_audit += QUEUE_CHECK_S
+
+    def _topics_recreated(self) -> None:
+        """Topics were missing and are created anew: the broker lost its queue. Every consumer reads
+        its topic again from the start, and the lost-lines audit runs at the next check."""
+        self._queue_lost = True
+        for consumer in self._consumers.values():
+            consumer.topic_recreated()
 
     def _held_lines(self) -> frozenset[str]:
         return frozenset(self._routing | self._deferred_ids | self._persisting

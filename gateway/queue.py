@@ -72,8 +72,9 @@ def decode_request(data: bytes) -> GenerateRequest:
     return _decoder.decode(data)
 
 
-async def ensure_topics(settings: KafkaSettings, timeout_s: float = 10.0) -> None:
-    """Create the class topics that are missing. Existing topics are left as they are.
+async def ensure_topics(settings: KafkaSettings, timeout_s: float = 10.0) -> list[str]:
+    """Create the class topics that are missing (their names are returned). Existing topics are
+    left as they are.
 
     Missing topics are found by listing, not by catching TopicAlreadyExists: Tansu answers
     success for an existing topic.
@@ -93,6 +94,7 @@ async def ensure_topics(settings: KafkaSettings, timeout_s: float = 10.0) -> Non
         if missing:
             await asyncio.wait_for(admin.create_topics(missing), timeout_s)
             log.info("created topics %s", ", ".join(t.name for t in missing))
+        return [t.name for t in missing]
     except (TimeoutError, KafkaError, OSError) as exc:
         raise QueueUnavailable(
             f"cannot reach the Kafka broker at {settings.bootstrap_servers} to create topics ({exc!r})"
@@ -105,10 +107,15 @@ async def ensure_topics(settings: KafkaSettings, timeout_s: float = 10.0) -> Non
 class RequestLog:
     """The producer side: `append()` returns once the broker acknowledged the request (acks=all)."""
 
-    def __init__(self, settings: KafkaSettings, produce_timeout_s: float = 5.0) -> None:
+    def __init__(self, settings: KafkaSettings, produce_timeout_s: float = 5.0,
+                 on_recreated: Callable[[], None] | None = None) -> None:
         self._settings = settings
         self._timeout = produce_timeout_s
+        self._on_recreated = on_recreated  # told when a lost topic was created again before a write
         self._producer: AIOKafkaProducer | None = None
+        self._checked: set[str] = set()  # topics seen on the broker over `_checked_over`
+        self._checked_over: frozenset[object] = frozenset()
+        self._checking = asyncio.Lock()
 
     async def start(self) -> None:
         s = self._settings
@@ -150,6 +157,7 @@ class RequestLog:
         topic = topic_name(self._settings, request.priority)
         try:
             # Bounded: with the broker gone, aiokafka would otherwise retry for a long time.
+            await asyncio.wait_for(self._topic_exists(topic), self._timeout)
             await asyncio.wait_for(
                 self._producer.send_and_wait(topic, encode_request(request),
                                              key=request.tenant_id.encode()),
@@ -163,6 +171,34 @@ class RequestLog:
         except KafkaError as exc:
             raise QueueUnavailable(
                 f"the request queue rejected the request ({exc!r}); try again later") from exc
+
+    def _connections(self) -> frozenset[object]:
+        """The producer's open broker connections (aiokafka 0.14 keeps them in `client._conns`):
+        a new one means the producer reconnected, and the broker may have restarted since."""
+        assert self._producer is not None  # append() checked; internal invariant
+        conns = getattr(self._producer.client, "_conns", {})
+        return frozenset(conn for conn in conns.values() if conn.connected())
+
+    async def _topic_exists(self, topic: str) -> None:
+        """Never produce into a topic the broker does not have: Tansu (memory storage) restarted
+        acknowledges a record sent to a topic it lost, and keeps nothing of it. The topic is looked
+        up once per connection (after a reconnect, again) and the class topics are created if it
+        is missing, before the record is sent."""
+        if topic in self._checked and self._connections() == self._checked_over:
+            return
+        async with self._checking:
+            assert self._producer is not None  # append() checked; internal invariant
+            if self._connections() != self._checked_over:
+                self._checked = set()
+            if topic in self._checked:
+                return
+            metadata = await self._producer.client.fetch_all_metadata()
+            if topic not in metadata.topics():
+                log.warning("topic %s is missing on the broker (restarted?); creating the class topics", topic)
+                if await ensure_topics(self._settings, self._timeout) and self._on_recreated is not None:
+                    self._on_recreated()
+            self._checked_over = self._connections()
+            self._checked.add(topic)
 
 
 class PartitionWatermark:
@@ -244,6 +280,13 @@ class ClassConsumer:
         self._commit_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._paused = False
+        self._log_recreated = False  # set by `topic_recreated`, handled by the next `check`
+
+    def topic_recreated(self) -> None:
+        """The topic was created anew (the broker had lost it): the next `check` reads it again
+        from the beginning, even where the new log already reaches past our old position (records
+        written since the loss sit at offsets we had passed in the old log)."""
+        self._log_recreated = True
 
     @property
     def paused(self) -> bool:
@@ -323,6 +366,7 @@ class ClassConsumer:
         """Compares what this consumer holds with what the broker has, and repairs a lost queue.
 
         - The topic's partitions changed (a recreated topic): every partition is assigned again.
+        - The topic was recreated (`topic_recreated`): every partition is read from the beginning.
         - A partition's log ends below our position (Kafka answers OffsetOutOfRange there; Tansu
           with memory storage, restarted, silently returns nothing): its records are gone. Reading
           restarts at its beginning (records written since the loss), and its unfinished offsets
@@ -349,12 +393,18 @@ class ClassConsumer:
                 self.pause()
             lost = True
             assigned = consumer.assignment()
+        recreated, self._log_recreated = self._log_recreated, False
         ends = await consumer.end_offsets(list(assigned))
         caught_up = not self._paused and not self._handling
         for tp in assigned:
             position = await consumer.position(tp)
             end = ends.get(tp, 0)
-            if position > end:
+            if recreated:
+                log.warning("topic %s was recreated: reading partition %s from the start", topic, tp)
+                await consumer.seek_to_beginning(tp)
+                self._forget(tp)
+                lost, caught_up = True, False
+            elif position > end:
                 log.warning("partition %s ends at offset %d, below our position %d: its records were "
                             "lost (a broker restart with memory storage?); reading it from the start",
                             tp, end, position)

@@ -8,14 +8,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+from dispatch.test_queue import collect
+from dispatch.test_queue import request as queued_request
 
 from sluice.broker import EmbeddedBroker, free_port
+from sluice.gateway.queue import RequestLog, ensure_topics
 from sluice.protocol import Priority
-from sluice.settings import SchedulerSettings
+from sluice.settings import KafkaSettings, SchedulerSettings
 
 from .conftest import FaultGateway, fault_settings, jsonl, open_gateway, wait_for
 
@@ -51,9 +55,6 @@ async def test_batches_complete_after_a_broker_restart(own_broker: EmbeddedBroke
         await wait_for(lambda c=consumer: c.paused, 60, "the gateway's batch backlog to fill")
         await asyncio.to_thread(restart, own_broker)
         assert (await gw.client.post("/admin/workers/fw/undrain", headers=gw.admin)).status_code == 200
-        # Tansu 0.6 (memory storage) cannot serve back a record produced into a topic it created
-        # implicitly on that produce; the gateway recreates its topics within seconds, and a batch
-        # accepted after that runs (see the README on what the embedded broker keeps).
         await wait_for(lambda b=gw.backend: b.requeued_lines > 0, 120, "the lost lines to be re-enqueued")
         after = await _create(gw, 6)
         for batch_id, n in ((before, 24), (after, 6)):
@@ -85,3 +86,25 @@ async def _create(gw: FaultGateway, n: int) -> str:
     batch = await gw.sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
                                         completion_window="24h")
     return batch.id
+
+
+async def test_a_request_appended_right_after_a_restart_is_kept(own_broker: EmbeddedBroker) -> None:
+    """Tansu (memory storage) restarted acknowledges a record sent to a topic it no longer has and
+    keeps nothing: the request log recreates the topic first, so the record can be read back
+    (before the gateway's periodic queue check has had a chance to recreate anything)."""
+    settings = KafkaSettings(bootstrap_servers=own_broker.bootstrap_servers,
+                             topic_prefix=f"rs{uuid.uuid4().hex[:8]}", partitions=2)
+    await ensure_topics(settings)
+    requests = RequestLog(settings, produce_timeout_s=5.0)
+    await requests.start()
+    try:
+        await requests.append(queued_request(0))
+        await asyncio.to_thread(restart, own_broker)
+        await requests.append(queued_request(1))
+    finally:
+        await requests.stop()
+    consumer, got = await collect(settings, Priority.STANDARD, 1)
+    try:
+        assert [r.request_id for r, _ in got] == ["r1"]  # r0 went with the restart; r1 was kept
+    finally:
+        await consumer.stop()
