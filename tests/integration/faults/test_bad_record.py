@@ -4,6 +4,7 @@ older producer could carry) is answered with an error, and the lines behind it s
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import time
@@ -38,7 +39,8 @@ async def test_a_record_that_raises_does_not_stop_the_consumer(gateway: FaultGat
         cache_salt=gateway.tenant_id, arrival_time=time.time(), batch_id="batch_bad0000000000000000000000",
         custom_id="bad", tenant_weight=0.0,
     )
-    await gateway.backend.enqueue_batch_line(bad)
+    # On the app's own event loop (the test client runs it in a portal thread): the producer lives there.
+    await asyncio.to_thread(gateway.client.blocking_portal.call, gateway.backend.enqueue_batch_line, bad)
 
     sdk = gateway.sdk
     uploaded = await sdk.files.create(file=("in.jsonl", jsonl(3)), purpose="batch")
