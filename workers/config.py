@@ -57,7 +57,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90  # CUDA budget fraction
     max_num_batched_tokens: int = 2048  # token budget per step
     # 128 running sequences: the bench's 128-request set starts at once, so a long answer is not
-    # admitted late and left decoding alone at the end (the long tail ran ~2x longer at half this).
+    # admitted late and left decoding alone at the end (docs/measuring.md: ~1.04x at 128 requests).
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     policy: str = "chunked"  # "chunked" | "prefill_first" | "static"
