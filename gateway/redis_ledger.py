@@ -75,6 +75,7 @@ class RedisLedger:
         self._tasks: set[asyncio.Task[None]] = set()
         self._finishing: dict[str, asyncio.Task[None]] = {}  # hold -> its settlement in flight
         self._refresher: asyncio.Task[None] | None = None
+        self._stop_renewing = asyncio.Event()
 
     async def _run(self, script: str, *args: str | int) -> Any:
         return await self._scripts[script](args=[self._prefix, *args])
@@ -86,6 +87,7 @@ class RedisLedger:
             await self.refresh()
         except RedisError as exc:  # admission fails closed until Redis answers
             log.error("shared state: Redis unreachable at start (%s); admission answers 503 meanwhile", exc)
+        self._stop_renewing.clear()
         self._refresher = asyncio.get_running_loop().create_task(self._renew_forever())
 
     async def refresh(self) -> None:
@@ -96,7 +98,7 @@ class RedisLedger:
         await self._run("REFRESH", self.replica, int(self._lease_s * 1000))
 
     async def _renew_forever(self) -> None:
-        while True:
+        while not self._stop_renewing.is_set():
             await asyncio.sleep(self._lease_s / 3)
             try:
                 await self.refresh()
@@ -112,9 +114,11 @@ class RedisLedger:
 
     async def stop_renewing(self) -> None:
         if self._refresher is not None:
+            # The flag as well as the cancel: redis-py can swallow a cancellation that lands in the
+            # middle of a command, and the loop must still end (at its next turn, at the latest).
+            self._stop_renewing.set()
             self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+            await asyncio.wait({self._refresher}, timeout=self._lease_s + 5.0)
             self._refresher = None
 
     # ---- admission -------------------------------------------------------------------------------
