@@ -42,7 +42,7 @@ from sluice.gateway.methods import OptionsMiddleware
 from sluice.gateway.openapi import COMPONENTS, ContractJsonPlugin
 from sluice.gateway.quotas import QuotaService
 from sluice.gateway.seed import seed_tenants
-from sluice.gateway.shared import open_shared
+from sluice.gateway.shared import SharedState, open_shared
 from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
 from sluice.gateway.usage import UsageService
 from sluice.settings import Settings
@@ -74,6 +74,7 @@ def create_app(
     on_startup: Sequence[Hook] = (),
     on_shutdown: Sequence[Hook] = (),
     announce_secret: Callable[[str, str], None] | None = None,
+    shared: SharedState | None = None,
 ) -> Litestar:
     """Builds the app. Without `session_factory` it opens settings.database.url and migrates it at startup.
 
@@ -84,7 +85,9 @@ def create_app(
     if session_factory is None:
         owned_engine = make_engine(settings.database.url, echo=settings.database.echo)
         session_factory = make_session_factory(owned_engine)
-    shared = open_shared(settings.shared)
+    # One per process: `sluice serve` passes the one its backend uses, so both file under one
+    # replica id. The app starts it (before the backend) and stops it (after).
+    shared = open_shared(settings.shared) if shared is None else shared
     auth = AuthService(session_factory, cache_ttl_s=settings.gateway.key_cache_ttl_s, bus=shared.bus)
     usage = UsageService(session_factory)
     quotas = QuotaService(usage.day_total, ledger=shared.ledger)

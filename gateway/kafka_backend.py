@@ -33,6 +33,7 @@ from aiokafka.errors import KafkaError
 from sluice import telemetry
 from sluice.gateway.backend import BackendUnavailable, QueuedSubmission, ServedModel, Submission
 from sluice.gateway.dispatch import DeltaSink, Dispatcher, Job
+from sluice.gateway.shared import SharedState, open_shared
 from sluice.gateway.queue import ClassConsumer, QueueUnavailable, RecordRef, RequestLog, ensure_topics
 from sluice.protocol import (
     FinishReason,
@@ -121,7 +122,7 @@ class KafkaBackend:
     """Durable enqueue to Kafka, fair scheduling in memory, dispatch to registered workers."""
 
     def __init__(self, settings: Settings, *, batch_handler: BatchLineHandler | None = None,
-                 worker_port: int | None = None) -> None:
+                 worker_port: int | None = None, shared: SharedState | None = None) -> None:
         if not settings.kafka.bootstrap_servers:
             raise ValueError(
                 "KafkaBackend needs settings.kafka.bootstrap_servers (or start the embedded broker)")
@@ -129,6 +130,10 @@ class KafkaBackend:
             raise ValueError("scheduler.max_backlog_per_class must be at least 1, got "
                              f"{settings.scheduler.max_backlog_per_class}")
         self.settings = settings
+        # The state replicas share; started here only when this backend opened it itself (a
+        # caller that passes one, e.g. to share it with the app, starts and stops it).
+        self._owns_shared = shared is None
+        self.shared = open_shared(settings.shared) if shared is None else shared
         self.batch_handler = batch_handler
         self._worker_port = worker_port
         self._log = RequestLog(settings.kafka, settings.kafka.produce_timeout_s, on_recreated=self._topics_recreated)
@@ -163,6 +168,8 @@ class KafkaBackend:
         self.dispatcher.expected_models = {
             m.name: ServedModelInfo(name=m.name, max_model_len=m.max_model_len, tokenizer=tokenizer_identity(m.path))
             for m in self._models}
+        if self._owns_shared:
+            await self.shared.start()
         try:
             await ensure_topics(self.settings.kafka)
             await self._log.start()
@@ -186,6 +193,8 @@ class KafkaBackend:
             task.cancel()
         await self.dispatcher.stop()
         await self._log.stop()
+        if self._owns_shared:
+            await self.shared.stop()
         self._started = False
 
     @property

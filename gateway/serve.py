@@ -310,6 +310,7 @@ def serve(args: argparse.Namespace) -> int:
     from sluice.gateway.batches import batch_components
     from sluice.gateway.kafka_backend import KafkaBackend
     from sluice.gateway.seed import ensure_demo_key
+    from sluice.gateway.shared import open_shared
 
     settings = _resolve_settings(args)
     check_engine_options(settings, args.device)
@@ -333,7 +334,8 @@ def serve(args: argparse.Namespace) -> int:
         )
     workers = LocalWorkers(settings, settings.dispatch.local_workers, args.device, var / "logs")
     batches = batch_components(settings)
-    backend = KafkaBackend(settings, batch_handler=batches.handler)
+    shared = open_shared(settings.shared)
+    backend = KafkaBackend(settings, batch_handler=batches.handler, shared=shared)
     gw = settings.gateway
     supervisor: list[asyncio.Task[None]] = []
 
@@ -385,6 +387,7 @@ def serve(args: argparse.Namespace) -> int:
         on_startup=[after_start],
         on_shutdown=[before_stop],
         announce_secret=announce,
+        shared=shared,
     )
     config = uvicorn.Config(
         app, host=gw.host, port=gw.port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5

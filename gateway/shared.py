@@ -3,6 +3,9 @@ invalidation bus, in this process (`url` empty) or in Redis (docs/scale-out.md).
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
@@ -23,6 +26,7 @@ REDIS_TIMEOUT_S = 2.0
 class SharedState:
     ledger: QuotaLedger
     bus: InvalidationBus
+    replica: str  # this process's replica id: what its holds, leases and ownerships are filed under
     clients: tuple[Redis, ...] = field(default=())
 
     async def start(self) -> None:
@@ -57,14 +61,22 @@ def _client(url: str, *, retries: int) -> Redis:
     )
 
 
+def new_replica_id() -> str:
+    """Unique per process start: a restarted replica is a new one (its predecessor's holds expire)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
 def open_shared(settings: SharedSettings, *, replica: str | None = None) -> SharedState:
+    """One per gateway process: the app and the backend share it (pass it to both)."""
+    replica = replica or new_replica_id()
     if not settings.url:
-        return SharedState(LocalLedger(), LocalBus())
+        return SharedState(LocalLedger(), LocalBus(), replica)
     commands = _client(settings.url, retries=1)
     # The subscription gets no silent retries: the bus must see every break (it may have missed messages).
     subscription = _client(settings.url, retries=0)
     return SharedState(
         RedisLedger(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
         RedisBus(subscription, f"{settings.prefix}:invalidate"),
+        replica,
         (commands, subscription),
     )
