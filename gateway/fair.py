@@ -218,9 +218,18 @@ class FairScheduler(Generic[T]):
 
     def pop_if(self, now: float, accept: Callable[[Pending[T]], bool]) -> Pending[T] | None:
         """The first item in dispatch order that `accept(item)` takes (e.g. a worker serving its
-        model has room for its class). An item nobody can take now (no live worker serves its
-        model) does not hold back the items behind it: the chosen lane first, then the others most
-        urgent first; in a lane, tenants by virtual counter, each tenant's items in order."""
+        model has room for its class), removed as `pop` would. See `first`."""
+        item = self.first(now, accept)
+        if item is not None:
+            self.claim(item)
+        return item
+
+    def first(self, now: float, accept: Callable[[Pending[T]], bool]) -> Pending[T] | None:
+        """The first item in dispatch order that `accept(item)` takes, left in the queue (a caller
+        that must ask the shared store before sending claims it afterwards). An item nobody can
+        take now (no live worker serves its model) does not hold back the items behind it: the
+        chosen lane first, then the others most urgent first; in a lane, tenants by virtual
+        counter, each tenant's items in order."""
         first = self._choose_lane(now)
         if first is None:
             return None
@@ -229,11 +238,16 @@ class FairScheduler(Generic[T]):
             for tenant in sorted(lane.queues, key=lambda t: (lane.counters[t], lane.queues[t][0].enqueued_at)):
                 for item in lane.queues[tenant]:
                     if accept(item):
-                        lane.take(tenant, item)
-                        self._recent.append(priority)
-                        lane.charge(item.tenant, item.prompt_tokens, item.weight)
                         return item
         return None
+
+    def claim(self, item: Pending[T]) -> None:
+        """Removes a queued `item` (from `first`) as `pop` would: its prompt is charged."""
+        priority = self._lane(item.priority)
+        lane = self._classes[priority]
+        lane.take(item.tenant, item)
+        self._recent.append(priority)
+        lane.charge(item.tenant, item.prompt_tokens, item.weight)
 
     def charge(self, tenant: str, priority: Priority, tokens: int) -> None:
         """Generated tokens served to `tenant` (reported by a worker)."""
