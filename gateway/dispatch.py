@@ -12,6 +12,12 @@ fewer than `max_worker_waiting` jobs of its class or more urgent are unstarted t
 interactive request reach a worker saturated by batch work, where the engine's priority scheduler
 preempts batch work for it, while batch work alone never piles up in a worker's queue.
 
+Several replicas (docs/scale-out.md, "One global schedule"): each sends its own jobs to every
+worker, so no replica alone knows a worker's unstarted jobs. With a shared store the rule is
+applied by `gateway/slots.py` to the counts of every replica, atomically, before a job is sent
+(one awaited script per decision), and the fair scheduler's counters are the cluster's
+(`gateway/shared_fair.py`). In-process (the default) the decision is synchronous, as it always was.
+
 Draining: `drain(worker_id)` stops sending new jobs to a worker; what it already holds runs to the
 end (so it can be stopped or upgraded without failing a request). The mark is kept by worker id, so
 a draining worker that reconnects stays drained until `undrain`.
@@ -41,12 +47,15 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
+from redis.exceptions import RedisError
 
 from sluice import telemetry
 from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
+from sluice.gateway.shared import SharedState
+from sluice.gateway.slots import LocalSlots, RedisSlots, WorkerSlots, has_room
 from sluice.protocol import (
     MAX_FRAME_BYTES,
     READ_CHUNK_BYTES,
@@ -71,11 +80,16 @@ from sluice.settings import Settings
 log = logging.getLogger(__name__)
 
 DeltaSink = Callable[[RequestDelta], None]
+_Target = TypeVar("_Target")
 # A batch job whose worker died this many times fails instead of being re-queued again (a request
 # that crashes workers must not crash them forever).
 MAX_DISPATCH_ATTEMPTS = 3
 REGISTER_TIMEOUT_S = 10.0  # a peer must register this soon after connecting
 REGISTER_MAX_FRAME_BYTES = 64 * 1024  # an unauthenticated peer's frames are small or refused
+# Shared slots: a round that another replica's jobs refused is tried again this soon (their
+# releases are not announced here; the worker's capacity reports wake the loop too).
+SLOT_RETRY_S = 0.05
+SLOT_ERROR_RETRY_S = 0.5  # Redis unreachable: jobs stay queued, tried again this often
 
 
 class WorkerRefused(Exception):
@@ -129,6 +143,7 @@ class Job:
     started: bool = False  # the worker produced something for it (it left the waiting queue)
     num_output_tokens: int = 0  # charged to the tenant's fair-share counter so far
     attempts: int = 0
+    slot: str = ""  # its worker slot in the shared store while it holds one (gateway/slots.py)
     token_times: list[float] = field(default_factory=list)  # kept for batch lines' records only
 
     @property
@@ -137,19 +152,6 @@ class Job:
 
 
 OnFinished = Callable[[Job, RequestDelta], None]
-
-
-def has_room(est_waiting: int, unstarted: list[Priority], priority: Priority, max_waiting: int) -> bool:
-    """The room rule (see the module docstring) for a job of class `priority`.
-
-    `est_waiting`: the worker's waiting queue including what is on the wire; `unstarted`: the
-    classes of the jobs sent to it that have produced nothing yet.
-    """
-    if est_waiting < max_waiting:
-        return True
-    ahead = sum(1 for p in unstarted if p <= priority)  # this class or more urgent: not jumped
-    behind = any(p > priority for p in unstarted)  # less urgent work it would overtake
-    return behind and ahead < max_waiting
 
 
 class WorkerConn:
@@ -200,7 +202,7 @@ class WorkerConn:
 class Dispatcher:
     """Owns the scheduler, the worker registry and the worker port."""
 
-    def __init__(self, settings: Settings, on_finished: OnFinished) -> None:
+    def __init__(self, settings: Settings, on_finished: OnFinished, *, shared: SharedState | None = None) -> None:
         self.settings = settings
         sched = settings.scheduler
         self.scheduler: FairScheduler[Job] = FairScheduler(ClassPolicy(
@@ -208,6 +210,11 @@ class Dispatcher:
             aging_s=sched.aging_s,
             min_share={Priority.STANDARD: sched.min_share_standard, Priority.BATCH: sched.min_share_batch},
         ))
+        # Who may send to a worker: this process alone, or every replica through the shared store.
+        self.slots: WorkerSlots = shared.slots if shared is not None else LocalSlots()
+        if isinstance(self.slots, RedisSlots):
+            self.slots.on_release = lambda: self._wake.set()
+        self._slot_error = False  # Redis unreachable at the last take (logged once per outage)
         self.workers: dict[str, WorkerConn] = {}
         self.draining: set[str] = set()  # worker ids that get no new jobs (see the module docstring)
         self._on_finished = on_finished
@@ -261,6 +268,8 @@ class Dispatcher:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        if isinstance(self.slots, RedisSlots):
+            await asyncio.wait_for(self.slots.flush(), 5.0)
 
     # ---- jobs ----------------------------------------------------------------------------------
 
@@ -335,59 +344,110 @@ class Dispatcher:
 
     # ---- dispatch ------------------------------------------------------------------------------
 
+    def _candidates(self, job: Job) -> list[WorkerConn]:
+        """The workers that may serve `job`, least loaded first."""
+        model = job.request.model
+        serving = [w for w in self.workers.values() if model in w.models and w.worker_id not in self.draining]
+        return sorted(serving, key=lambda w: w.load)
+
     def _pick_worker(self, job: Job) -> WorkerConn | None:
-        limit = self.settings.dispatch.max_worker_waiting
+        assert isinstance(self.slots, LocalSlots)  # the shared round takes its slots in _dispatch_shared
+        return self.slots.take(job, self._candidates(job), self.settings.dispatch.max_worker_waiting,
+                               self.settings.scheduler.priority_enabled)
+
+    def _send(self, job: Job, worker: WorkerConn) -> None:
+        job.worker, job.dispatch_time, job.started = worker.worker_id, time.time(), False
+        job.attempts += 1
         request = job.request
-        serving = [w for w in self.workers.values()
-                   if request.model in w.models and w.worker_id not in self.draining]
-        if self.settings.scheduler.priority_enabled:
-            candidates = [w for w in serving if w.has_room_for(request.priority, limit)]
-        else:  # one class at the engine too: nothing may overtake, the plain queue bound applies
-            candidates = [w for w in serving if w.est_waiting < limit]
-        return min(candidates, key=lambda w: w.load, default=None)
+        if not self.settings.scheduler.priority_enabled and request.priority != Priority.STANDARD:
+            # Priority off: the engine must not reorder by class either.
+            request = msgspec.structs.replace(request, priority=Priority.STANDARD)
+        worker.inflight[job.request_id] = job
+        worker.sent += 1
+        worker.send(request)
+
+    def _next(self, now: float, refused: set[tuple[str, Priority]],
+              choose: Callable[[Job], _Target | None]) -> tuple[Pending[Job], _Target] | None:
+        """The first queued item in dispatch order that `choose` finds a target for, with it; the
+        item stays queued. A (model, class) `choose` refuses stays refused for the round (in
+        `refused`): sending only fills workers, and a long queue for a model nobody serves costs
+        one look per item."""
+        chosen: list[_Target] = []
+
+        def accept(item: Pending[Job]) -> bool:
+            key = (item.payload.request.model, item.priority)
+            if key in refused:
+                return False
+            target = choose(item.payload)
+            if target is None:
+                refused.add(key)
+                return False
+            chosen.append(target)
+            return True
+
+        item = self.scheduler.first(now, accept)
+        return None if item is None else (item, chosen[0])
 
     def dispatch_ready(self) -> int:
-        """Send queued jobs to workers with room; returns how many went out."""
+        """Send queued jobs to workers with room (this process's view); returns how many went out."""
         sent = 0
         now = time.time()
-        # (model, class) no worker can take now: sending only fills workers, so it stays refused
-        # for this round, and a long queue for a model nobody serves costs one look per item.
         refused: set[tuple[str, Priority]] = set()
-        while True:
-            chosen: list[WorkerConn] = []
-
-            def accept(item: Pending[Job], chosen: list[WorkerConn] = chosen) -> bool:
-                key = (item.payload.request.model, item.priority)
-                if key in refused:
-                    return False
-                worker = self._pick_worker(item.payload)
-                if worker is None:
-                    refused.add(key)
-                    return False
-                chosen.append(worker)
-                return True
-
-            item = self.scheduler.pop_if(now, accept)
-            if item is None:
-                return sent
-            job, worker = item.payload, chosen[0]
-            job.worker, job.dispatch_time, job.started = worker.worker_id, time.time(), False
-            job.attempts += 1
-            request = job.request
-            if not self.settings.scheduler.priority_enabled and request.priority != Priority.STANDARD:
-                # Priority off: the engine must not reorder by class either.
-                request = msgspec.structs.replace(request, priority=Priority.STANDARD)
-            worker.inflight[job.request_id] = job
-            worker.sent += 1
-            worker.send(request)
+        while (found := self._next(now, refused, self._pick_worker)) is not None:
+            item, worker = found
+            self.scheduler.claim(item)
+            self._send(item.payload, worker)
             sent += 1
+        return sent
+
+    async def _dispatch_shared(self, slots: RedisSlots) -> bool:
+        """One round with shared slots: jobs in the scheduler's order, each sent only once the
+        store gave it a slot on a worker (the first candidate, least loaded first, with room by
+        every replica's counts). Returns whether the store refused some job (to be tried again
+        soon: other replicas do not announce their releases here)."""
+        now = time.time()
+        limit, by_class = self.settings.dispatch.max_worker_waiting, self.settings.scheduler.priority_enabled
+        refused: set[tuple[str, Priority]] = set()
+        store_refused = False
+        while (found := self._next(now, refused, lambda job: self._candidates(job) or None)) is not None:
+            item, candidates = found
+            job = item.payload
+            worker = await slots.take(job, candidates, limit, by_class)
+            if worker is None:
+                refused.add((job.request.model, item.priority))
+                store_refused = True
+                continue
+            if (self._jobs.get(job.request_id) is not job or job.worker
+                    or self.workers.get(worker.worker_id) is not worker or worker.worker_id in self.draining):
+                slots.release(job)  # cancelled, or its worker lost or drained, while the store answered
+                continue
+            self.scheduler.claim(item)
+            self._send(job, worker)
+        return store_refused
 
     async def _dispatch_loop(self) -> None:
+        retry_in: float | None = None
         while True:
-            await self._wake.wait()
+            if retry_in is None:
+                await self._wake.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), retry_in)
             self._wake.clear()
+            retry_in = None
             try:
-                self.dispatch_ready()
+                if isinstance(self.slots, RedisSlots):
+                    retry_in = SLOT_RETRY_S if await self._dispatch_shared(self.slots) else None
+                    if self._slot_error:
+                        log.info("shared state: worker slots reachable again; dispatching")
+                        self._slot_error = False
+                else:
+                    self.dispatch_ready()
+            except RedisError as exc:  # fail closed: nothing is sent without a slot
+                if not self._slot_error:
+                    log.error("shared state: Redis unreachable, queued jobs wait for it (%s)", exc)
+                    self._slot_error = True
+                retry_in = SLOT_ERROR_RETRY_S
             except Exception:  # a bug here must not stop dispatching for good
                 log.exception("dispatch failed")
 
@@ -524,7 +584,9 @@ class Dispatcher:
         job = worker.inflight.get(delta.request_id)
         if job is None:
             return  # a late delta of a job this gateway already gave up on
-        job.started = True
+        if not job.started:
+            job.started = True
+            self.slots.release(job)  # it left the worker's waiting queue
         if job.request.batch_id is not None:
             job.token_times.extend(delta.token_times)
         new_tokens = delta.num_output_tokens - job.num_output_tokens
@@ -545,6 +607,7 @@ class Dispatcher:
         jobs, worker.inflight = list(worker.inflight.values()), {}
         requeued = 0
         for job in jobs:
+            self.slots.release(job)
             if job.request.batch_id is not None and job.attempts < MAX_DISPATCH_ATTEMPTS:
                 # Batch work must complete: back into the scheduler, ahead of its tenant's newer work.
                 job.worker, job.dispatch_time, job.started, job.num_output_tokens = "", None, False, 0

@@ -137,7 +137,7 @@ class KafkaBackend:
         self.batch_handler = batch_handler
         self._worker_port = worker_port
         self._log = RequestLog(settings.kafka, settings.kafka.produce_timeout_s, on_recreated=self._topics_recreated)
-        self.dispatcher = Dispatcher(settings, self._on_finished)
+        self.dispatcher = Dispatcher(settings, self._on_finished, shared=self.shared)
         self._consumers: dict[Priority, ClassConsumer] = {}
         self._streams: dict[str, StreamSubmission] = {}  # accepted by this process, not yet finished
         # Streaming requests dispatched at acceptance whose record the consumer has not read yet.

@@ -12,6 +12,8 @@ ms), so replicas' clocks do not matter. ARGV[1] is the key prefix; the keys, per
   P:d:T:DAY:used / :resv  STR  the UTC day's used tokens (seeded from the database) / reserved
   P:holds:R   HASH  hold -> {t, n, d, s, r}       replica R's holds (tenant, need, day, q|r, day reserved)
   P:replicas  ZSET  R -> lease deadline ms        a replica past its deadline is swept
+  P:slots:R   HASH  slot -> 'C:W'                 replica R's worker slots (class, worker)
+  P:ws:W      HASH  class -> jobs                 jobs sent to worker W and not started, all replicas
 
 The keys a script touches are derived from its arguments and the hold records, so the ledger
 needs one Redis (standalone or Sentinel-managed), not Redis Cluster.
@@ -75,7 +77,27 @@ local function end_hold(tenant, day, hold, used, rec)
   end
 end
 
--- Releases every hold of every replica whose lease deadline has passed.
+-- Worker slots (gateway/slots.py; TAKE_SLOT below): replica R's record of slot J is
+-- P:slots:R[J] = 'C:W' (class digit, worker id); P:ws:W[C] counts them over every replica.
+local function slot_release(replica, slot)
+  local key = P .. ':slots:' .. replica
+  local rec = redis.call('HGET', key, slot)
+  if not rec then return 0 end
+  redis.call('HDEL', key, slot)
+  redis.call('HINCRBY', P .. ':ws:' .. string.sub(rec, 3), string.sub(rec, 1, 1), -1)
+  return 1
+end
+
+local function slot_release_all(replica)
+  local key = P .. ':slots:' .. replica
+  local all = redis.call('HGETALL', key)
+  for i = 2, #all, 2 do
+    redis.call('HINCRBY', P .. ':ws:' .. string.sub(all[i], 3), string.sub(all[i], 1, 1), -1)
+  end
+  redis.call('DEL', key)
+end
+
+-- Releases every hold and worker slot of every replica whose lease deadline has passed.
 local function sweep(now)
   local dead = redis.call('ZRANGEBYSCORE', P .. ':replicas', '-inf', now)
   for _, replica in ipairs(dead) do
@@ -86,6 +108,7 @@ local function sweep(now)
       end_hold(rec.t, rec.d, all[i], 0, rec)
     end
     redis.call('DEL', key)
+    slot_release_all(replica)
     redis.call('ZREM', P .. ':replicas', replica)
   end
 end
@@ -194,4 +217,46 @@ local now = now_ms()
 redis.call('ZADD', P .. ':replicas', now + tonumber(ARGV[3]), ARGV[2])
 sweep(now)
 return 0
+"""
+
+
+# ---- the global schedule (gateway/slots.py) ------------------------------------------------------
+
+# ARGV: prefix, replica, lease ms, slot (the job's id and a take number), class, max_waiting,
+# by_class ('1': the room rule with overtaking; '0': the plain bound), then (worker, floor) pairs
+# in the order to try. `floor` is the worker's waiting queue as this replica last saw it (its
+# report plus what is on this replica's wire), so preempted jobs count. The first worker with
+# room gets the job: a slot is counted and filed under the replica. Returns that worker's 1-based position, or 0 (none).
+TAKE_SLOT = _COMMON + r"""
+local replica, lease, slot = ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local class, limit, by_class = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7] == '1'
+local now = now_ms()
+redis.call('ZADD', P .. ':replicas', now + lease, replica)
+sweep(now)
+for i = 8, #ARGV, 2 do
+  local worker = ARGV[i]
+  local counts = redis.call('HGETALL', P .. ':ws:' .. worker)
+  local total, ahead, behind = 0, 0, false
+  for j = 1, #counts, 2 do
+    local c, n = tonumber(counts[j]), tonumber(counts[j + 1])
+    total = total + n
+    if c <= class then ahead = ahead + n elseif n > 0 then behind = true end
+  end
+  -- has_room (gateway/slots.py) on the counts of every replica
+  local room = math.max(total, tonumber(ARGV[i + 1])) < limit or (by_class and behind and ahead < limit)
+  if room then
+    redis.call('HINCRBY', P .. ':ws:' .. worker, class, 1)
+    redis.call('HSET', P .. ':slots:' .. replica, slot, class .. ':' .. worker)
+    return (i - 6) / 2
+  end
+end
+return 0
+"""
+
+# ARGV: prefix, replica, then slots. Ends them (job started, finished, aborted, worker lost);
+# one that is gone (never taken, or swept with its replica) is skipped. Returns how many ended.
+RELEASE_SLOTS = _COMMON + r"""
+local ended = 0
+for i = 3, #ARGV do ended = ended + slot_release(ARGV[2], ARGV[i]) end
+return ended
 """

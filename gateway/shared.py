@@ -1,5 +1,6 @@
-"""The state gateway replicas share, built once from `[shared]`: a quota ledger and an
-invalidation bus, in this process (`url` empty) or in Redis (docs/scale-out.md)."""
+"""The state gateway replicas share, built once from `[shared]`: a quota ledger, an invalidation
+bus and the worker slots of the global schedule, in this process (`url` empty) or in Redis
+(docs/scale-out.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from redis.retry import Retry
 from sluice.gateway.invalidation import InvalidationBus, LocalBus, RedisBus
 from sluice.gateway.ledger import LocalLedger, QuotaLedger
 from sluice.gateway.redis_ledger import RedisLedger
+from sluice.gateway.slots import LocalSlots, RedisSlots, WorkerSlots
 from sluice.settings import SharedSettings
 
 # A Redis that does not answer within this long fails the admission (503), not the event loop.
@@ -28,6 +30,7 @@ class SharedState:
     bus: InvalidationBus
     replica: str  # this process's replica id: what its holds, leases and ownerships are filed under
     clients: tuple[Redis, ...] = field(default=())
+    slots: WorkerSlots = field(default_factory=LocalSlots)  # who may send to a worker (gateway/slots.py)
 
     async def start(self) -> None:
         await self.ledger.start()
@@ -79,4 +82,5 @@ def open_shared(settings: SharedSettings, *, replica: str | None = None) -> Shar
         RedisBus(subscription, f"{settings.prefix}:invalidate"),
         replica,
         (commands, subscription),
+        RedisSlots(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
     )

@@ -1,0 +1,134 @@
+"""Dispatch through the shared store's worker slots (gateway/slots.py): a KafkaBackend whose
+shared state is the real Redis ($SLUICE_TEST_REDIS_URL), real worker processes.
+
+Here (not in tests/integration/shared/) because the worker fixtures live in this directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from sluice.broker import free_port
+from sluice.gateway.kafka_backend import KafkaBackend
+from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams, WorkerCapacity
+from sluice.settings import DispatchSettings, SharedSettings
+
+from .conftest import make_settings, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "")
+_ids = itertools.count()
+
+
+def request(tenant: str, priority: Priority, max_tokens: int) -> GenerateRequest:
+    n = next(_ids)
+    return GenerateRequest(
+        request_id=f"sreq-{n}", tenant_id=tenant, model="demo", priority=priority,
+        prompt_token_ids=tuple(range(5, 5 + 12 + n % 5)),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        cache_salt=tenant, arrival_time=time.time())
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    if not REDIS_URL:
+        if os.environ.get("CI") == "true":
+            pytest.fail("SLUICE_TEST_REDIS_URL is not set: under CI=true the shared-state tests must run")
+        pytest.skip("SLUICE_TEST_REDIS_URL is not set (e.g. redis://127.0.0.1:6379/0); no shared store to test")
+    name = f"sluice-test-{secrets.token_hex(6)}"
+    yield name
+    client = Redis.from_url(REDIS_URL)
+    keys = [key async for key in client.scan_iter(match=f"{name}:*", count=500)]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+@pytest.fixture(scope="module")
+def worker_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def worker(start_worker, demo_model_dir: Path, worker_port: int):
+    return start_worker(demo_model_dir, worker_port, "sw1", "--max-num-seqs", "2")
+
+
+def watch_waiting(backend: KafkaBackend) -> list[int]:
+    """Every num_waiting the worker reports to this backend, in order (observed, not changed)."""
+    seen: list[int] = []
+    dispatcher = backend.dispatcher
+    original = dispatcher._on_message
+
+    def on_message(worker, message: object) -> None:
+        if isinstance(message, WorkerCapacity):
+            seen.append(message.num_waiting)
+        original(worker, message)
+
+    dispatcher._on_message = on_message  # type: ignore[method-assign]
+    return seen
+
+
+async def test_interactive_overtakes_a_batch_backlog_through_shared_slots(
+        bootstrap_servers: str, demo_model_dir: Path, worker_port: int, worker, prefix: str) -> None:
+    settings = make_settings(
+        bootstrap_servers, demo_model_dir,
+        dispatch=DispatchSettings(max_worker_waiting=2, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
+                                  local_workers=0),
+        shared=SharedSettings(url=REDIS_URL, prefix=prefix, lease_s=5.0))
+    backend = KafkaBackend(settings, worker_port=worker_port)
+    await backend.start()
+    redis = Redis.from_url(REDIS_URL)
+    try:
+        await wait_for(lambda: "sw1" in backend.dispatcher.workers, 120, "the worker to register")
+        waiting = watch_waiting(backend)
+        batch = [await backend.submit(request(f"bulk{i % 2}", Priority.BATCH, 120)) for i in range(7)]
+        started: set[str] = set()
+        finished: dict[str, FinishReason] = {}
+
+        async def follow(sub) -> list[RequestDelta]:
+            deltas = []
+            async for delta in sub:
+                deltas.append(delta)
+                if delta.token_ids:
+                    started.add(sub.request_id)
+                if delta.finish_reason is not None:
+                    finished[sub.request_id] = delta.finish_reason
+            return deltas
+
+        followers = [asyncio.create_task(follow(s)) for s in batch]
+        await wait_for(lambda: len(started) >= 2, 60, "batch work to start")
+        await asyncio.sleep(1.0)  # the worker's queue is full: nothing more goes out
+        assert max(waiting) <= 2  # batch work alone never passes the bound
+        # The store holds exactly the unstarted batch jobs of this replica.
+        counts = {int(k): int(v) for k, v in (await redis.hgetall(f"{prefix}:ws:sw1")).items()}
+        assert counts.get(int(Priority.BATCH), 0) == 2
+        interactive = await backend.submit(request("chat", Priority.INTERACTIVE, 4))
+        deltas = await asyncio.wait_for(follow(interactive), 60)
+        assert deltas[-1].finish_reason == FinishReason.LENGTH
+        ij = interactive.job
+        assert ij is not None and ij.dispatch_time is not None
+        later = [s for s in batch if s.dispatch_time is None or s.dispatch_time > ij.queued_at]
+        assert later and all(s.dispatch_time is None or s.dispatch_time >= ij.dispatch_time for s in later)
+        assert max(waiting) <= 3  # the bound, plus the one interactive request that overtook it
+        for sub in batch:
+            await sub.abort()
+        await asyncio.wait_for(asyncio.gather(*followers), 120)
+        assert len(finished) == 8
+        await wait_for(lambda: backend.dispatcher.num_jobs == 0, 30, "every job to end")
+        await backend.dispatcher.slots.flush()  # type: ignore[union-attr]
+        assert {k: v for k, v in (await redis.hgetall(f"{prefix}:ws:sw1")).items() if int(v)} == {}
+        assert await redis.hlen(f"{prefix}:slots:{backend.shared.replica}") == 0
+    finally:
+        await backend.stop()
+        await redis.aclose()
