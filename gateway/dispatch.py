@@ -205,11 +205,14 @@ class Dispatcher:
     def __init__(self, settings: Settings, on_finished: OnFinished, *, shared: SharedState | None = None) -> None:
         self.settings = settings
         sched = settings.scheduler
+        self.fairness = shared.fairness if shared is not None else None  # cluster-wide counters, or none
         self.scheduler: FairScheduler[Job] = FairScheduler(ClassPolicy(
             priority_enabled=sched.priority_enabled,
             aging_s=sched.aging_s,
             min_share={Priority.STANDARD: sched.min_share_standard, Priority.BATCH: sched.min_share_batch},
-        ))
+        ), shared_counters=self.fairness is not None)
+        if self.fairness is not None:
+            self.fairness.bind(self.scheduler)
         # Who may send to a worker: this process alone, or every replica through the shared store.
         self.slots: WorkerSlots = shared.slots if shared is not None else LocalSlots()
         if isinstance(self.slots, RedisSlots):
@@ -249,6 +252,8 @@ class Dispatcher:
         self.port = self._server.sockets[0].getsockname()[1]
         self._tasks = [asyncio.create_task(self._dispatch_loop(), name="dispatch"),
                        asyncio.create_task(self._monitor_loop(), name="worker-monitor")]
+        if self.fairness is not None:
+            await self.fairness.start()
         log.info("worker port listening on %s:%d (%s)", host, self.port, "TLS" if context else "plain TCP")
 
     async def stop(self) -> None:
@@ -268,8 +273,11 @@ class Dispatcher:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        if isinstance(self.slots, RedisSlots):
-            await asyncio.wait_for(self.slots.flush(), 5.0)
+        with contextlib.suppress(TimeoutError):  # Redis gone: the lease sweep ends the rest
+            if isinstance(self.slots, RedisSlots):
+                await asyncio.wait_for(self.slots.flush(), 5.0)
+            if self.fairness is not None:
+                await asyncio.wait_for(self.fairness.stop(), 5.0)
 
     # ---- jobs ----------------------------------------------------------------------------------
 

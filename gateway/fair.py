@@ -11,6 +11,12 @@ Inside a class: the virtual token counter (VTC) of "Fairness in Serving Large La
 with the smallest counter is served next. A tenant that becomes backlogged is lifted to the
 smallest counter among the backlogged tenants, so idle time never banks credit. Tokens are charged
 as they are served: the prompt when dispatched, generated tokens as the worker reports them.
+
+Several replicas (`shared_counters=True`, driven by gateway/shared_fair.py): the counters are the
+cluster's. This scheduler keeps serving from its local counters and records what it charged and
+which tenants became backlogged; every few tens of milliseconds `take_sync()` hands those to the
+shared store and `set_counters()` puts back the cluster-wide values (plus what was charged here
+meanwhile), so every replica orders its tenants by the service they got everywhere.
 """
 
 from __future__ import annotations
@@ -45,6 +51,16 @@ class ClassPolicy:
 
 
 @dataclass(slots=True)
+class LaneSync:
+    """What one lane did since the last sync, for the shared counters (see the module docstring)."""
+
+    charges: dict[str, float]  # tenant -> counter increase (tokens / weight)
+    backlogged: list[str]  # tenants with items queued now
+    joined: list[str]  # tenants that became backlogged since the last sync (to be lifted)
+    last_served: float  # the lift when no tenant is backlogged anywhere
+
+
+@dataclass(slots=True)
 class Pending(Generic[T]):
     """One queued item. `payload` is whatever the caller dispatches (a GenerateRequest, ...)."""
 
@@ -60,12 +76,16 @@ class Pending(Generic[T]):
 class _TenantQueues(Generic[T]):
     """One class: a FIFO per tenant plus the tenants' virtual token counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, track: bool = False) -> None:
         self.queues: dict[str, deque[Pending[T]]] = {}
         self.counters: dict[str, float] = {}
         self.weights: dict[str, float] = {}
         self.size = 0
         self._last_served = 0.0  # counter of the last tenant served: the lift when nobody is backlogged
+        # Shared counters only: charges and newly backlogged tenants since the last sync.
+        self._track = track
+        self._unsynced: dict[str, float] = {}
+        self._joined: set[str] = set()
 
     def push(self, item: Pending[T]) -> None:
         tenant = item.tenant
@@ -76,6 +96,8 @@ class _TenantQueues(Generic[T]):
             floor = min((self.counters[t] for t in self.queues), default=self._last_served)
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
             queue = self.queues[tenant] = deque()
+            if self._track:
+                self._joined.add(tenant)
         queue.append(item)
         self.size += 1
 
@@ -121,6 +143,23 @@ class _TenantQueues(Generic[T]):
     def charge(self, tenant: str, tokens: int, weight: float | None = None) -> None:
         w = weight if weight is not None else self.weights.get(tenant, 1.0)
         self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens / w
+        if self._track:
+            self._unsynced[tenant] = self._unsynced.get(tenant, 0.0) + tokens / w
+
+    def take_sync(self) -> LaneSync:
+        sync = LaneSync(self._unsynced, list(self.queues), sorted(self._joined), self._last_served)
+        self._unsynced, self._joined = {}, set()
+        return sync
+
+    def restore_sync(self, sync: LaneSync) -> None:
+        for tenant, amount in sync.charges.items():
+            self._unsynced[tenant] = self._unsynced.get(tenant, 0.0) + amount
+        self._joined.update(sync.joined)
+
+    def set_counters(self, counters: dict[str, float]) -> None:
+        """The cluster's counters, plus what was charged here since they were read."""
+        for tenant, value in counters.items():
+            self.counters[tenant] = value + self._unsynced.get(tenant, 0.0)
 
     def remove(self, request_id: str) -> Pending[T] | None:
         for tenant, queue in self.queues.items():
@@ -137,9 +176,9 @@ class _TenantQueues(Generic[T]):
 class FairScheduler(Generic[T]):
     """Priority classes with anti-starvation; VTC fair sharing between tenants inside a class."""
 
-    def __init__(self, policy: ClassPolicy | None = None) -> None:
+    def __init__(self, policy: ClassPolicy | None = None, *, shared_counters: bool = False) -> None:
         self.policy = policy or ClassPolicy()
-        self._classes: dict[Priority, _TenantQueues[T]] = {p: _TenantQueues() for p in Priority}
+        self._classes: dict[Priority, _TenantQueues[T]] = {p: _TenantQueues(shared_counters) for p in Priority}
         self._recent: deque[Priority] = deque(maxlen=SHARE_WINDOW)
 
     # ---- queue ---------------------------------------------------------------------------------
@@ -253,6 +292,23 @@ class FairScheduler(Generic[T]):
         """Generated tokens served to `tenant` (reported by a worker)."""
         if tokens:
             self._classes[self._lane(priority)].charge(tenant, tokens)
+
+    # ---- shared counters (see the module docstring) --------------------------------------------
+
+    def take_sync(self) -> dict[Priority, LaneSync]:
+        """Per lane: charges and joins since the last sync, and who is backlogged now."""
+        return {p: lane.take_sync() for p, lane in self._classes.items()}
+
+    def restore_sync(self, syncs: dict[Priority, LaneSync]) -> None:
+        """A sync that did not reach the store: its charges and joins are told next time."""
+        for p, sync in syncs.items():
+            self._classes[p].restore_sync(sync)
+
+    def set_counters(self, lane: Priority, counters: dict[str, float]) -> None:
+        self._classes[lane].set_counters(counters)
+
+    def counter(self, lane: Priority, tenant: str) -> float:
+        return self._classes[lane].counters.get(tenant, 0.0)
 
     # ---- views ---------------------------------------------------------------------------------
 

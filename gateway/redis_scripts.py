@@ -14,6 +14,8 @@ ms), so replicas' clocks do not matter. ARGV[1] is the key prefix; the keys, per
   P:replicas  ZSET  R -> lease deadline ms        a replica past its deadline is swept
   P:slots:R   HASH  slot -> 'C:W'                 replica R's worker slots (class, worker)
   P:ws:W      HASH  class -> jobs                 jobs sent to worker W and not started, all replicas
+  P:vtc:L     HASH  tenant -> counter             the fair scheduler's counters of lane L, all replicas
+  P:vb:R      HASH  lane -> JSON list             tenants backlogged on replica R (expires with its lease)
 
 The keys a script touches are derived from its arguments and the hold records, so the ledger
 needs one Redis (standalone or Sentinel-managed), not Redis Cluster.
@@ -259,4 +261,52 @@ RELEASE_SLOTS = _COMMON + r"""
 local ended = 0
 for i = 3, #ARGV do ended = ended + slot_release(ARGV[2], ARGV[i]) end
 return ended
+"""
+
+# ARGV: prefix, replica, lease ms, then JSON {lane: {c: {tenant: charge}, b: [backlogged here],
+# j: [joined here since the last sync], l: last served counter here}} for every lane. Adds the
+# charges to the cluster's counters P:vtc:LANE (tenant -> tokens / weight), files the replica's
+# backlogged tenants in P:vb:R (expires with its lease), and lifts each joined tenant that no
+# other live replica holds backlogged to the smallest counter of the tenants backlogged anywhere
+# (the VTC lift, cluster-wide: idle time banks no credit on any replica). Returns JSON
+# {lane: {tenant: counter}} for the tenants backlogged or joined here.
+SYNC_FAIR = _COMMON + r"""
+local replica, lease = ARGV[2], tonumber(ARGV[3])
+local now = now_ms()
+redis.call('ZADD', P .. ':replicas', now + lease, replica)
+local mine = P .. ':vb:' .. replica
+local others = {}
+for _, r in ipairs(redis.call('ZRANGEBYSCORE', P .. ':replicas', now, '+inf')) do
+  if r ~= replica then table.insert(others, r) end
+end
+local out = {}
+for lane, l in pairs(cjson.decode(ARGV[4])) do
+  local key = P .. ':vtc:' .. lane
+  for tenant, amount in pairs(l.c) do redis.call('HINCRBYFLOAT', key, tenant, amount) end
+  local function counter(t) return tonumber(redis.call('HGET', key, t)) or 0 end
+  local elsewhere, joined = {}, {}
+  for _, r in ipairs(others) do
+    local raw = redis.call('HGET', P .. ':vb:' .. r, lane)
+    if raw then for _, t in ipairs(cjson.decode(raw)) do elsewhere[t] = true end end
+  end
+  for _, t in ipairs(l.j) do joined[t] = true end
+  local floor = nil
+  local function consider(t)
+    local v = counter(t)
+    if floor == nil or v < floor then floor = v end
+  end
+  for t in pairs(elsewhere) do consider(t) end
+  for _, t in ipairs(l.b) do if not joined[t] then consider(t) end end
+  if floor == nil then floor = tonumber(l.l) end
+  local counters = {}
+  for t in pairs(joined) do
+    if not elsewhere[t] and counter(t) < floor then redis.call('HSET', key, t, floor) end
+    counters[t] = counter(t)
+  end
+  for _, t in ipairs(l.b) do counters[t] = counter(t) end
+  redis.call('HSET', mine, lane, cjson.encode(l.b))
+  out[lane] = counters
+end
+redis.call('PEXPIRE', mine, lease)
+return cjson.encode(out)
 """

@@ -1,5 +1,5 @@
 """The state gateway replicas share, built once from `[shared]`: a quota ledger, an invalidation
-bus and the worker slots of the global schedule, in this process (`url` empty) or in Redis
+bus and the global schedule's worker slots and fairness counters, in this process (`url` empty) or in Redis
 (docs/scale-out.md)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from redis.retry import Retry
 from sluice.gateway.invalidation import InvalidationBus, LocalBus, RedisBus
 from sluice.gateway.ledger import LocalLedger, QuotaLedger
 from sluice.gateway.redis_ledger import RedisLedger
+from sluice.gateway.shared_fair import RedisFairness
 from sluice.gateway.slots import LocalSlots, RedisSlots, WorkerSlots
 from sluice.settings import SharedSettings
 
@@ -31,6 +32,7 @@ class SharedState:
     replica: str  # this process's replica id: what its holds, leases and ownerships are filed under
     clients: tuple[Redis, ...] = field(default=())
     slots: WorkerSlots = field(default_factory=LocalSlots)  # who may send to a worker (gateway/slots.py)
+    fairness: RedisFairness | None = None  # the fair scheduler's counters, cluster-wide (None: this process's)
 
     async def start(self) -> None:
         await self.ledger.start()
@@ -83,4 +85,5 @@ def open_shared(settings: SharedSettings, *, replica: str | None = None) -> Shar
         replica,
         (commands, subscription),
         RedisSlots(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
+        RedisFairness(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
     )

@@ -18,7 +18,9 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.gateway.dispatch import Job, WorkerConn
+from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
 from sluice.gateway.redis_ledger import RedisLedger
+from sluice.gateway.shared_fair import RedisFairness
 from sluice.gateway.slots import RedisSlots
 from sluice.protocol import GenerateRequest, Priority, SamplingParams, ServedModelInfo, WorkerCapacity, WorkerRegister
 from sluice.telemetry import percentile
@@ -47,34 +49,42 @@ def worker(worker_id: str, num_waiting: int = 0) -> WorkerConn:
 
 @dataclass
 class Replica:
+    """What a gateway process has: one Redis client and its ledger's lease renewer, the slots and
+    the fairness counters filed under the same replica id (the fairness is synced by hand in
+    these tests, once per step: no timing)."""
+
+    client: Redis
+    ledger: RedisLedger
     slots: RedisSlots
-    ledger: RedisLedger  # renews the lease the slots are filed under, as in a gateway process
+    scheduler: FairScheduler[str]
+    fairness: RedisFairness
 
 
 MakeReplicas = Callable[[int], Awaitable[list[Replica]]]
 
 
 @pytest.fixture
-async def slot_replicas(redis_url: str, prefix: str, lease_s: float) -> AsyncIterator[MakeReplicas]:
-    made: list[tuple[Replica, Redis]] = []
+async def make_replicas(redis_url: str, prefix: str, lease_s: float) -> AsyncIterator[MakeReplicas]:
+    made: list[Replica] = []
 
     async def make(count: int) -> list[Replica]:
-        out = []
         for index in range(len(made), len(made) + count):
             client = Redis.from_url(redis_url)
             name = f"replica-{index}"
             ledger = RedisLedger(client, prefix=prefix, lease_s=lease_s, replica=name)
             await ledger.start()
-            replica = Replica(RedisSlots(client, prefix=prefix, lease_s=lease_s, replica=name), ledger)
-            made.append((replica, client))
-            out.append(replica)
-        return out
+            scheduler: FairScheduler[str] = FairScheduler(ClassPolicy(aging_s=0), shared_counters=True)
+            fairness = RedisFairness(client, prefix=prefix, lease_s=lease_s, replica=name)
+            fairness.bind(scheduler)
+            made.append(Replica(client, ledger, RedisSlots(client, prefix=prefix, lease_s=lease_s, replica=name),
+                                scheduler, fairness))
+        return made[-count:]
 
     yield make
-    for replica, client in made:
+    for replica in made:
         await replica.slots.flush()
         await replica.ledger.stop()
-        await client.aclose()
+        await replica.client.aclose()
 
 
 async def counts(redis: Redis, prefix: str, worker_id: str) -> dict[int, int]:
@@ -83,8 +93,8 @@ async def counts(redis: Redis, prefix: str, worker_id: str) -> dict[int, int]:
 
 
 async def test_the_bound_is_exact_under_concurrent_takes_from_two_replicas(
-        slot_replicas: MakeReplicas, redis: Redis, prefix: str) -> None:
-    a, b = await slot_replicas(2)
+        make_replicas: MakeReplicas, redis: Redis, prefix: str) -> None:
+    a, b = await make_replicas(2)
     workers = [worker("w1"), worker("w2"), worker("w3")]
     limit = 2
     held: dict[str, int] = {w.worker_id: 0 for w in workers}  # taken and not yet released, as the takers see it
@@ -131,8 +141,8 @@ async def test_the_bound_is_exact_under_concurrent_takes_from_two_replicas(
 
 
 async def test_interactive_work_overtakes_batch_work_another_replica_sent(
-        slot_replicas: MakeReplicas, redis: Redis, prefix: str) -> None:
-    a, b = await slot_replicas(2)
+        make_replicas: MakeReplicas, redis: Redis, prefix: str) -> None:
+    a, b = await make_replicas(2)
     w = worker("w1")
     # Replica B filled the worker's waiting queue with batch work.
     batch = [job(B), job(B)]
@@ -148,8 +158,8 @@ async def test_interactive_work_overtakes_batch_work_another_replica_sent(
     assert await a.slots.take(job(HI), [worker("w2", num_waiting=2)], 2, False) is None
 
 
-async def test_the_first_candidate_with_room_gets_the_job(slot_replicas: MakeReplicas) -> None:
-    (a,) = await slot_replicas(1)
+async def test_the_first_candidate_with_room_gets_the_job(make_replicas: MakeReplicas) -> None:
+    (a,) = await make_replicas(1)
     full, reported_full, free = worker("w1"), worker("w2", num_waiting=2), worker("w3")
     assert [await a.slots.take(job(), [full], 2, True) for _ in range(2)] == [full, full]
     # w2 has no slot taken anywhere but reported two waiting (e.g. preempted work): still full.
@@ -157,8 +167,8 @@ async def test_the_first_candidate_with_room_gets_the_job(slot_replicas: MakeRep
 
 
 async def test_a_replica_whose_lease_lapses_gives_its_slots_back(
-        slot_replicas: MakeReplicas, redis: Redis, prefix: str, lease_s: float) -> None:
-    a, b = await slot_replicas(2)
+        make_replicas: MakeReplicas, redis: Redis, prefix: str, lease_s: float) -> None:
+    a, b = await make_replicas(2)
     w = worker("w1")
     assert [await b.slots.take(job(), [w], 2, True) for _ in range(2)] == [w, w]
     await b.ledger.stop_renewing()  # as a SIGKILLed replica: no release, no renewal
@@ -173,9 +183,100 @@ async def test_a_replica_whose_lease_lapses_gives_its_slots_back(
 
 
 async def test_a_clean_stop_gives_the_slots_back_at_once(
-        slot_replicas: MakeReplicas, redis: Redis, prefix: str) -> None:
-    a, b = await slot_replicas(2)
+        make_replicas: MakeReplicas, redis: Redis, prefix: str) -> None:
+    a, b = await make_replicas(2)
     w = worker("w1")
     assert [await b.slots.take(job(), [w], 2, True) for _ in range(2)] == [w, w]
     await b.ledger.stop()  # gives the lease up: the next script sweeps it
     assert await a.slots.take(job(), [w], 2, True) is w
+
+
+# ---- fairness: two replicas' schedulers ordering by the cluster's counters ------------------------
+
+def pending(tenant: str, weight: float = 1.0, prompt: int = 10) -> Pending[str]:
+    rid = f"{tenant}-{next(_ids)}"
+    return Pending(request_id=rid, tenant=tenant, priority=S, enqueued_at=next(_ids) * 1e-6, payload=rid,
+                   prompt_tokens=prompt, weight=weight)
+
+
+async def serve(replicas: list[Replica] | list[FairScheduler[str]], steps: int,
+                output_tokens: int = 20) -> dict[str, int]:
+    """Each step every replica dispatches one item (its share of the workers) and it is served in
+    full; then every replica syncs. Returns the tokens served per tenant."""
+    served: dict[str, int] = {}
+    for _ in range(steps):
+        for replica in replicas:
+            scheduler = replica.scheduler if isinstance(replica, Replica) else replica
+            got = scheduler.pop(0.0)
+            if got is None:
+                continue
+            scheduler.charge(got.tenant, got.priority, output_tokens)
+            served[got.tenant] = served.get(got.tenant, 0) + got.prompt_tokens + output_tokens
+        for replica in replicas:
+            if isinstance(replica, Replica):
+                await replica.fairness.sync()
+    return served
+
+
+def jain(values: list[int]) -> float:
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+async def test_ten_to_one_skew_over_two_replicas_is_served_fairly(make_replicas: MakeReplicas) -> None:
+    """The heavy tenant sends ten times as much, spread over both replicas; the light one only
+    reaches replica A. Replica B can only serve the heavy tenant, so A must count what B served:
+    with the cluster's counters A serves the light tenant until it caught up."""
+    a, b = await make_replicas(2)
+    local_a: FairScheduler[str] = FairScheduler(ClassPolicy(aging_s=0))
+    local_b: FairScheduler[str] = FairScheduler(ClassPolicy(aging_s=0))
+    for i in range(200):
+        (a if i % 2 else b).scheduler.push(pending("heavy"))
+        (local_a if i % 2 else local_b).push(pending("heavy"))
+    for _ in range(20):
+        a.scheduler.push(pending("light"))
+        local_a.push(pending("light"))
+    shared = await serve([a, b], 16)  # the light tenant stays backlogged throughout
+    alone = await serve([local_a, local_b], 16)
+    assert jain(list(shared.values())) >= 0.95, shared
+    assert jain(list(alone.values())) < 0.9, alone  # each replica fair on its own is not enough
+
+
+async def test_ten_to_one_skew_spread_over_both_replicas(make_replicas: MakeReplicas) -> None:
+    a, b = await make_replicas(2)
+    for i in range(200):
+        (a if i % 2 else b).scheduler.push(pending("heavy"))
+    for i in range(20):
+        (b if i % 2 else a).scheduler.push(pending("light"))
+    served = await serve([a, b], 8)
+    assert jain(list(served.values())) >= 0.95, served
+
+
+async def test_weights_two_to_one_over_two_replicas(make_replicas: MakeReplicas) -> None:
+    a, b = await make_replicas(2)
+    for i in range(120):
+        (a if i % 2 else b).scheduler.push(pending("gold", weight=2.0))
+        (b if i % 2 else a).scheduler.push(pending("bronze", weight=1.0))
+    served = await serve([a, b], 45)
+    assert 1.8 <= served["gold"] / served["bronze"] <= 2.2, served
+
+
+async def test_a_tenant_joining_on_one_replica_is_lifted_to_the_clusters_backlogged(
+        make_replicas: MakeReplicas) -> None:
+    """VTC's lift, cluster-wide: a tenant idle everywhere that becomes backlogged on A, where no one
+    else is, rises to the counters of the tenants backlogged on B, so it banks no idle credit
+    for its later work on B; a tenant already backlogged on B is not lifted when it reaches A."""
+    a, b = await make_replicas(2)
+    for _ in range(40):
+        b.scheduler.push(pending("busy"))
+    await serve([a, b], 10)
+    busy = b.scheduler.counter(S, "busy")
+    assert busy == 300  # 10 items of 10 + 20 tokens
+    a.scheduler.push(pending("newcomer"))
+    await a.fairness.sync()
+    assert a.scheduler.counter(S, "newcomer") == busy  # not 0: A alone knew no one to lift it to
+    b.scheduler.push(pending("newcomer"))
+    await b.fairness.sync()
+    assert b.scheduler.counter(S, "newcomer") == busy
+    a.scheduler.push(pending("busy"))
+    await a.fairness.sync()
+    assert a.scheduler.counter(S, "busy") == busy  # backlogged on B: its counter runs, no lift
