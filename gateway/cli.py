@@ -52,7 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker.add_argument(
         "--served-model-name", default=None, help="the model name clients use (default: the directory's name)"
     )
-    worker.add_argument("--gateway", required=True, help="the gateway's worker address HOST:PORT")
+    worker.add_argument("--gateway", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                        help="the worker address of every gateway replica to serve (one connection each)")
     worker.add_argument("--worker-id", default=None, help="default: HOSTNAME-PID")
     worker.add_argument("--heartbeat-interval", type=float, default=None,
                         help="seconds between heartbeats (default: [dispatch] heartbeat_interval_s)")
@@ -88,9 +89,12 @@ def worker_setup(args: argparse.Namespace) -> tuple[EngineConfig, WorkerOptions]
     (files and SLUICE_ENGINE_*), then the engine flags, then --engine-option."""
     from sluice.settings import load_settings
     from sluice.workers.cli import engine_config
-    from sluice.workers.server import WorkerOptions, parse_address
+    from sluice.workers.server import WorkerOptions, parse_gateways
 
-    host, port = parse_address(args.gateway)
+    try:
+        gateways = parse_gateways(args.gateway)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     # The same settings as `sluice serve` (files and SLUICE_* environment): [engine] under the flags.
     settings = load_settings(args.config)
     gateway = settings.gateway
@@ -100,8 +104,7 @@ def worker_setup(args: argparse.Namespace) -> tuple[EngineConfig, WorkerOptions]
     model_dir = Path(args.model)
     config = apply_engine_options(engine_config(args, str(model_dir), settings=settings.engine), args.engine_option)
     options = WorkerOptions(
-        gateway_host=host,
-        gateway_port=port,
+        gateways=gateways,
         worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
         model_name=args.served_model_name or model_dir.resolve().name,
         heartbeat_interval_s=heartbeat,

@@ -76,11 +76,13 @@ def start_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartWork
     started: list[subprocess.Popen[bytes]] = []
     log_dir = tmp_path_factory.mktemp("worker-logs")
 
-    def start(model_dir: Path, port: int, worker_id: str, *extra: str,
+    def start(model_dir: Path, port: int | str, worker_id: str, *extra: str,
               extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """`port`: the gateway's worker port on 127.0.0.1, or a whole --gateway value (str)."""
         log = open(log_dir / f"{worker_id}-{len(started)}.log", "wb")  # noqa: SIM115
+        gateway = port if isinstance(port, str) else f"127.0.0.1:{port}"
         args = [sys.executable, "-m", "sluice.cli", "worker", "--model", str(model_dir),
-                "--served-model-name", "demo", "--gateway", f"127.0.0.1:{port}", "--worker-id", worker_id,
+                "--served-model-name", "demo", "--gateway", gateway, "--worker-id", worker_id,
                 "--heartbeat-interval", "0.5", "--max-num-batched-tokens", "256", *extra]
         env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", SLUICE_GATEWAY_WORKER_SECRET=WORKER_SECRET)
         env.update(extra_env or {})

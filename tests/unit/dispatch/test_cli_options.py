@@ -13,7 +13,7 @@ from sluice.gateway.cli import apply_engine_options, worker_setup
 from sluice.gateway.serve import check_engine_options
 from sluice.settings import ModelSpec, Settings
 from sluice.workers.config import EngineConfig
-from sluice.workers.server import parse_address
+from sluice.workers.server import parse_address, parse_gateways
 
 pytestmark = pytest.mark.unit
 
@@ -76,6 +76,15 @@ def test_gateway_address_parsing() -> None:
             parse_address(bad)
 
 
+def test_gateway_lists_parse_and_garbage_is_refused() -> None:
+    assert parse_gateways("a:1,b:2, c:3") == (("a", 1), ("b", 2), ("c", 3))
+    assert parse_gateways("[::1]:8100") == (("::1", 8100),)
+    for bad, what in (("", "empty item"), ("a:1,", "empty item"), ("a:1,,b:2", "empty item"),
+                      ("a:1,b:x", "HOST:PORT"), ("a:1,b:0", "HOST:PORT"), ("a:1,A:1", "twice")):
+        with pytest.raises(ValueError, match=what):
+            parse_gateways(bad)
+
+
 def test_worker_command_rejects_bad_flags_in_one_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     from sluice.cli import main
 
@@ -83,6 +92,9 @@ def test_worker_command_rejects_bad_flags_in_one_line(tmp_path, capsys: pytest.C
     assert "model directory" in capsys.readouterr().err
     assert main(["worker", "--model", str(tmp_path), "--gateway", "nowhere"]) == 2
     assert "HOST:PORT" in capsys.readouterr().err
+    assert main(["worker", "--model", str(tmp_path), "--gateway", "h:1,h:1"]) == 2
+    err = capsys.readouterr().err
+    assert "twice" in err and len(err.strip().splitlines()) == 1
     assert main(["worker", "--model", str(tmp_path), "--gateway", "h:1", "--heartbeat-interval", "0"]) == 2
     assert "--heartbeat-interval" in capsys.readouterr().err
 
