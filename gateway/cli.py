@@ -1,4 +1,5 @@
-"""`sluice serve` (gateway + broker + local workers) and `sluice worker` (one engine process)."""
+"""`sluice serve` (gateway + broker + local workers, or a local cluster with --replicas), `sluice
+gateway` (one replica of a cluster) and `sluice worker` (one engine process serving every replica)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=None, help="HTTP port (default: settings, 8000)")
     serve.add_argument(
         "--workers",
-        type=int,
         default=None,
-        help="local worker processes to spawn (default: settings.dispatch.local_workers)",
+        help="local worker processes per model (default: settings.dispatch.local_workers); "
+        "with --replicas each is linked to every replica",
+    )
+    serve.add_argument(
+        "--replicas",
+        default=None,
+        help="run a local trial cluster of this many `sluice gateway` processes on consecutive HTTP and "
+        "worker ports (needs [shared] url / SLUICE_SHARED_URL when more than 1; default 1: one process)",
     )
     serve.add_argument(
         "--model",
@@ -46,6 +53,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--new-demo-key", action="store_true",
                        help="revoke the demo tenant's key and create a new one (shown once)")
     serve.set_defaults(handler=_serve)
+
+    gateway = subparsers.add_parser(
+        "gateway", help="run one gateway replica: no local workers, no embedded broker (needs Kafka "
+        "and the worker secret configured)")
+    gateway.add_argument("--host", default=None, help="HTTP listen address (default: settings, 127.0.0.1)")
+    gateway.add_argument("--port", type=int, default=None, help="HTTP port (default: settings, 8000)")
+    gateway.add_argument("--worker-port", type=int, default=None,
+                         help="where workers connect (default: settings, 8100; 0 = any free port)")
+    gateway.add_argument(
+        "--config", default=None, help="config directory (default: $SLUICE_CONFIG_DIR or ./config)"
+    )
+    gateway.add_argument("--model", default=None,
+                         help="serve this model directory only (named after the directory) instead of models.toml")
+    gateway.add_argument("--demo", action="store_true", help="serve only the demo models of models.toml")
+    gateway.add_argument("--exit-with-parent", action="store_true",
+                         help="exit when the process that started this gateway dies (used by `sluice serve`)")
+    gateway.set_defaults(handler=_gateway)
 
     worker = subparsers.add_parser("worker", help="run one engine and serve it to a gateway")
     worker.add_argument("--model", required=True, help="local Hugging Face model directory")
@@ -146,3 +170,9 @@ def _serve(args: argparse.Namespace) -> int:
     from sluice.gateway.serve import serve
 
     return serve(args)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from sluice.gateway.serve import gateway
+
+    return gateway(args)

@@ -1,16 +1,24 @@
-"""`sluice serve`: broker (if none configured) + gateway (HTTP and worker port) + local workers.
+"""One gateway process: `sluice serve` (broker + gateway + local workers) and `sluice gateway` (a replica).
+
+`run_gateway(settings, role)` is the one way a gateway process runs; the `GatewayRole` says what it
+runs besides the app. `sluice serve` (single process): the embedded broker when
+`kafka.bootstrap_servers` is empty (its own process, so a gateway crash does not take the queue
+with it), local workers, and the demo key. `sluice gateway`: one replica of a cluster, with none
+of those: it needs Kafka and the workers' shared secret configured (every replica and worker must
+hold the same secret, so a replica never makes one up), and workers started elsewhere connect to
+its worker port (`sluice worker --gateway a:p,b:p,...`). `sluice serve --replicas N` runs N of
+those as children (`gateway/cluster.py`).
 
 Order: load settings → check ports and model directories (creating a missing model: fetching a
-real one, or building the demo model) →
-start the embedded broker as its own process when `kafka.bootstrap_servers` is empty (so a
-gateway crash does not take the queue with it) → build the app over a `KafkaBackend` → run it
-with uvicorn. At startup the app migrates the database, seeds tenants and creates the admin token;
-this module keeps ONE expiring API key for the demo tenant (`admin.demo_tenant`, see
-`gateway/seed.py`), spawns the local workers (the worker secret reaches them through their
-environment, never argv or a log) and prints a copy-paste curl. Secrets (a generated admin token,
-a new demo key) go to the terminal when stdout is one; otherwise into 0600 files under var/,
-never into a log. Ctrl-C / SIGTERM stop the workers (process groups, terminate then kill), the
-gateway and the broker it started; workers also exit by themselves if `serve` is killed.
+real one, or building the demo model) → start the embedded broker if the role has one → build the
+app over a `KafkaBackend` → run it with uvicorn. At startup the app migrates the database, seeds
+tenants and creates the admin token; `serve` keeps ONE expiring API key for the demo tenant
+(`admin.demo_tenant`, see `gateway/seed.py`), spawns the local workers (the worker secret reaches
+them through their environment, never argv or a log) and prints a copy-paste curl. Secrets (a
+generated admin token, a new demo key) go to the terminal when stdout is one; otherwise into 0600
+files under var/, never into a log. Ctrl-C / SIGTERM stop the workers (process groups, terminate
+then kill), the gateway and the broker it started; workers (and replicas started by `serve
+--replicas`) also exit by themselves if their parent is killed.
 """
 
 from __future__ import annotations
@@ -22,31 +30,24 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from sluice.errors import CLIError
+from sluice.gateway.local_processes import HEALTHY_RUN_S, RESTART_BACKOFF_S, LocalWorkers, restart_delay
 from sluice.settings import ModelSpec, Settings, load_settings
+
+if TYPE_CHECKING:
+    from sluice.gateway.seed import DemoKey
 
 log = logging.getLogger(__name__)
 
-RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
-# A worker that ran this long before dying was healthy: its next restart starts the backoff over.
-HEALTHY_RUN_S = 60.0
-
-
-def restart_delay(restarts: int, uptime_s: float) -> tuple[float, int]:
-    """(delay before the next start, the restart count after it) for a worker that died after
-    `uptime_s` seconds with `restarts` restarts behind it."""
-    if uptime_s >= HEALTHY_RUN_S:
-        restarts = 0
-    return RESTART_BACKOFF_S[min(restarts, len(RESTART_BACKOFF_S) - 1)], restarts + 1
+__all__ = ["HEALTHY_RUN_S", "RESTART_BACKOFF_S", "GatewayRole", "LocalWorkers", "gateway", "restart_delay",
+           "run_gateway", "serve"]
 
 
 def reveal_secret(label: str, value: str, path: Path) -> str:
@@ -62,112 +63,33 @@ def reveal_secret(label: str, value: str, path: Path) -> str:
     return f"{label}: written to {path} (stdout is not a terminal)"
 
 
-@dataclass
-class LocalWorkers:
-    """The worker processes `serve` owns: spawned in their own process groups, restarted on death."""
+@dataclass(frozen=True, slots=True)
+class GatewayRole:
+    """What a gateway process runs besides the app."""
 
-    settings: Settings
-    count: int
-    device: str
-    log_dir: Path
-    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    _specs: dict[str, ModelSpec] = field(default_factory=dict)
-    _restarts: dict[str, int] = field(default_factory=dict)
-    _started_at: dict[str, float] = field(default_factory=dict)
-    _stopping: bool = False
-    _secret: str = ""
-
-    def spawn_all(self, worker_port: int, secret: str) -> None:
-        self._port = worker_port
-        self._secret = secret
-        for model in self.settings.models:
-            for i in range(self.count):
-                worker_id = f"local-{model.name}-{i}" if len(self.settings.models) > 1 else f"local-{i}"
-                self._specs[worker_id] = model
-                self._spawn(worker_id)
-
-    def _spawn(self, worker_id: str) -> None:
-        model = self._specs[worker_id]
-        host = self.settings.gateway.worker_host
-        args = [
-            sys.executable,
-            "-m",
-            "sluice.cli",
-            "worker",
-            "--model",
-            model.path,
-            "--served-model-name",
-            model.name,
-            "--gateway",
-            f"{host}:{self._port}",
-            "--worker-id",
-            worker_id,
-            "--device",
-            self.device,
-            "--exit-with-parent",
-        ]
-        # The worker reads the same settings itself (the environment is inherited): [engine] included.
-        config_dir = Path(self.settings.config_dir)
-        if config_dir.is_dir():
-            args += ["--config", str(config_dir.resolve())]
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_dir / f"worker-{worker_id}.log", "ab")  # noqa: SIM115
-        try:
-            self.processes[worker_id] = subprocess.Popen(
-                args,
-                env=self._worker_environment(),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own group: we stop it (and anything it starts) as a whole
-            )
-        finally:
-            out.close()
-        self._started_at[worker_id] = time.monotonic()
-        log.info("started worker %s (pid %d)", worker_id, self.processes[worker_id].pid)
-
-    def _worker_environment(self) -> dict[str, str]:
-        """CPU workers share the machine with the gateway: unless the operator chose a thread count,
-        leave one core to the gateway and split the rest between the local workers (torch's
-        default of every core per process made engine steps 10-60x slower under contention)."""
-        env = {k: v for k, v in os.environ.items() if k != "SLUICE_ADMIN_TOKEN"}  # workers never need it
-        env["SLUICE_GATEWAY_WORKER_SECRET"] = self._secret
-        if self.device == "cpu" and "OMP_NUM_THREADS" not in env:
-            workers = max(1, self.count * len(self.settings.models))
-            env["OMP_NUM_THREADS"] = str(max(1, ((os.cpu_count() or 1) - 1) // workers))
-        return env
-
-    async def supervise(self) -> None:
-        """Restarts a worker that died (with backoff), until `stop()`."""
-        while not self._stopping:
-            await asyncio.sleep(1.0)
-            for worker_id, process in list(self.processes.items()):
-                code = process.poll()
-                if code is None or self._stopping:
-                    continue
-                uptime = time.monotonic() - self._started_at.get(worker_id, time.monotonic())
-                delay, self._restarts[worker_id] = restart_delay(self._restarts.get(worker_id, 0), uptime)
-                log.warning("worker %s exited with code %s after %.0fs; restarting in %.0fs (restart #%d)",
-                            worker_id, code, uptime, delay, self._restarts[worker_id])
-                await asyncio.sleep(delay)
-                if not self._stopping:
-                    self._spawn(worker_id)
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        self._stopping = True
-        for process in self.processes.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait(grace_s)
+    local_workers: int = 0  # worker processes per model, spawned and supervised here
+    device: str = "cpu"  # of the local workers
+    embedded_broker: bool = False  # start one when kafka.bootstrap_servers is empty
+    demo_key: bool = False  # keep the demo tenant's key and print how to try it
+    renew_demo_key: bool = False
+    replica: bool = False  # `sluice gateway`: announce the replica id
+    parent_pid: int | None = None  # exit once this process is gone (replicas spawned by `serve`)
 
 
-def _resolve_settings(args: argparse.Namespace) -> Settings:
+def parse_count(flag: str, value: str | None, *, minimum: int) -> int | None:
+    """A whole-number flag read as text, so a bad value is one line (argparse adds its usage)."""
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.lstrip("-").isdigit() or int(text) < minimum:
+        more = "zero or more" if minimum == 0 else f"{minimum} or more"
+        raise CLIError(f"{flag} must be a whole number, {more}; got {value!r}")
+    return int(text)
+
+
+
+def resolve_settings(args: argparse.Namespace) -> Settings:
+    """Settings with the flags of `serve` / `gateway` applied (those a command lacks are skipped)."""
     settings = load_settings(args.config)
     gateway = settings.gateway
     if args.host is not None:
@@ -176,11 +98,15 @@ def _resolve_settings(args: argparse.Namespace) -> Settings:
         if not 0 < args.port < 65536:
             raise CLIError(f"--port must be between 1 and 65535, got {args.port}")
         gateway = msgspec.structs.replace(gateway, port=args.port)
+    worker_port = getattr(args, "worker_port", None)
+    if worker_port is not None:
+        if not 0 <= worker_port < 65536:
+            raise CLIError(f"--worker-port must be between 0 (any free port) and 65535, got {worker_port}")
+        gateway = msgspec.structs.replace(gateway, worker_port=worker_port)
     dispatch = settings.dispatch
-    if args.workers is not None:
-        if args.workers < 0:
-            raise CLIError(f"--workers must be zero or more, got {args.workers}")
-        dispatch = msgspec.structs.replace(dispatch, local_workers=args.workers)
+    workers = parse_count("--workers", getattr(args, "workers", None), minimum=0)
+    if workers is not None:
+        dispatch = msgspec.structs.replace(dispatch, local_workers=workers)
     models = _selected_models(settings.models, demo=args.demo)
     if args.model is not None:
         path = Path(args.model)
@@ -209,7 +135,7 @@ def _selected_models(models: tuple[ModelSpec, ...], *, demo: bool) -> tuple[Mode
     return tuple(m for m in models if not m.demo) or demos
 
 
-def _prepare_models(settings: Settings) -> None:
+def prepare_models(settings: Settings) -> None:
     from sluice.workers.demo import make_demo_model
     from sluice.workers.model.fetch import fetch_model
 
@@ -240,7 +166,7 @@ def check_engine_options(settings: Settings, device: str) -> None:
         raise CLIError(f"[engine] settings: {exc}") from None
 
 
-def _check_ports(settings: Settings) -> None:
+def check_ports(settings: Settings) -> None:
     from sluice.broker import port_in_use
 
     gw = settings.gateway
@@ -256,7 +182,7 @@ def _check_ports(settings: Settings) -> None:
 TRY_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
-def _curl(host: str, port: int, key: str, model: str, key_file: Path | None = None) -> str:
+def curl_snippet(host: str, port: int, key: str, model: str, key_file: Path | None = None) -> str:
     # temperature 0: greedy, so the first answer a newcomer sees is the model's best one.
     body = json.dumps({"model": model, "stream": True, "max_tokens": 64, "temperature": 0,
                        "messages": [{"role": "user", "content": TRY_QUESTION}]})
@@ -268,7 +194,7 @@ def _curl(host: str, port: int, key: str, model: str, key_file: Path | None = No
     )
 
 
-def _openai_snippet(host: str, port: int, key: str, model: str, key_file: Path | None = None) -> str:
+def openai_snippet(host: str, port: int, key: str, model: str, key_file: Path | None = None) -> str:
     api_key = repr(key) if key_file is None else f"open({str(key_file)!r}).read().strip()"
     return (
         "python - <<'EOF'\n"
@@ -281,7 +207,7 @@ def _openai_snippet(host: str, port: int, key: str, model: str, key_file: Path |
     )
 
 
-def _server_class() -> type:
+def server_class() -> type:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -300,10 +226,64 @@ def _server_class() -> type:
     return Server
 
 
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def print_demo_key(demo: DemoKey | None, settings: Settings, host: str, port: int, var: Path) -> None:
+    """What `serve` says about the demo tenant's key: the new key (shown once) with a curl and an
+    openai snippet, or that it exists already."""
+    demo_tenant = settings.admin.demo_tenant
+    if demo is None:
+        print(f"no tenant named {demo_tenant!r} in tenants.toml: create a key with the admin API", flush=True)
+    elif demo.key is None:
+        print(f"the demo key of tenant {demo_tenant!r} ({demo.prefix}..., expires {demo.expires_at:%Y-%m-%d}) "
+              "was shown when it was created; `sluice serve --new-demo-key` replaces it", flush=True)
+    else:
+        print(reveal_secret(f"new API key for tenant {demo_tenant!r} (expires {demo.expires_at:%Y-%m-%d})",
+                            demo.key, var / "demo_key"), flush=True)
+        # On a terminal the snippets hold the key; otherwise they read it from its 0600 file.
+        key_file = None if sys.stdout.isatty() else (var / "demo_key").resolve()
+        model = settings.models[0].name
+        print("try:\n" + curl_snippet(host, port, demo.key, model, key_file), flush=True)
+        print("or with the openai SDK:\n" + openai_snippet(host, port, demo.key, model, key_file), flush=True)
 
-    _Server = _server_class()
+
+def check_replica_settings(settings: Settings) -> None:
+    """`sluice gateway` runs against a cluster's services; fail in one line on what it lacks."""
+    if not settings.kafka.bootstrap_servers:
+        raise CLIError("sluice gateway needs Kafka: set SLUICE_KAFKA_BOOTSTRAP_SERVERS (or [kafka] "
+                       "bootstrap_servers); `sluice serve` starts an embedded broker instead")
+    if not settings.gateway.worker_secret:
+        raise CLIError("sluice gateway needs the workers' shared secret: set SLUICE_GATEWAY_WORKER_SECRET "
+                       "(or [gateway] worker_secret) to the same value on every replica and worker")
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`sluice serve`: one process (today's default), or with `--replicas N` (N > 1) a local cluster."""
+    replicas = parse_count("--replicas", getattr(args, "replicas", None), minimum=1)
+    if replicas is not None and replicas > 1:
+        from sluice.gateway.cluster import run_cluster
+
+        return run_cluster(args, replicas)
+    settings = resolve_settings(args)
+    check_engine_options(settings, args.device)
+    check_ports(settings)
+    prepare_models(settings)
+    return run_gateway(settings, GatewayRole(
+        local_workers=settings.dispatch.local_workers, device=args.device, embedded_broker=True,
+        demo_key=True, renew_demo_key=bool(getattr(args, "new_demo_key", False))))
+
+
+def gateway(args: argparse.Namespace) -> int:
+    """`sluice gateway`: one replica, no local workers, no embedded broker."""
+    settings = resolve_settings(args)
+    check_replica_settings(settings)
+    check_ports(settings)
+    prepare_models(settings)
+    return run_gateway(settings, GatewayRole(replica=True,
+                                             parent_pid=os.getppid() if args.exit_with_parent else None))
+
+
+def run_gateway(settings: Settings, role: GatewayRole) -> int:
+    """Runs one gateway process until SIGTERM/SIGINT (see the module docstring)."""
+    import uvicorn
 
     from sluice.broker import EmbeddedBroker
     from sluice.gateway.app import create_app
@@ -312,13 +292,9 @@ def serve(args: argparse.Namespace) -> int:
     from sluice.gateway.seed import ensure_demo_key
     from sluice.gateway.shared import open_shared
 
-    settings = _resolve_settings(args)
-    check_engine_options(settings, args.device)
-    _check_ports(settings)
-    _prepare_models(settings)
     var = Path("var")
     broker: EmbeddedBroker | None = None
-    if not settings.kafka.bootstrap_servers:
+    if role.embedded_broker and not settings.kafka.bootstrap_servers:
         b = settings.broker
         var.mkdir(exist_ok=True)
         broker = EmbeddedBroker(
@@ -332,50 +308,48 @@ def serve(args: argparse.Namespace) -> int:
             f"embedded Kafka broker on {broker.bootstrap_servers} (pid {broker.pid}, storage {b.storage})",
             flush=True,
         )
-    workers = LocalWorkers(settings, settings.dispatch.local_workers, args.device, var / "logs")
+    workers = LocalWorkers(settings, role.local_workers, role.device, var / "logs")
     batches = batch_components(settings)
     shared = open_shared(settings.shared)
     backend = KafkaBackend(settings, batch_handler=batches.handler, shared=shared)
     gw = settings.gateway
-    supervisor: list[asyncio.Task[None]] = []
+    tasks: list[asyncio.Task[None]] = []
+    server: Any = None  # the uvicorn server, made below
 
     def announce(kind: str, value: str) -> None:
         if kind == "admin_token":
             print(reveal_secret("admin token (shown once, stored hashed)", value, var / "admin_token"),
                   flush=True)
 
+    async def watch_parent(parent_pid: int) -> None:
+        while os.getppid() == parent_pid:
+            await asyncio.sleep(1.0)
+        log.warning("the parent process %d is gone; gateway exiting", parent_pid)
+        server.should_exit = True
+
     async def after_start(app: Any) -> None:
         batches.attach(app, backend)
         await batches.start()
-        workers.spawn_all(backend.worker_port, backend.dispatcher.worker_secret)
-        supervisor.append(asyncio.create_task(workers.supervise()))
-        model = settings.models[0].name
+        if role.parent_pid is not None:
+            tasks.append(asyncio.create_task(watch_parent(role.parent_pid)))
+        if role.replica:
+            print(f"sluice gateway replica {shared.replica} on http://{gw.host}:{gw.port} "
+                  f"(workers connect to {gw.worker_host}:{backend.worker_port})", flush=True)
+            return
+        workers.spawn_all([backend.worker_port], backend.dispatcher.worker_secret)
+        tasks.append(asyncio.create_task(workers.supervise()))
         print(
             f"sluice gateway on http://{gw.host}:{gw.port} (workers connect to "
             f"{gw.worker_host}:{backend.worker_port}; {workers.count} local worker(s) per model)",
             flush=True,
         )
-        demo_tenant = settings.admin.demo_tenant
-        if not demo_tenant:
-            return
-        demo = await ensure_demo_key(app.state.admin, demo_tenant, ttl_days=settings.admin.demo_key_ttl_days,
-                                     renew=bool(getattr(args, "new_demo_key", False)))
-        if demo is None:
-            print(f"no tenant named {demo_tenant!r} in tenants.toml: create a key with the admin API", flush=True)
-        elif demo.key is None:
-            print(f"the demo key of tenant {demo_tenant!r} ({demo.prefix}..., expires {demo.expires_at:%Y-%m-%d}) "
-                  "was shown when it was created; `sluice serve --new-demo-key` replaces it", flush=True)
-        else:
-            print(reveal_secret(f"new API key for tenant {demo_tenant!r} (expires {demo.expires_at:%Y-%m-%d})",
-                                demo.key, var / "demo_key"), flush=True)
-            # On a terminal the snippets hold the key; otherwise they read it from its 0600 file.
-            key_file = None if sys.stdout.isatty() else (var / "demo_key").resolve()
-            print("try:\n" + _curl(gw.host, gw.port, demo.key, model, key_file), flush=True)
-            print("or with the openai SDK:\n" + _openai_snippet(gw.host, gw.port, demo.key, model, key_file),
-                  flush=True)
+        if role.demo_key and settings.admin.demo_tenant:
+            demo = await ensure_demo_key(app.state.admin, settings.admin.demo_tenant,
+                                         ttl_days=settings.admin.demo_key_ttl_days, renew=role.renew_demo_key)
+            print_demo_key(demo, settings, gw.host, gw.port, var)
 
     async def before_stop(app: Any) -> None:
-        for task in supervisor:
+        for task in tasks:
             task.cancel()
         await batches.stop()
         await asyncio.to_thread(workers.stop)
@@ -392,7 +366,7 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app, host=gw.host, port=gw.port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
     )
-    server = _Server(config)
+    server = server_class()(config)
     try:
         server.run()
     finally:

@@ -1,5 +1,6 @@
 """`sluice serve` as a real process: startup output, durability across a SIGKILL, worker death,
-clean shutdown, and one-line errors for bad flags.
+clean shutdown, and one-line errors for bad flags. `sluice gateway` (one replica) with a worker
+started apart, and `sluice serve --replicas N` (a local cluster over Redis).
 
 The broker is the session fixture's (passed through SLUICE_KAFKA_BOOTSTRAP_SERVERS), so it
 outlives a SIGKILLed gateway, as the embedded broker started by `serve` itself would.
@@ -48,13 +49,13 @@ def write_config(directory: Path, model_dir: Path, *, sluice_toml: str = SERVE_T
 
 
 class Serve:
-    """One `sluice serve` process group; `kill()` is SIGKILL, `stop()` is Ctrl-C."""
+    """One `sluice serve` (or `sluice gateway`) process group; `kill()` is SIGKILL, `stop()` is Ctrl-C."""
 
-    def __init__(self, cwd: Path, env: dict[str, str], port: int) -> None:
+    def __init__(self, cwd: Path, env: dict[str, str], port: int, *extra: str, command: str = "serve") -> None:
         self.port = port
-        self.log = open(cwd / f"serve-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
+        self.log = open(cwd / f"{command}-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "--log-level", "WARNING", "serve", "--port", str(port)],
+            [sys.executable, "-m", "sluice.cli", "--log-level", "WARNING", command, "--port", str(port), *extra],
             cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.base = f"http://127.0.0.1:{port}"
 
@@ -196,13 +197,18 @@ def test_batch_survives_gateway_sigkill_and_worker_death(tmp_path: Path, serve_e
     assert all(not alive(pid) for pid in workers)
 
 
-def test_serve_rejects_bad_flags_in_one_line(tmp_path: Path, serve_env: dict[str, str],
-                                             capsys: pytest.CaptureFixture[str],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def in_serve_env(tmp_path: Path, serve_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """This test process in `serve_env` (SLUICE_* set, cwd tmp_path), for in-process `main([...])` calls."""
     for name, value in serve_env.items():
         if name.startswith("SLUICE_"):
             monkeypatch.setenv(name, value)
     monkeypatch.chdir(tmp_path)
+    return monkeypatch
+
+
+def test_serve_rejects_bad_flags_in_one_line(tmp_path: Path, in_serve_env: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "model directory" in capsys.readouterr().err
     assert main(["serve", "--port", "70000"]) == 2
@@ -281,3 +287,154 @@ def serve_workers(serve: Serve, tmp_path: Path) -> bool:
     except (httpx.HTTPError, ValueError):
         return False
     return bool(view.get("workers"))
+
+
+def printed_line(process: Serve, pattern: str, timeout: float = 180) -> re.Match[str]:
+    """The first line of a process's output that matches `pattern` (waits for it)."""
+    deadline = time.monotonic() + timeout
+    log = Path(process.log.name)
+    while time.monotonic() < deadline:
+        found = re.search(pattern, log.read_text(errors="replace"), re.MULTILINE)
+        if found:
+            return found
+        assert process.process.poll() is None, f"exited with {process.process.returncode}:\n{log.read_text()}"
+        time.sleep(0.2)
+    raise AssertionError(f"no line matching {pattern!r} in {log}")
+
+
+def chat(base: str, key: str) -> str:
+    reply = openai.OpenAI(api_key=key, base_url=base + "/v1", max_retries=0, timeout=120).chat.completions.create(
+        model="demo", max_tokens=6, temperature=0, messages=[{"role": "user", "content": "hello there"}])
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    return reply.choices[0].message.content or ""
+
+
+def tenant_key(base: str, tenant: str = "demo-chat") -> str:
+    headers = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    tenants = httpx.get(base + "/admin/tenants", headers=headers, timeout=30).json()
+    tenant_id = next(t["id"] for t in (tenants["data"] if isinstance(tenants, dict) else tenants)
+                     if t["name"] == tenant)
+    return str(httpx.post(f"{base}/admin/tenants/{tenant_id}/keys", headers=headers, json={"name": "t"},
+                          timeout=30).json()["key"])
+
+
+def test_gateway_replica_serves_a_worker_started_apart(tmp_path: Path, serve_env: dict[str, str], start_worker,
+                                                       demo_model_dir: Path) -> None:
+    """`sluice gateway`: no local worker, no embedded broker; it prints where HTTP listens and where
+    workers connect, and a worker started apart (`sluice worker --gateway`) serves its requests."""
+    from .conftest import WORKER_SECRET
+
+    env = dict(serve_env, SLUICE_GATEWAY_WORKER_SECRET=WORKER_SECRET)
+    port, worker_port = free_port(), free_port()
+    replica = Serve(tmp_path, env, port, "--worker-port", str(worker_port), command="gateway")
+    try:
+        line = printed_line(replica, r"^sluice gateway replica (\S+) on http://([\d.]+):(\d+) "
+                                     r"\(workers connect to ([\d.]+):(\d+)\)$")
+        assert (int(line[3]), int(line[5])) == (port, worker_port) and line[1]
+        assert not (tmp_path / "var" / "logs").exists()  # it started no worker
+        ready = httpx.get(replica.base + "/ready", timeout=30)
+        assert ready.status_code == 503 and ready.json()["checks"]["workers"] is False
+        start_worker(demo_model_dir, worker_port, "apart")
+        deadline = time.monotonic() + 180
+        while not replica.admin("GET", "/admin/workers").json().get("workers"):
+            assert time.monotonic() < deadline, "the worker did not register"
+            time.sleep(0.2)
+        assert chat(replica.base, tenant_key(replica.base))
+    finally:
+        assert replica.stop() == 0
+
+
+def test_gateway_refuses_to_start_without_kafka_or_worker_secret(
+        tmp_path: Path, in_serve_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch = in_serve_env
+    monkeypatch.delenv("SLUICE_GATEWAY_WORKER_SECRET", raising=False)
+    assert main(["gateway", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "SLUICE_GATEWAY_WORKER_SECRET" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("SLUICE_GATEWAY_WORKER_SECRET", "s" * 32)
+    monkeypatch.setenv("SLUICE_KAFKA_BOOTSTRAP_SERVERS", "")
+    assert main(["gateway", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "SLUICE_KAFKA_BOOTSTRAP_SERVERS" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "var").exists()  # no broker, no database, nothing started
+
+
+def test_serve_replicas_flags_fail_in_one_line(tmp_path: Path, in_serve_env: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch = in_serve_env
+    monkeypatch.setenv("SLUICE_SHARED_URL", "")
+    assert main(["serve", "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "SLUICE_SHARED_URL" in err and "--replicas 2" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("SLUICE_SHARED_URL", "redis://127.0.0.1:6379/0")
+    for flag, bad in (("--replicas", "0"), ("--replicas", "-1"), ("--replicas", "two"), ("--replicas", "1.5"),
+                      ("--workers", "-1"), ("--workers", "x")):
+        assert main(["serve", flag, bad]) == 2, (flag, bad)
+        err = capsys.readouterr().err
+        assert f"{flag} must be a whole number" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "var").exists()
+
+
+REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "")
+
+
+@pytest.mark.skipif(not REDIS_URL, reason="SLUICE_TEST_REDIS_URL is not set")
+def test_serve_replicas_answers_on_every_port(tmp_path: Path, serve_env: dict[str, str]) -> None:
+    """`sluice serve --replicas 2 --workers 1`: two `sluice gateway` children on consecutive ports
+    sharing Redis and one worker linked to both; each answers a chat completion. A killed replica
+    is restarted; Ctrl-C stops everything."""
+    env = dict(serve_env, SLUICE_SHARED_URL=REDIS_URL, SLUICE_SHARED_PREFIX=f"serve{time.monotonic_ns()}")
+    env.pop("SLUICE_GATEWAY_WORKER_SECRET", None)  # the parent makes one for its children
+    port = free_port()
+    while _port_taken(port + 1):  # the second replica takes the next port
+        port = free_port()
+    cluster = Serve(tmp_path, env, port, "--replicas", "2", "--workers", "1")
+    children: list[int] = []
+    try:
+        for i in range(2):
+            line = printed_line(cluster, rf"^sluice serve: replica {i} on http://127.0.0.1:(\d+) "
+                                         r"\(workers connect to 127.0.0.1:(\d+); log (\S+)\)$")
+            assert int(line[1]) == port + i
+        assert "local worker(s) per model, each linked to all 2 replicas" in Path(cluster.log.name).read_text()
+        bases = [f"http://127.0.0.1:{port + i}" for i in range(2)]
+        for base in bases:
+            deadline = time.monotonic() + 240
+            while True:
+                try:
+                    if len(httpx.get(base + "/admin/workers", timeout=10,
+                                     headers={"authorization": f"Bearer {ADMIN_TOKEN}"}).json()["workers"]) == 1:
+                        break
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass
+                assert cluster.process.poll() is None, Path(cluster.log.name).read_text()
+                assert time.monotonic() < deadline, f"{base} got no worker"
+                time.sleep(0.3)
+        key = tenant_key(bases[0])
+        answers = [chat(base, key) for base in bases]  # one key: both replicas share one database
+        assert answers[0] == answers[1]  # greedy, the same worker
+        children = _children(cluster.process.pid)
+        assert len(children) >= 3  # two replicas and a worker
+        secret_env = [_environ(pid).get("SLUICE_GATEWAY_WORKER_SECRET", "") for pid in children]
+        assert all(len(s) >= 32 for s in secret_env) and len(set(secret_env)) == 1
+        assert all(secret_env[0] not in Path(f"/proc/{pid}/cmdline").read_bytes().decode() for pid in children)
+    finally:
+        code = cluster.stop()
+    assert code == 0
+    time.sleep(1.0)
+    assert all(not alive(pid) for pid in children)
+
+
+def _port_taken(port: int) -> bool:
+    from sluice.broker import port_in_use
+
+    return port_in_use("127.0.0.1", port)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
