@@ -10,14 +10,18 @@ import asyncio
 import itertools
 import os
 import secrets
+import shutil
+import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from sluice.broker import free_port
+from sluice.gateway.dispatch import SLOT_ERROR_RETRY_S
 from sluice.gateway.kafka_backend import KafkaBackend
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams, WorkerCapacity
 from sluice.settings import DispatchSettings, SharedSettings
@@ -132,3 +136,67 @@ async def test_interactive_overtakes_a_batch_backlog_through_shared_slots(
     finally:
         await backend.stop()
         await redis.aclose()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
+    """A redis-server of this test's own (no persistence) on a fixed free port: it can be killed
+    and started again there, as an outage would, without touching the Redis other tests share."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian's redis-server package)")
+    port = free_port()
+    running: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        running.append(process)
+        return process
+
+    start.port = port  # type: ignore[attr-defined]
+    yield start
+    for process in running:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+async def test_dispatch_fails_closed_while_redis_is_down_and_resumes_when_it_is_back(
+        bootstrap_servers: str, demo_model_dir: Path, worker_port: int, worker, own_redis) -> None:
+    redis_process = own_redis()
+    url = f"redis://127.0.0.1:{own_redis.port}/0"
+    client = Redis.from_url(url)
+    await wait_until_answers(client)
+    settings = make_settings(bootstrap_servers, demo_model_dir, shared=SharedSettings(url=url, lease_s=5.0))
+    backend = KafkaBackend(settings, worker_port=worker_port)
+    await backend.start()
+    try:
+        await wait_for(lambda: "sw1" in backend.dispatcher.workers, 120, "the worker to register")
+        first = await backend.submit(request("t", Priority.STANDARD, 4))
+        assert [d async for d in first][-1].finish_reason == FinishReason.LENGTH
+        redis_process.kill()
+        redis_process.wait(10)
+        during = await backend.submit(request("t", Priority.STANDARD, 4))  # accepted: Kafka has it
+        await asyncio.sleep(2 * SLOT_ERROR_RETRY_S + 1.0)  # several takes tried and failed meanwhile
+        assert during.job is not None and during.dispatch_time is None  # no slot, so never sent
+        own_redis()  # back, empty
+        deltas = await asyncio.wait_for(_all(during), 60)
+        assert deltas[-1].finish_reason == FinishReason.LENGTH
+    finally:
+        await backend.stop()
+        await client.aclose()
+
+
+async def _all(sub) -> list[RequestDelta]:
+    return [delta async for delta in sub]
+
+
+async def wait_until_answers(client: Redis) -> None:
+    for _ in range(100):
+        try:
+            await client.ping()
+            return
+        except (OSError, RedisError):
+            await asyncio.sleep(0.05)
+    raise AssertionError("the test's redis-server never answered")

@@ -155,3 +155,25 @@ def test_an_item_nobody_takes_does_not_block_the_items_behind_it() -> None:
     assert sched.pop_if(0.0, served).request_id == "c1"  # a lower class, behind the stuck one
     assert sched.pop_if(0.0, served) is None
     assert len(sched) == 2
+
+
+def test_shared_counters_hand_over_charges_and_joins_and_take_the_clusters_values_back() -> None:
+    sched: FairScheduler[str] = FairScheduler(ClassPolicy(aging_s=0), shared_counters=True)
+    sched.push(item("a1", "a", prompt=10))
+    sched.push(item("b1", "b", prompt=10, weight=2.0))
+    assert sched.pop(0.0).request_id == "a1"  # charged 10
+    sync = sched.take_sync()[Priority.STANDARD]
+    assert sync.charges == {"a": 10.0} and sync.backlogged == ["b"] and sync.joined == ["a", "b"]
+    assert sched.take_sync()[Priority.STANDARD].charges == {}  # handed over once
+    sched.charge("b", Priority.STANDARD, 8)  # charged while the sync was on its way: 8 / 2
+    sched.set_counters(Priority.STANDARD, {"b": 100.0})  # the cluster's value, without that charge
+    assert sched.counter(Priority.STANDARD, "b") == 104.0
+    sched.restore_sync(sched.take_sync())  # a sync that failed: told again next time
+    assert sched.take_sync()[Priority.STANDARD].charges == {"b": 4.0}
+
+
+def test_local_counters_record_nothing_for_a_sync() -> None:
+    sched: FairScheduler[str] = FairScheduler(ClassPolicy(aging_s=0))
+    sched.push(item("a1", "a"))
+    sched.pop(0.0)
+    assert sched.take_sync()[Priority.STANDARD].charges == {}
