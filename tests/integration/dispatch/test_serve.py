@@ -382,7 +382,7 @@ REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "")
 def test_serve_replicas_answers_on_every_port(tmp_path: Path, serve_env: dict[str, str]) -> None:
     """`sluice serve --replicas 2 --workers 1`: two `sluice gateway` children on consecutive ports
     sharing Redis and one worker linked to both; each answers a chat completion. A killed replica
-    is restarted; Ctrl-C stops everything."""
+    is restarted and answers again; Ctrl-C stops everything."""
     env = dict(serve_env, SLUICE_SHARED_URL=REDIS_URL, SLUICE_SHARED_PREFIX=f"serve{time.monotonic_ns()}")
     env.pop("SLUICE_GATEWAY_WORKER_SECRET", None)  # the parent makes one for its children
     port = free_port()
@@ -412,7 +412,21 @@ def test_serve_replicas_answers_on_every_port(tmp_path: Path, serve_env: dict[st
         key = tenant_key(bases[0])
         answers = [chat(base, key) for base in bases]  # one key: both replicas share one database
         assert answers[0] == answers[1]  # greedy, the same worker
+        # A replica that dies is restarted (with backoff) and serves again, its worker relinked.
+        (victim,) = [pid for pid in _children(cluster.process.pid)
+                     if f"--port\0{port + 1}\0" in Path(f"/proc/{pid}/cmdline").read_bytes().decode()]
+        os.killpg(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if chat(bases[1], key) == answers[1]:
+                    break
+            except (openai.OpenAIError, httpx.HTTPError):
+                pass
+            assert time.monotonic() < deadline, "the killed replica was not restarted"
+            time.sleep(0.5)
         children = _children(cluster.process.pid)
+        assert victim not in children
         assert len(children) >= 3  # two replicas and a worker
         secret_env = [_environ(pid).get("SLUICE_GATEWAY_WORKER_SECRET", "") for pid in children]
         assert all(len(s) >= 32 for s in secret_env) and len(set(secret_env)) == 1
