@@ -138,6 +138,70 @@ async def test_interactive_overtakes_a_batch_backlog_through_shared_slots(
         await redis.aclose()
 
 
+@pytest.fixture(scope="module")
+def replica_ports() -> tuple[int, int]:
+    return free_port(), free_port()
+
+
+@pytest.fixture(scope="module")
+def linked_worker(start_worker, demo_model_dir: Path, replica_ports: tuple[int, int]):
+    """One worker connected to both replicas (one engine slot, so its waiting queue fills)."""
+    gateways = ",".join(f"127.0.0.1:{port}" for port in replica_ports)
+    return start_worker(demo_model_dir, gateways, "mw1", "--max-num-seqs", "1")
+
+
+async def test_two_replicas_keep_one_bound_and_interactive_work_overtakes_the_others_batch(
+        bootstrap_servers: str, demo_model_dir: Path, replica_ports: tuple[int, int], linked_worker,
+        prefix: str) -> None:
+    """Two KafkaBackends sharing Redis, one worker linked to both (one engine slot),
+    max_worker_waiting 1. Both replicas send batch work: the worker never reports more than one
+    waiting, to either replica. Then an interactive request on replica A, which holds nothing
+    unstarted, goes out while a batch job of replica B waits unstarted at the worker (A alone
+    would see a full queue and wait for it to start): it overtakes B's backlog."""
+    shared = SharedSettings(url=REDIS_URL, prefix=prefix, lease_s=5.0)
+    dispatch = DispatchSettings(max_worker_waiting=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
+                                local_workers=0)
+    a, b = (KafkaBackend(make_settings(bootstrap_servers, demo_model_dir, dispatch=dispatch, shared=shared),
+                         worker_port=port) for port in replica_ports)
+    await a.start()
+    await b.start()
+    try:
+        await wait_for(lambda: "mw1" in a.dispatcher.workers and "mw1" in b.dispatcher.workers, 120,
+                       "the worker to register with both replicas")
+        seen_a, seen_b = watch_waiting(a), watch_waiting(b)
+        first_token: dict[str, float] = {}
+        finished: set[str] = set()
+
+        async def follow(sub) -> None:
+            async for delta in sub:
+                if delta.token_ids and sub.request_id not in first_token:
+                    first_token[sub.request_id] = time.time()
+                if delta.finish_reason is not None:
+                    finished.add(sub.request_id)
+
+        from_a = [await a.submit(request("alpha", Priority.BATCH, 40)) for _ in range(3)]
+        from_b = [await b.submit(request(f"bulk{i % 2}", Priority.BATCH, 40)) for i in range(8)]
+        followers = [asyncio.create_task(follow(s)) for s in from_a + from_b]
+        await wait_for(lambda: all(s.request_id in finished for s in from_a), 180, "replica A's batch work")
+        assert seen_a and seen_b and max(seen_a + seen_b) <= 1  # batch work of two replicas: one bound
+        interactive = await a.submit(request("chat", Priority.INTERACTIVE, 4))
+        await follow(interactive)
+        sent = interactive.dispatch_time
+        assert sent is not None
+        # A batch job of B's had been sent and had not started when the interactive one went out.
+        assert any(s.dispatch_time is not None and s.dispatch_time < sent < first_token.get(s.request_id, 1e18)
+                   for s in from_b), (sent, [(s.dispatch_time, first_token.get(s.request_id)) for s in from_b])
+        assert any(s.request_id not in finished for s in from_b)  # served before B's backlog ended
+        # The bound plus the one request that overtook it (the engine preempted batch work for it).
+        assert max(seen_a + seen_b) <= 2
+        for sub in from_b:
+            await sub.abort()
+        await asyncio.wait_for(asyncio.gather(*followers), 120)
+    finally:
+        await a.stop()
+        await b.stop()
+
+
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
     """A redis-server of this test's own (no persistence) on a fixed free port: it can be killed
