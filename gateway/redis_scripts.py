@@ -81,21 +81,24 @@ end
 
 -- Worker slots (gateway/slots.py; TAKE_SLOT below): replica R's record of slot J is
 -- P:slots:R[J] = 'C:W' (class digit, worker id); P:ws:W[C] counts them over every replica.
+local function slot_uncount(rec)
+  local counts, class = P .. ':ws:' .. string.sub(rec, 3), string.sub(rec, 1, 1)
+  if redis.call('HINCRBY', counts, class, -1) <= 0 then redis.call('HDEL', counts, class) end
+end
+
 local function slot_release(replica, slot)
   local key = P .. ':slots:' .. replica
   local rec = redis.call('HGET', key, slot)
   if not rec then return 0 end
   redis.call('HDEL', key, slot)
-  redis.call('HINCRBY', P .. ':ws:' .. string.sub(rec, 3), string.sub(rec, 1, 1), -1)
+  slot_uncount(rec)
   return 1
 end
 
 local function slot_release_all(replica)
   local key = P .. ':slots:' .. replica
   local all = redis.call('HGETALL', key)
-  for i = 2, #all, 2 do
-    redis.call('HINCRBY', P .. ':ws:' .. string.sub(all[i], 3), string.sub(all[i], 1, 1), -1)
-  end
+  for i = 2, #all, 2 do slot_uncount(all[i]) end
   redis.call('DEL', key)
 end
 
