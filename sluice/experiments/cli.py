@@ -62,10 +62,24 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
 
     overhead = bench_subparsers.add_parser(
         "gateway-overhead", help="client-seen minus worker-seen TTFT at given concurrencies (full stack)")
-    overhead.add_argument("--concurrency", type=positive_int_list, default=[50, 200])
+    overhead.add_argument("--concurrency", type=positive_int_list,
+                          help="levels (default 50,200; with --upstream 1,50,200)")
     overhead.add_argument("--requests-per-level", type=int, help="requests per concurrency level")
-    overhead.add_argument("--model")
+    overhead.add_argument("--model", help="model directory (with --upstream: only its tokenizer is used)")
     overhead.add_argument("--config-dir", default="config")
+    side = overhead.add_argument_group(
+        "side by side (--upstream)", "direct to a fake OpenAI backend vs through sluice vs through peers")
+    side.add_argument("--upstream", choices=["fake"],
+                      help="measure sluice in front of bench/fake_openai.py instead of its own worker")
+    side.add_argument("--vs", default="", help="peers to run in the same session: litellm")
+    side.add_argument("--no-sluice", action="store_true", help="only direct and the --vs peers")
+    side.add_argument("--saturation-streams", type=int, help="closed-loop streams of the saturation run (512)")
+    side.add_argument("--saturation-s", type=float, help="length of the saturation run (12 s)")
+    side.add_argument("--fake-ttft-ms", type=float, default=50.0)
+    side.add_argument("--fake-itl-ms", type=float, default=20.0)
+    side.add_argument("--fake-tokens", type=int, default=32)
+    side.add_argument("--nice", type=int, default=0,
+                      help="niceness of every bench process alike (negative on a busy shared machine, as root)")
     _common(overhead, "gateway-overhead")
     overhead.set_defaults(handler=_gateway_overhead)
 
@@ -89,6 +103,15 @@ def _isolation(args: argparse.Namespace) -> int:
 
 
 def _gateway_overhead(args: argparse.Namespace) -> int:
+    if args.upstream:
+        from sluice.experiments.upstream_overhead import run_upstream_overhead_command
+
+        return run_upstream_overhead_command(args)
+    from sluice.errors import CLIError
     from sluice.experiments.gateway_overhead import run_gateway_overhead_command
+
+    if args.vs or args.no_sluice:
+        raise CLIError("--vs and --no-sluice need --upstream fake")
+    args.concurrency = args.concurrency or [50, 200]
 
     return run_gateway_overhead_command(args)

@@ -84,9 +84,13 @@ class Stack:
         self.stop()
 
 
-def start_stack(config_dir: str | Path, workdir: Path, model_dir: Path, *, workers: int = 1,
-                env: dict[str, str] | None = None, worker_threads: int = 1) -> Stack:
-    """Start `sluice serve` and wait until the gateway answers and a worker has registered."""
+def start_stack(config_dir: str | Path, workdir: Path, model_dir: Path | None, *, workers: int = 1,
+                env: dict[str, str] | None = None, worker_threads: int = 1, model_name: str | None = None,
+                prefix: list[str] | None = None) -> Stack:
+    """Start `sluice serve` and wait until the gateway answers and a worker has registered.
+
+    model_dir None: serve the config dir's models.toml (named `model_name`); `prefix` goes before
+    the command (e.g. taskset)."""
     config_dir = Path(config_dir)
     if not (config_dir / "sluice.toml").is_file():
         raise CLIError(f"--config-dir: {config_dir} has no sluice.toml (run from the repository root "
@@ -109,13 +113,15 @@ def start_stack(config_dir: str | Path, workdir: Path, model_dir: Path, *, worke
         **(env or {}),
     }
     log = open(workdir / "serve.log", "ab")  # noqa: SIM115 - handed to the child process
+    model_args = ["--model", str(model_dir)] if model_dir is not None else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "--log-level", "WARNING", "serve", "--config",
-         str(workdir / "config"), "--model", str(model_dir), "--workers", str(workers)],
+        [*(prefix or []), sys.executable, "-m", "sluice.cli", "--log-level", "WARNING", "serve", "--config",
+         str(workdir / "config"), *model_args, "--workers", str(workers)],
         cwd=workdir, env=run_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
-    stack = Stack(base_url=f"http://127.0.0.1:{port}", admin_token=admin_token,
-                  model=model_dir.resolve().name, workdir=workdir, record_log=record_log, process=process)
+    name = model_name or (model_dir.resolve().name if model_dir else "")
+    stack = Stack(base_url=f"http://127.0.0.1:{port}", admin_token=admin_token, model=name, workdir=workdir,
+                  record_log=record_log, process=process)
     deadline = time.time() + STARTUP_TIMEOUT_S
     try:
         while True:
