@@ -30,7 +30,7 @@ from itertools import count
 from typing import Any
 
 TOKEN_TEXT = " tok"
-TOKEN_ID = 1000
+TOKEN_ID = 42  # small enough to be in any vocabulary (a gateway may look ids up)
 MAX_HEAD_BYTES = 65536
 MAX_BODY_BYTES = 16 * 1024 * 1024
 

@@ -26,7 +26,6 @@ from sluice.experiments.stack import Stack, free_port, start_stack
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 FAKE_SERVER = REPO_ROOT / "bench" / "fake_openai.py"
-LITELLM_VENV = REPO_ROOT / ".peers" / "litellm"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -160,15 +159,20 @@ def start_fake(workdir: Path, cores: tuple[int, ...], *, ttft_ms: float, itl_ms:
     return proc
 
 
+def litellm_venv() -> Path:
+    """`make bench-peers-litellm` puts it in .peers/litellm; SLUICE_BENCH_LITELLM_VENV points elsewhere."""
+    return Path(os.environ.get("SLUICE_BENCH_LITELLM_VENV") or REPO_ROOT / ".peers" / "litellm")
+
+
 def litellm_available() -> str | None:
     """None when the LiteLLM virtualenv exists; else why not (for the JSON's `skipped`)."""
-    if (LITELLM_VENV / "bin" / "litellm").is_file():
+    if (litellm_venv() / "bin" / "litellm").is_file():
         return None
-    return f"no LiteLLM virtualenv at {LITELLM_VENV} (make bench-peers-litellm)"
+    return f"no LiteLLM virtualenv at {litellm_venv()} (make bench-peers-litellm)"
 
 
 def litellm_version() -> str:
-    out = subprocess.run([str(LITELLM_VENV / "bin" / "python"), "-c",
+    out = subprocess.run([str(litellm_venv() / "bin" / "python"), "-c",
                           "import importlib.metadata as m; print(m.version('litellm'))"],
                          capture_output=True, text=True, timeout=60)
     return out.stdout.strip() or "unknown"
@@ -194,7 +198,7 @@ def start_litellm(workdir: Path, cores: tuple[int, ...], backend_url: str, model
            # Offline machine: use the cost map shipped in the package instead of fetching it.
            "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False",
            "NO_DOCS": "True", "LITELLM_MASTER_KEY": master_key}
-    command = pinned([str(LITELLM_VENV / "bin" / "litellm"), "--config", str(config), "--host",
+    command = pinned([str(litellm_venv() / "bin" / "litellm"), "--config", str(config), "--host",
                       "127.0.0.1", "--port", str(port)], cores, nice)
     proc = Proc("LiteLLM proxy", _popen(command, log, env=env, cwd=workdir), port, log)
     _wait_http(proc, "/health/liveliness", 180)

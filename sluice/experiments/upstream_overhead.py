@@ -22,6 +22,8 @@ import argparse
 import json
 import os
 import secrets
+import signal
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -283,6 +285,9 @@ def run_upstream_overhead_command(args: argparse.Namespace) -> int:
     if plan.saturation_streams < 1 or plan.saturation_s <= 0:
         raise CLIError("--saturation-streams and --saturation-s must be positive")
     targets = ("sluice", *vs) if not args.no_sluice else vs
+    # A SIGTERM (timeout, Ctrl-C from a supervisor) unwinds through the finally blocks that stop
+    # the backend and the gateways instead of leaving them running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="sluice-upstream-overhead-") as tmp:
         summary = run_side_by_side(plan, targets, args.config_dir, resolve_model(args.model), Path(tmp))
     write_json(args.json_out, summary)
