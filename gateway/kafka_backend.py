@@ -1,20 +1,22 @@
 """`KafkaBackend`: the production GenerationBackend (durable queue, fair scheduler, remote workers).
 
 submit(): the request's stream is registered (`_streams`), then the request is written to its class
-topic (acks=all); only then is it "accepted". A streaming request then goes straight to the
-dispatcher while its class is under its in-memory bound: reading it back from Kafka first would only
-add a consumer round trip to its TTFT. When the consumer later reads that record, it just finishes
-the offset. That is safe because a streaming request is only ever served to the client that is
-waiting for it: were this process to die, a replay would finish it without generation anyway.
-The backend's own consumers read the class topics back, and each record not already dispatched
-becomes a dispatcher job:
-- a streaming request whose client is still here is dispatched and streamed to its Submission
-  (its class was at its bound when it was accepted, or the consumer read it first);
-- one whose client is gone (aborted before dispatch, or accepted by a gateway process that has
-  since died, i.e. a replay) is finished without generation;
-- a batch line goes through the `BatchLineHandler` (de-duplication by (batch_id, custom_id),
-  quota admission) and its result is persisted before its offset may be committed.
-An offset is committed once its request is finished (see `gateway/queue.py`).
+topic (acks=all, the accepting replica in its header); only then is it "accepted". The accepting
+process then always dispatches it itself, at once: a streaming request is only ever served to the
+client waiting on this process, so its record is there for durability of the acceptance, not to be
+run from. Whichever replica's consumer reads a streaming record (under the consumer group another
+replica may own its partition) just finishes its offset: it was dispatched by its acceptor, or its
+acceptor died and its client went with it. Streams held in memory are therefore bounded by the
+quotas' per-tenant `max_queued` (admission refuses beyond it), not by `max_backlog_per_class`;
+they count toward their class's backlog all the same, so a full class pauses its consumer.
+
+Batch lines are run from Kafka: each replica runs the lines of the partitions the consumer group
+gave it (all of them for a lone gateway), through the `BatchLineHandler` (de-duplication by
+(batch_id, custom_id), quota admission); a line's result is persisted before its offset may be
+committed (see `gateway/queue.py`). A partition revoked by a rebalance goes to another replica,
+which replays its unfinished lines; lines of it still queued or running here are let finish (the
+unique result row keeps results and billing exactly-once; the duplicate costs compute, bounded by
+the class backlog), and a deferred one is dropped (its new owner has it).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from aiokafka.errors import KafkaError
 from sluice import telemetry
 from sluice.gateway.backend import BackendUnavailable, QueuedSubmission, ServedModel, Submission
 from sluice.gateway.dispatch import DeltaSink, Dispatcher, Job
-from sluice.gateway.shared import SharedState, open_shared
 from sluice.gateway.queue import ClassConsumer, QueueUnavailable, RecordRef, RequestLog, ensure_topics
+from sluice.gateway.shared import SharedState, open_shared
 from sluice.protocol import (
     FinishReason,
     GenerateRequest,
@@ -65,9 +67,16 @@ class Defer:
     seconds: float
 
 
-# Once the batch queue has been read to its end: the ids of the batch lines the gateway holds
-# (being routed, deferred, queued or running, being stored); None while records are still unread.
-Settled = Callable[[], Awaitable[frozenset[str] | None]]
+@dataclass(frozen=True, slots=True)
+class HeldLines:
+    """What this replica answers for once its partitions of the batch queue are read to the end."""
+
+    ids: frozenset[str]  # batch lines held here (being routed, deferred, queued or running, being stored)
+    owns: Callable[[str], bool]  # whether a tenant's lines (keyed by tenant id) are in a partition read here
+
+
+# None while records are still unread (or the group is rebalancing).
+Settled = Callable[[], Awaitable[HeldLines | None]]
 
 
 class BatchLineHandler(Protocol):
@@ -87,8 +96,9 @@ class BatchLineHandler(Protocol):
         ...
 
     async def lost_lines(self, settled: Settled) -> list[GenerateRequest]:
-        """The lines of runnable batches that the database has no result for and that `settled()`
-        (awaited after the database was read) does not name as held: the queue lost them."""
+        """The lines of runnable batches in partitions `settled()` (awaited after the database was
+        read) says are read here, that the database has no result for and that it does not name as
+        held: the queue lost them."""
         ...
 
 
@@ -136,12 +146,14 @@ class KafkaBackend:
         self.shared = open_shared(settings.shared) if shared is None else shared
         self.batch_handler = batch_handler
         self._worker_port = worker_port
-        self._log = RequestLog(settings.kafka, settings.kafka.produce_timeout_s, on_recreated=self._topics_recreated)
+        self._log = RequestLog(settings.kafka, settings.kafka.produce_timeout_s, on_recreated=self._topics_recreated,
+                               acceptor=self.shared.replica)
         self.dispatcher = Dispatcher(settings, self._on_finished, shared=self.shared)
         self._consumers: dict[Priority, ClassConsumer] = {}
         self._streams: dict[str, StreamSubmission] = {}  # accepted by this process, not yet finished
-        # Streaming requests dispatched at acceptance whose record the consumer has not read yet.
-        self._dispatched_on_accept: set[str] = set()
+        # A held batch line's newest record, when a second one arrived while it was held (the
+        # partition came back after a rebalance, or the audit re-enqueued it): finished with it.
+        self._rebound: dict[str, RecordRef] = {}
         self._prepare_failing: set[str] = set()  # batch lines whose preparation failed (logged once)
         # Batch lines held here outside the dispatcher (see `_held_lines`).
         self._routing: set[str] = set()
@@ -179,7 +191,10 @@ class KafkaBackend:
         for priority in Priority:
             # Small fetches keep the in-memory backlog near its bound when the consumer pauses.
             max_records = max(1, min(500, self.settings.scheduler.max_backlog_per_class // 4))
-            consumer = ClassConsumer(self.settings.kafka, priority, self._on_request, max_records=max_records)
+            # Replicas (a shared store) split the partitions through the consumer group; a lone
+            # gateway assigns itself all of them and skips the join (gateway/queue.py).
+            consumer = ClassConsumer(self.settings.kafka, priority, self._on_request, max_records=max_records,
+                                     group_assigned=bool(self.settings.shared.url))
             await consumer.start()
             self._consumers[priority] = consumer
         self._started = True
@@ -226,17 +241,9 @@ class KafkaBackend:
         except QueueUnavailable as exc:
             self._streams.pop(request.request_id, None)
             raise BackendUnavailable(str(exc)) from exc
-        if stream.job is None and not stream.aborted and self._has_room(request.priority):
-            self._dispatched_on_accept.add(request.request_id)
+        if not stream.aborted:  # dispatched here, always (module docstring)
             self._enqueue(request, stream.deliver, ref=None)
         return stream
-
-    def _has_room(self, priority: Priority) -> bool:
-        """Whether a class takes a job straight from acceptance: its consumer runs (so no older
-        record of the class waits in Kafka behind a pause) and its in-memory backlog is under bound."""
-        consumer = self._consumers.get(priority)
-        return (consumer is not None and not consumer.paused
-                and self._backlog[priority] < self.settings.scheduler.max_backlog_per_class)
 
     async def enqueue_batch_line(self, request: GenerateRequest) -> None:
         """Durably queue one batch line (the Batch API calls this before answering)."""
@@ -255,12 +262,19 @@ class KafkaBackend:
 
     async def _on_request(self, request: GenerateRequest, ref: RecordRef, *, claimed: bool = False) -> None:
         """One consumed record. Whatever goes wrong with it ends that request alone (with an error
-        its client or batch sees), never the consumer. A second record of a request that another
-        task is routing (awaiting the database) or has deferred is a duplicate (Kafka delivers at
-        least once; the audit may re-enqueue a line): its offset is finished, nothing runs twice.
+        its client or batch sees), never the consumer. A second record of a batch line held here
+        (being routed, deferred, queued or running, being stored) is a duplicate (Kafka delivers at
+        least once; a rebalance gave its partition back; the audit may re-enqueue a line): nothing
+        runs twice, and its offset is finished when the line is (`_rebound`).
         `claimed`: the caller (a deferred retry) already holds the request in `_routing`."""
-        if not claimed and (request.request_id in self._routing or request.request_id in self._deferred_ids):
+        if request.batch_id is None:
+            # Dispatched at acceptance by the replica that accepted it (or its client is gone).
+            if ref.acceptor != self.shared.replica:
+                self.replayed_orphans += 1
             self._finish_ref(ref)
+            return
+        if not claimed and self._holds(request.request_id):
+            self._rebind(request.request_id, ref)
             return
         self._routing.add(request.request_id)
         try:
@@ -271,6 +285,18 @@ class KafkaBackend:
         finally:
             self._routing.discard(request.request_id)
 
+    def _holds(self, request_id: str) -> bool:
+        return (request_id in self._routing or request_id in self._deferred_ids
+                or request_id in self._persisting or request_id in self.dispatcher)
+
+    def _rebind(self, request_id: str, ref: RecordRef) -> None:
+        """A second record of a held line: it is finished together with the line, so the commit
+        never passes a line still held here (were this replica to die, it is replayed)."""
+        older = self._rebound.get(request_id)
+        self._rebound[request_id] = ref
+        if older is not None:
+            self._finish_ref(older)
+
     def _fail_record(self, request: GenerateRequest, ref: RecordRef, message: str) -> None:
         final = RequestDelta(request_id=request.request_id, finish_reason=FinishReason.ERROR, error=message)
         if request.batch_id is not None and self.batch_handler is not None:
@@ -278,46 +304,26 @@ class KafkaBackend:
             self._persisting.add(request.request_id)
             self._spawn(self._persist_then_commit(request, ref, final))
             return
-        stream = self._streams.pop(request.request_id, None)
-        if stream is not None and stream.job is None:
-            stream.deliver(final)
-        self._finish_ref(ref)
+        self._finish_line(request.request_id, ref)
 
     async def _route(self, request: GenerateRequest, ref: RecordRef) -> None:
-        if request.request_id in self._dispatched_on_accept:
-            self._dispatched_on_accept.discard(request.request_id)
-            self._finish_ref(ref)  # dispatched (maybe finished) already; see the module docstring
+        handler = self.batch_handler
+        verdict = False if handler is None else await self._prepare(handler, request)
+        if isinstance(verdict, Defer):
+            # Later, without holding up the consumer: other tenants' lines keep flowing. It
+            # counts toward the class's in-memory backlog meanwhile (a rate-limited flood pauses
+            # the topic instead of piling up timers).
+            asyncio.get_running_loop().call_later(verdict.seconds, self._retry_deferred, request, ref)
+            self._deferred_ids.add(request.request_id)
+            self.deferred += 1
+            self.deferrals_total += 1
+            self._adjust_backlog(request.priority, +1)
             return
-        if request.request_id in self.dispatcher or request.request_id in self._persisting:
-            self._finish_ref(ref)  # a re-delivered duplicate of a job we already hold
+        if not verdict:
+            self._finish_line(request.request_id, ref)
             return
-        sink: DeltaSink
-        if request.batch_id is not None:
-            handler = self.batch_handler
-            verdict = False if handler is None else await self._prepare(handler, request)
-            if isinstance(verdict, Defer):
-                # Later, without holding up the consumer: other tenants' lines keep flowing. It
-                # counts toward the class's in-memory backlog meanwhile (a rate-limited flood pauses
-                # the topic instead of piling up timers).
-                asyncio.get_running_loop().call_later(verdict.seconds, self._retry_deferred, request, ref)
-                self._deferred_ids.add(request.request_id)
-                self.deferred += 1
-                self.deferrals_total += 1
-                self._adjust_backlog(request.priority, +1)
-                return
-            if not verdict:
-                self._finish_ref(ref)
-                return
-            assert handler is not None  # verdict True implies a handler; for the type checker
-            sink = handler.collector(request)
-        else:
-            stream = self._streams.get(request.request_id)
-            if stream is None or stream.aborted:
-                self.replayed_orphans += 1
-                self._finish_ref(ref)
-                return
-            sink = stream.deliver
-        self._enqueue(request, sink, ref)
+        assert handler is not None  # verdict True implies a handler; for the type checker
+        self._enqueue(request, handler.collector(request), ref)
 
     async def _prepare(self, handler: BatchLineHandler, request: GenerateRequest) -> bool | Defer:
         """The handler's verdict; while it fails (the database is down) the line waits and asks
@@ -357,6 +363,13 @@ class KafkaBackend:
         self.deferred -= 1
         self._deferred_ids.discard(request.request_id)
         self._adjust_backlog(request.priority, -1)
+        newer = self._rebound.pop(request.request_id, None)
+        if newer is not None:  # read again meanwhile (its partition came back): that record counts
+            self._finish_ref(ref)
+            ref = newer
+        consumer = self._consumers.get(ref.priority)
+        if consumer is not None and not consumer.current(ref):
+            return  # its partition was revoked: the new owner replays it (a deferred line holds no quota)
         if self._started:
             self._routing.add(request.request_id)  # held from now on, not only once the task runs
             self._spawn(self._on_request(request, ref, claimed=True))
@@ -373,12 +386,16 @@ class KafkaBackend:
         if consumer is not None:
             consumer.finish(ref)
 
+    def _finish_line(self, request_id: str, ref: RecordRef | None) -> None:
+        """A batch line is done here: its record's offset, and a second record's, may be committed."""
+        self._finish_ref(ref)
+        self._finish_ref(self._rebound.pop(request_id, None))
+
     def _on_finished(self, job: Job, final: RequestDelta) -> None:
         request = job.request
         self._adjust_backlog(request.priority, -1)
         if request.batch_id is None:
             self._streams.pop(request.request_id, None)
-            self._finish_ref(job.ref)
             return
         self._emit_record(job, final)
         self._persisting.add(request.request_id)
@@ -406,7 +423,7 @@ class KafkaBackend:
         if failures:
             log.info("stored the result of %s after %d failed attempt(s)", request.request_id, failures)
         self._persisting.discard(request.request_id)
-        self._finish_ref(ref)
+        self._finish_line(request.request_id, ref)
 
     # ---- queue loss ----------------------------------------------------------------------------
 
@@ -454,17 +471,23 @@ class KafkaBackend:
                          | {rid for rid in self.dispatcher.request_ids() if rid.startswith("batch_")})
 
     async def _requeue_lost_lines(self) -> None:
+        """Audits the lines of the batch partitions this replica reads (another replica answers
+        for the rest), once they are read to the end and unchanged since the database was read."""
         handler, consumer = self.batch_handler, self._consumers.get(Priority.BATCH)
         if handler is None or consumer is None:
             return
         read_to_end = False
+        assignments = consumer.assignments
 
-        async def settled() -> frozenset[str] | None:
+        def owns(tenant_id: str) -> bool:
+            return consumer.owns_key(tenant_id.encode())  # the producer's key (RequestLog.append)
+
+        async def settled() -> HeldLines | None:
             nonlocal read_to_end
             check = await consumer.check()
-            read_to_end = check.caught_up
+            read_to_end = check.caught_up and consumer.assignments == assignments
             self._queue_lost = self._queue_lost or check.lost
-            return self._held_lines() if check.caught_up and not check.lost else None
+            return HeldLines(self._held_lines(), owns) if read_to_end and not check.lost else None
 
         lost = await handler.lost_lines(settled)
         if not read_to_end:

@@ -8,8 +8,21 @@ a restarted gateway replays exactly the unfinished requests (and maybe a few fin
 commit had not gone out yet: callers de-duplicate by request id).
 
 One consumer (and consumer group) per class: a flood in the batch topic is paused on its own
-consumer and never delays fetching the interactive topic. Only the plain Kafka protocol is used
-so the embedded Tansu broker and Apache Kafka behave the same (see KAFKA-NOTES.md).
+consumer and never delays fetching the interactive topic. Only the plain Kafka protocol and
+aiokafka's public API are used, so the embedded Tansu broker and Apache Kafka behave the same
+(see KAFKA-NOTES.md).
+
+Partitions are owned one of two ways (`ClassConsumer(group_assigned=...)`):
+- one gateway process assigns itself every partition by hand and uses the group only for its
+  committed offsets: it starts reading in ~0.1 s, where a group join takes about half the session
+  timeout on Tansu, and twice the session timeout after a restart while the dead member's session
+  lingers (measured, Tansu 0.6: session 6 s -> join 3 s, re-join 11 s; 1.5 s -> 1 s, 4 s);
+- gateway replicas subscribe, and the consumer group splits the partitions between them. A
+  rebalance revokes a partition from its owner, which commits its watermark and forgets it: refs
+  of a revoked partition finish to nothing (`RecordRef.epoch`), so the old owner never commits
+  an offset of a partition it lost, even once it gets it back; the new owner reads from the
+  committed offset, i.e. replays exactly the unfinished records (and maybe a few finished ones
+  above an unfinished one: callers de-duplicate by request id).
 """
 
 from __future__ import annotations
@@ -23,9 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError
+from aiokafka.errors import IllegalStateError, KafkaError
+from aiokafka.partitioner import DefaultPartitioner
 
 from sluice.protocol import GenerateRequest, Priority
 from sluice.settings import KafkaSettings
@@ -34,6 +48,8 @@ log = logging.getLogger(__name__)
 
 COMMIT_RETRY_MAX_S = 5.0  # a failing commit is retried at most this far apart
 STOP_TIMEOUT_S = 5.0  # stopping a Kafka client (a last commit, leaving the group) takes at most this
+START_WAIT_S = 5.0  # how long a consumer waits for its topic's partitions to show in the metadata
+ACCEPTOR_HEADER = "sluice-acceptor"  # the replica that accepted (and wrote) a request
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(GenerateRequest)
@@ -108,13 +124,17 @@ class RequestLog:
     """The producer side: `append()` returns once the broker acknowledged the request (acks=all)."""
 
     def __init__(self, settings: KafkaSettings, produce_timeout_s: float = 5.0,
-                 on_recreated: Callable[[], None] | None = None) -> None:
+                 on_recreated: Callable[[], None] | None = None, *, acceptor: str = "") -> None:
         self._settings = settings
         self._timeout = produce_timeout_s
         self._on_recreated = on_recreated  # told when a lost topic was created again before a write
+        # Written into each record's ACCEPTOR_HEADER: whoever consumes a streaming record can tell
+        # one its own process dispatched at acceptance from another replica's.
+        self._headers = [(ACCEPTOR_HEADER, acceptor.encode())] if acceptor else None
         self._producer: AIOKafkaProducer | None = None
-        self._checked: set[str] = set()  # topics seen on the broker over `_checked_over`
-        self._checked_over: frozenset[object] = frozenset()
+        self._present: frozenset[str] = frozenset()  # the broker's topics at the last lookup
+        self._appends = 0  # appends begun so far (each numbered)
+        self._looked_up = 0  # every append numbered up to this had a lookup sent after it began
         self._checking = asyncio.Lock()
 
     async def start(self) -> None:
@@ -160,7 +180,7 @@ class RequestLog:
             await asyncio.wait_for(self._topic_exists(topic), self._timeout)
             await asyncio.wait_for(
                 self._producer.send_and_wait(topic, encode_request(request),
-                                             key=request.tenant_id.encode()),
+                                             key=request.tenant_id.encode(), headers=self._headers),
                 self._timeout,
             )
         except TimeoutError:
@@ -172,33 +192,31 @@ class RequestLog:
             raise QueueUnavailable(
                 f"the request queue rejected the request ({exc!r}); try again later") from exc
 
-    def _connections(self) -> frozenset[object]:
-        """The producer's open broker connections (aiokafka 0.14 keeps them in `client._conns`):
-        a new one means the producer reconnected, and the broker may have restarted since."""
-        assert self._producer is not None  # append() checked; internal invariant
-        conns = getattr(self._producer.client, "_conns", {})
-        return frozenset(conn for conn in conns.values() if conn.connected())
-
     async def _topic_exists(self, topic: str) -> None:
         """Never produce into a topic the broker does not have: Tansu (memory storage) restarted
-        acknowledges a record sent to a topic it lost, and keeps nothing of it. The topic is looked
-        up once per connection (after a reconnect, again) and the class topics are created if it
-        is missing, before the record is sent."""
-        if topic in self._checked and self._connections() == self._checked_over:
-            return
+        acknowledges a record sent to a topic it lost, and keeps nothing of it, and no public
+        aiokafka signal tells that the producer reconnected to a restarted broker. So every append
+        looks the broker's topics up first (one metadata request: ~0.5 ms against Tansu, about
+        what the produce itself takes) and creates the class topics when its topic is missing.
+        Appends that wait while a lookup is in flight share the next one, so lookups never pile
+        up under load. Listing all topics, not describing ours: a metadata request naming a
+        missing topic makes Tansu create it (with its default partition count)."""
+        self._appends += 1
+        mine = self._appends
         async with self._checking:
-            assert self._producer is not None  # append() checked; internal invariant
-            if self._connections() != self._checked_over:
-                self._checked = set()
-            if topic in self._checked:
+            if self._looked_up >= mine and topic in self._present:
                 return
-            metadata = await self._producer.client.fetch_all_metadata()
-            if topic not in metadata.topics():
+            assert self._producer is not None  # append() checked; internal invariant
+            covered = self._appends  # a lookup sent now began after each of these appends
+            present = set((await self._producer.client.fetch_all_metadata()).topics())
+            if topic not in present:
                 log.warning("topic %s is missing on the broker (restarted?); creating the class topics", topic)
-                if await ensure_topics(self._settings, self._timeout) and self._on_recreated is not None:
+                created = await ensure_topics(self._settings, self._timeout)
+                present |= {topic_name(self._settings, p) for p in Priority}
+                if created and self._on_recreated is not None:
                     self._on_recreated()
-            self._checked_over = self._connections()
-            self._checked.add(topic)
+            self._present = frozenset(present)
+            self._looked_up = covered
 
 
 class PartitionWatermark:
@@ -239,15 +257,18 @@ class PartitionWatermark:
 class RecordRef:
     """Where a consumed request sits in Kafka; handed back to `ClassConsumer.finish`.
 
-    `epoch` counts how often the partition was found to have lost its records (a broker restarted
-    with memory storage): a ref from an older epoch names an offset of a log that no longer
-    exists, and finishing it changes nothing.
+    `epoch` counts how often this consumer let go of the partition: it was revoked by a rebalance
+    (another replica owns it now, or owned it meanwhile) or its records were lost (a broker
+    restarted with memory storage). A ref from an older epoch names an offset this consumer no
+    longer answers for, and finishing it changes nothing.
+    `acceptor`: the replica that accepted the request (its record's header; "" when unknown).
     """
 
     priority: Priority
     partition: TopicPartition
     offset: int
     epoch: int = 0
+    acceptor: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,17 +282,47 @@ class QueueCheck:
 OnRequest = Callable[[GenerateRequest, RecordRef], Awaitable[None]]
 
 
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is untyped
+    """Hands the consumer group's revocations and assignments to their `ClassConsumer`."""
+
+    def __init__(self, owner: ClassConsumer) -> None:
+        self._owner = owner
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._owner._revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._owner._assigned(assigned)
+
+
 class ClassConsumer:
-    """Reads one class topic into `on_request`; commits finished offsets; pausable."""
+    """Reads one class topic into `on_request`; commits finished offsets; pausable.
+
+    `group_assigned`: False, one gateway process, which assigns itself every partition; True,
+    gateway replicas, which share the partitions through the consumer group (module docstring)."""
 
     def __init__(self, settings: KafkaSettings, priority: Priority, on_request: OnRequest,
-                 *, commit_interval_s: float = 0.05, max_records: int = 500) -> None:
+                 *, commit_interval_s: float = 0.05, max_records: int = 500,
+                 group_assigned: bool = False) -> None:
+        if not 0 < settings.heartbeat_interval_ms < settings.session_timeout_ms:
+            raise ValueError(
+                "kafka.heartbeat_interval_ms must be positive and below kafka.session_timeout_ms "
+                f"(a third of it is usual), got {settings.heartbeat_interval_ms} and "
+                f"{settings.session_timeout_ms}")
         self.priority = priority
+        self.group_assigned = group_assigned
         self._settings = settings
+        self._topic = topic_name(settings, priority)
         self._on_request = on_request
         self._commit_interval = commit_interval_s
         self._max_records = max_records  # per fetch: how far a fetch can overshoot a pause
         self._consumer: AIOKafkaConsumer | None = None
+        self._admin: AIOKafkaAdminClient | None = None  # reads the topic's partitions
+        self._partitions: tuple[int, ...] = ()  # the topic's partitions, as last looked up
+        self._owned: set[TopicPartition] = set()  # the partitions this consumer reads now
+        self._joined = not group_assigned  # the group has given this member its assignment
+        self.assignments = 0  # how often the owned partitions changed (a rebalance, a reassignment)
+        self.records_read = 0  # records handed to `on_request` so far
         self._marks: dict[TopicPartition, PartitionWatermark] = {}
         self._epochs: dict[TopicPartition, int] = {}
         self._to_commit: dict[TopicPartition, int] = {}
@@ -296,9 +347,27 @@ class ClassConsumer:
     def num_unfinished(self) -> int:
         return sum(m.num_unfinished for m in self._marks.values())
 
+    @property
+    def owned(self) -> frozenset[TopicPartition]:
+        return frozenset(self._owned)
+
+    def owns_key(self, key: bytes) -> bool:
+        """Whether records with this key land in a partition this consumer reads now: the
+        producer's own partitioner over the topic's partitions (False before they are known)."""
+        if not self._partitions:
+            return False
+        partitions = list(self._partitions)
+        partition = DefaultPartitioner()(key, partitions, partitions)
+        return TopicPartition(self._topic, partition) in self._owned
+
+    def current(self, ref: RecordRef) -> bool:
+        """Whether this consumer still answers for `ref` (not revoked or lost since it was read)."""
+        return ref.partition in self._owned and ref.epoch == self._epochs.get(ref.partition, 0)
+
     async def start(self) -> None:
         s = self._settings
-        topic = topic_name(s, self.priority)
+        self._admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap_servers,
+                                          request_timeout_ms=int(START_WAIT_S * 1000))
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=s.bootstrap_servers,
             group_id=f"{s.consumer_group}.{self.priority.label}",
@@ -307,27 +376,48 @@ class ClassConsumer:
             max_partition_fetch_bytes=s.max_request_bytes,
             fetch_max_bytes=max(s.max_request_bytes, 50 * 2**20),
             fetch_max_wait_ms=s.fetch_max_wait_ms,
+            session_timeout_ms=s.session_timeout_ms,
+            heartbeat_interval_ms=s.heartbeat_interval_ms,
         )
-        await self._consumer.start()
-        # Manual assignment of every partition, with the group used only for committed offsets:
-        # one gateway owns the queue, and this avoids the group join (seconds on Tansu, more
-        # after a restart while the dead member's session lingers). Several gateway replicas
-        # would subscribe with a rebalance listener instead.
-        partitions = self._consumer.partitions_for_topic(topic)
-        for _ in range(50):
-            if partitions:
-                break
-            await self._consumer._client.force_metadata_update()
-            partitions = self._consumer.partitions_for_topic(topic)
-            if not partitions:
+        try:
+            await self._admin.start()
+            await self._consumer.start()
+            for _ in range(int(START_WAIT_S / 0.1)):
+                self._partitions = await self._topic_partitions()
+                if self._partitions:
+                    break
                 await asyncio.sleep(0.1)
-        if not partitions:
-            await self._consumer.stop()
-            raise QueueUnavailable(f"topic {topic} has no partitions; was it created?")
-        self._consumer.assign([TopicPartition(topic, p) for p in sorted(partitions)])
+            if not self._partitions:
+                raise QueueUnavailable(f"topic {self._topic} has no partitions; was it created?")
+        except BaseException:
+            await self._close_clients()
+            raise
+        if self.group_assigned:
+            self._consumer.subscribe([self._topic], listener=_Rebalance(self))
+        else:
+            self._assign_all()
         self._paused = False
         self._tasks = [asyncio.create_task(self._fetch_loop(), name=f"consume-{self.priority.label}"),
                        asyncio.create_task(self._commit_loop(), name=f"commit-{self.priority.label}")]
+
+    async def _topic_partitions(self) -> tuple[int, ...]:
+        """The topic's partitions on the broker now (none when it is missing). Every topic is
+        described, not ours by name: naming a missing topic makes Tansu create it."""
+        assert self._admin is not None  # started; internal invariant
+        for topic in await self._admin.describe_topics():
+            if topic["topic"] == self._topic and not topic["error_code"]:
+                return tuple(sorted(p["partition"] for p in topic["partitions"]))
+        return ()
+
+    def _assign_all(self) -> None:
+        """One gateway process: every partition, assigned by hand (forgetting what was held)."""
+        assert self._consumer is not None  # started; internal invariant
+        tps = [TopicPartition(self._topic, p) for p in self._partitions]
+        self._consumer.assign(tps)
+        for tp in tps:
+            self._forget(tp)
+        self._owned = set(tps)
+        self.assignments += 1
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -336,11 +426,19 @@ class ClassConsumer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        consumer, self._consumer = self._consumer, None
-        if consumer is not None:
+        if self._consumer is not None:
             with contextlib.suppress(Exception):
-                await self._flush_commits(consumer)
+                await self._flush_commits(self._consumer)
+        await self._close_clients()
+
+    async def _close_clients(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        admin, self._admin = self._admin, None
+        if consumer is not None:
             await stop_client(consumer)
+        if admin is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(admin.close(), STOP_TIMEOUT_S)
 
     def pause(self) -> None:
         if self._consumer is not None and not self._paused:
@@ -355,72 +453,111 @@ class ClassConsumer:
     def finish(self, ref: RecordRef) -> None:
         """The request at `ref` is finished: its offset may be committed (once all below are)."""
         mark = self._marks.get(ref.partition)
-        if mark is None or ref.epoch != self._epochs.get(ref.partition, 0):
+        if mark is None or not self.current(ref):
             return
         new = mark.finish(ref.offset)
         if new is not None:
             self._to_commit[ref.partition] = new
             self._commit_wakeup.set()
 
+    # ---- the consumer group's rebalances ---------------------------------------------------------
+
+    async def _revoked(self, revoked: set[TopicPartition]) -> None:
+        """Before the group reassigns `revoked`: commit their watermarks while this member still
+        owns them, then forget them; their refs finish to nothing from now on."""
+        self._joined = False
+        consumer = self._consumer
+        offsets = {tp: off for tp, off in self._to_commit.items() if tp in revoked}
+        if offsets and consumer is not None:
+            try:
+                await consumer.commit(offsets)
+            except KafkaError as exc:  # the group moved on already: the new owner replays more
+                log.info("committing revoked %s partitions failed (%r)", self.priority.label, exc)
+        for tp in revoked:
+            self._forget(tp)
+            self._owned.discard(tp)
+        if revoked:
+            self.assignments += 1
+        log.info("%s partitions revoked: %s", self.priority.label, sorted(tp.partition for tp in revoked))
+
+    def _assigned(self, assigned: set[TopicPartition]) -> None:
+        """The group gave this member `assigned`: read from their committed offsets (a partition
+        starts in its current epoch, so refs of an earlier time it was owned stay dead)."""
+        self._owned = set(assigned)
+        self._joined = True
+        self.assignments += 1
+        if self._paused and assigned and self._consumer is not None:
+            self._consumer.pause(*assigned)
+        log.info("%s partitions assigned: %s", self.priority.label, sorted(tp.partition for tp in assigned))
+
+    # ---- keeping the queue whole -------------------------------------------------------------------
+
     async def check(self) -> QueueCheck:
         """Compares what this consumer holds with what the broker has, and repairs a lost queue.
 
-        - The topic's partitions changed (a recreated topic): every partition is assigned again.
-        - The topic was recreated (`topic_recreated`): every partition is read from the beginning.
+        - The topic's partitions changed (a recreated topic): with manual assignment every
+          partition is assigned again (a group rebalances on its own when its metadata shows it).
+        - The topic was recreated (`topic_recreated`): every owned partition is read from the start.
         - A partition's log ends below our position (Kafka answers OffsetOutOfRange there; Tansu
           with memory storage, restarted, silently returns nothing): its records are gone. Reading
           restarts at its beginning (records written since the loss), and its unfinished offsets
           are forgotten (their requests still finish; see `RecordRef.epoch`).
-        Callers re-create what was lost from their source of truth (the database, for batches).
+        `caught_up` covers the partitions this consumer owns, and is False while a group
+        rebalance is under way. Callers re-create what was lost from their source of truth (the
+        database, for batches).
         """
         consumer = self._consumer
         if consumer is None:
             return QueueCheck(lost=False, caught_up=False)
-        topic = topic_name(self._settings, self.priority)
         lost = False
-        await consumer._client.force_metadata_update()
-        partitions = consumer.partitions_for_topic(topic) or set()
-        assigned = consumer.assignment()
-        if partitions and {tp.partition for tp in assigned} != partitions:
-            log.warning("topic %s now has partitions %s (had %s): the topic was recreated; assigning "
-                        "them again", topic, sorted(partitions), sorted(tp.partition for tp in assigned))
-            paused = self._paused
-            consumer.assign([TopicPartition(topic, p) for p in sorted(partitions)])
-            for tp in consumer.assignment():
-                self._forget(tp)
-            self._paused = False
-            if paused:
-                self.pause()
+        partitions = await self._topic_partitions()
+        if partitions and partitions != self._partitions:
+            log.warning("topic %s now has partitions %s (had %s): the topic was recreated", self._topic,
+                        list(partitions), list(self._partitions))
+            self._partitions = partitions
+            if not self.group_assigned:
+                paused = self._paused
+                self._assign_all()
+                self._paused = False
+                if paused:
+                    self.pause()
             lost = True
-            assigned = consumer.assignment()
         recreated, self._log_recreated = self._log_recreated, False
-        ends = await consumer.end_offsets(list(assigned))
-        caught_up = not self._paused and not self._handling
-        for tp in assigned:
-            position = await consumer.position(tp)
-            end = ends.get(tp, 0)
+        assigned = set(self._owned)
+        try:
+            ends = await consumer.end_offsets(list(assigned)) if assigned else {}
+            caught_up = self._joined and not self._paused and not self._handling
+            for tp in assigned:
+                position = await consumer.position(tp)
+                end = ends.get(tp, 0)
+                if recreated:
+                    log.warning("topic %s was recreated: reading partition %s from the start", self._topic, tp)
+                    await consumer.seek_to_beginning(tp)
+                    self._forget(tp)
+                    lost, caught_up = True, False
+                elif position > end:
+                    log.warning("partition %s ends at offset %d, below our position %d: its records were "
+                                "lost (a broker restart with memory storage?); reading it from the start",
+                                tp, end, position)
+                    await consumer.seek_to_beginning(tp)
+                    self._forget(tp)
+                    lost = True
+                    caught_up = False
+                elif position < end:
+                    caught_up = False
+        except IllegalStateError:  # a rebalance took a partition away meanwhile: ask again later
             if recreated:
-                log.warning("topic %s was recreated: reading partition %s from the start", topic, tp)
-                await consumer.seek_to_beginning(tp)
-                self._forget(tp)
-                lost, caught_up = True, False
-            elif position > end:
-                log.warning("partition %s ends at offset %d, below our position %d: its records were "
-                            "lost (a broker restart with memory storage?); reading it from the start",
-                            tp, end, position)
-                await consumer.seek_to_beginning(tp)
-                self._forget(tp)
-                lost = True
-                caught_up = False
-            elif position < end:
-                caught_up = False
-        return QueueCheck(lost=lost, caught_up=caught_up and not self._handling)
+                self._log_recreated = True
+            return QueueCheck(lost=lost, caught_up=False)
+        return QueueCheck(lost=lost, caught_up=caught_up and not self._handling and assigned == self._owned)
 
     def _forget(self, tp: TopicPartition) -> None:
-        """A partition whose log was lost: its offsets start over in a new epoch."""
+        """A partition revoked, or whose log was lost: its offsets start over in a new epoch."""
         self._epochs[tp] = self._epochs.get(tp, 0) + 1
         self._marks.pop(tp, None)
         self._to_commit.pop(tp, None)
+
+    # ---- reading and committing ------------------------------------------------------------------
 
     async def _fetch_loop(self) -> None:
         consumer = self._consumer
@@ -435,7 +572,8 @@ class ClassConsumer:
             if self._paused:
                 # A fetch already in flight when we paused: keep its records, they are cheap.
                 for tp in batches:
-                    consumer.pause(tp)
+                    if tp in consumer.assignment():
+                        consumer.pause(tp)
             self._handling = True
             try:
                 await self._handle(batches)
@@ -444,11 +582,18 @@ class ClassConsumer:
 
     async def _handle(self, batches: dict[TopicPartition, list[Any]]) -> None:
         for tp, records in batches.items():
+            if tp not in self._owned:
+                continue
             epoch = self._epochs.get(tp, 0)
             mark = self._marks.setdefault(tp, PartitionWatermark())
             for record in records:
+                if self._epochs.get(tp, 0) != epoch:
+                    break  # revoked (or its log lost) meanwhile: its owner reads the rest
                 mark.track(record.offset)
-                ref = RecordRef(self.priority, tp, record.offset, epoch)
+                self.records_read += 1
+                acceptor = next((v.decode(errors="replace") for k, v in record.headers or ()
+                                 if k == ACCEPTOR_HEADER), "")
+                ref = RecordRef(self.priority, tp, record.offset, epoch, acceptor)
                 try:
                     request = decode_request(record.value)
                 except msgspec.DecodeError as exc:
@@ -490,13 +635,18 @@ class ClassConsumer:
             await asyncio.sleep(delay)  # coalesce bursts of finishes; back off while failing
 
     async def _flush_commits(self, consumer: AIOKafkaConsumer) -> None:
-        offsets, self._to_commit = self._to_commit, {}
+        """Commits the pending watermarks of owned partitions. A failed commit keeps them for the
+        next attempt, unless their partition was revoked or lost meanwhile (its epoch moved on)."""
+        offsets = {tp: off for tp, off in self._to_commit.items() if tp in self._owned}
+        self._to_commit = {}
         if not offsets:
             return
+        epochs = {tp: self._epochs.get(tp, 0) for tp in offsets}
         try:
             await consumer.commit(offsets)
         except Exception:
-            for tp, off in offsets.items():  # keep them for the next attempt
-                self._to_commit[tp] = max(off, self._to_commit.get(tp, off))
+            for tp, off in offsets.items():
+                if self._epochs.get(tp, 0) == epochs[tp]:
+                    self._to_commit[tp] = max(off, self._to_commit.get(tp, off))
             self._commit_wakeup.set()
             raise

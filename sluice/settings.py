@@ -85,6 +85,13 @@ class KafkaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # even when records arrive meanwhile, so it bounds the admission latency (500 ms, Kafka's
     # default, measured ~200 ms produce->consume there; 10 ms measured ~4 ms).
     fetch_max_wait_ms: int = 10
+    # Gateway replicas share each class topic through the consumer group: a member that stops
+    # heartbeating (a SIGKILLed replica) loses its partitions to the others once its session times
+    # out. Apache Kafka refuses a session below its group.min.session.timeout.ms (6 s by default);
+    # Tansu 0.6 takes any, and moves a dead member's partitions after ~1.7-2x the session timeout
+    # (measured: 1.5 s -> 3 s, 6 s -> 10 s). The heartbeat must be well below it (a third, usually).
+    session_timeout_ms: int = 6000
+    heartbeat_interval_ms: int = 1000
 
 
 class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -38,6 +38,7 @@ from sluice.gateway.batches.views import (
 )
 from sluice.gateway.db.base import new_id, utcnow
 from sluice.gateway.errors import OpenAIError, service_unavailable
+from sluice.gateway.kafka_backend import HeldLines
 from sluice.protocol import GenerateRequest, Priority
 
 log = logging.getLogger(__name__)
@@ -482,31 +483,36 @@ class BatchService:
                 raise _LostRace
         log.info("batch %s %s: %d ok, %d failed", batch_id, target, len(ok), len(bad))
 
-    async def lost_lines(self, settled: Callable[[], Awaitable[frozenset[str] | None]]) -> list[GenerateRequest]:
+    async def lost_lines(self, settled: Callable[[], Awaitable[HeldLines | None]]) -> list[GenerateRequest]:
         """Lines of running (or cancelling) batches with no result that the gateway does not hold
-        once its batch queue was read to the end: the queue lost them (a broker restarted with
-        memory storage, a topic recreated). Built again from the batch's input file, with their
-        original request ids, so a line that was not lost after all is answered once anyway.
+        once its partitions of the batch queue were read to the end: the queue lost them (a broker
+        restarted with memory storage, a topic recreated). Only batches whose lines lie in a
+        partition this replica reads are audited (all lines of a batch share its tenant's key, so
+        its partition): another replica answers for the rest, and may be running them. Built again
+        from the batch's input file, with their original request ids, so a line that was not lost
+        after all is answered once anyway.
 
         The database is read before `settled()` is awaited: every line of a batch that was running
         then had been written to the queue before, so once the queue is read to its end each such
         line is answered, held, or lost."""
         active = ("in_progress", "cancelling")
         async with self.sessions() as session:
-            batches = (await session.execute(select(Batch.id, Batch.total).where(Batch.status.in_(active)))).all()
+            batches = (await session.execute(
+                select(Batch.id, Batch.total, Batch.tenant_id).where(Batch.status.in_(active)))).all()
             if not batches:
                 return []
             answered = dict((await session.execute(
                 select(BatchResult.batch_id, func.count())
-                .where(BatchResult.batch_id.in_([b for b, _ in batches])).group_by(BatchResult.batch_id)
+                .where(BatchResult.batch_id.in_([b for b, _, _ in batches])).group_by(BatchResult.batch_id)
             )).all())
-        held = await settled()
-        if held is None:
+        settlement = await settled()
+        if settlement is None:
             return []
+        held = settlement.ids
         held_per_batch = Counter(batch_of_request(r) for r in held)
         lost: list[GenerateRequest] = []
-        for batch_id, total in batches:
-            if answered.get(batch_id, 0) + held_per_batch[batch_id] < total:
+        for batch_id, total, tenant_id in batches:
+            if settlement.owns(tenant_id) and answered.get(batch_id, 0) + held_per_batch[batch_id] < total:
                 lost += await self._unanswered(batch_id, held)
         return lost
 
