@@ -234,7 +234,7 @@ class AuthService:
             self.invalidate_tenant(change.ident)
         elif change.kind == "key_created":
             self.key_created(change.ident)
-        else:
+        elif change.kind == "everything":
             self._cache.clear()
             self._unknown.clear()
 

@@ -1,7 +1,9 @@
-"""Cache invalidations between gateway replicas: a key revoked, a tenant or its quotas changed.
+"""Changes every gateway replica must act on at once: a key revoked, a tenant or its quotas
+changed (caches), a batch stopped (its lines held by whichever replica runs them).
 
-The admin service announces each change once (`AuthService.announce`) after its transaction
-commits; the bus delivers it to every replica's key cache:
+The admin service announces each cache change once (`AuthService.announce`) after its transaction
+commits, and the Batch API announces a cancelled or tenant-stopped batch once its status is
+committed; the bus delivers each to every replica's handlers:
 
 - `LocalBus`: to the handlers in this process, at once (the single-process default).
 - `RedisBus`: here at once, and to the other replicas through Redis pub/sub (a message takes
@@ -29,9 +31,11 @@ RESUBSCRIBE_DELAY_S = 0.5
 
 class Change(msgspec.Struct, frozen=True):
     """`key`: a key id revoked or rotated; `tenant`: a tenant id changed or deleted; `key_created`:
-    the hash of a new key (no longer an unknown key); `everything`: drop the whole cache."""
+    the hash of a new key (no longer an unknown key); `everything`: drop the whole cache;
+    `batch_stopped`: a batch id now cancelling (its lines queued or running anywhere end now).
+    Handlers ignore the kinds they do not act on."""
 
-    kind: Literal["key", "tenant", "key_created", "everything"]
+    kind: Literal["key", "tenant", "key_created", "everything", "batch_stopped"]
     ident: str = ""
 
 

@@ -101,6 +101,11 @@ class QuotaLedger(Protocol):
         """Waits until every `mark_running` / `finish` so far has reached the store."""
         ...
 
+    async def alive(self, replica: str) -> bool:
+        """Whether another gateway replica sharing this ledger holds a live lease (e.g. the
+        creator of a batch still being queued). Callers compare with their own id first."""
+        ...
+
 
 # ---- in-process ---------------------------------------------------------------------------------
 
@@ -250,3 +255,8 @@ class LocalLedger:
 
     async def flush(self) -> None:
         return None
+
+    async def alive(self, replica: str) -> bool:
+        """In this process: no other replica shares these counters (the only one alive is the
+        caller itself, which knows its own id)."""
+        return False

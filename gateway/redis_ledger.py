@@ -67,7 +67,7 @@ class RedisLedger:
         self._ids = itertools.count(1)
         self._scripts: dict[str, AsyncScript] = {
             name: client.register_script(getattr(redis_scripts, name))
-            for name in ("ADMIT", "SEED_DAY", "MARK_RUNNING", "FINISH", "REFRESH")
+            for name in ("ADMIT", "SEED_DAY", "MARK_RUNNING", "FINISH", "REFRESH", "ALIVE")
         }
         self._mine: dict[str, _MyHold] = {}  # this replica's holds
         self._views: dict[str, tuple[WindowView, float, int]] = {}  # tenant -> (newest view, monotonic read time, seq)
@@ -201,6 +201,11 @@ class RedisLedger:
             log.warning("shared state: settlement of %s deferred, Redis unreachable: %s", item.hold, exc)
             return
         self._remember_view(item.tenant_id, reply)
+
+    async def alive(self, replica: str) -> bool:
+        """Whether `replica`'s lease lies in the future (Redis's clock); raises RedisError when
+        Redis cannot be reached (the caller then decides nothing)."""
+        return bool(await self._run("ALIVE", replica))
 
     async def flush(self) -> None:
         while self._tasks:

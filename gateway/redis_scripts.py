@@ -313,3 +313,13 @@ end
 redis.call('PEXPIRE', mine, lease)
 return cjson.encode(out)
 """
+
+# ---- replica liveness (batch ownership) -------------------------------------------------------
+
+# ARGV: prefix, replica. Returns 1 while the replica's lease is in the future, else 0 (a replica
+# that never took a lease, or gave it up, or stopped renewing it).
+ALIVE = _COMMON + r"""
+local deadline = redis.call('ZSCORE', P .. ':replicas', ARGV[2])
+if deadline and tonumber(deadline) > now_ms() then return 1 end
+return 0
+"""

@@ -9,10 +9,16 @@ for `create_app(extra_route_handlers=...)`, the `BatchLineHandler` for `KafkaBac
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ORPHAN_SWEEP_S = 15.0  # how often a live replica fails batches a dead replica left `validating`
 
 
 class _DeferredHandler:
@@ -58,6 +64,7 @@ class BatchComponents:
     settings: Settings
     handler: _DeferredHandler = field(default_factory=_DeferredHandler)
     service: Any = None
+    _sweeper: asyncio.Task[None] | None = None
 
     @property
     def route_handlers(self) -> list[Any]:
@@ -75,8 +82,10 @@ class BatchComponents:
             state.generation,
             backend,
             max_file_bytes=self.settings.gateway.max_body_bytes,
+            shared=state.shared,
         )
         runner = BatchRunner(self.service, state.quotas, state.usage)
+        state.shared.bus.subscribe(runner.on_change)  # a tenant changed on any replica
         self.handler.set_runner(runner)
         state.batches = self.service
         service = self.service
@@ -86,13 +95,29 @@ class BatchComponents:
             await service.stop_tenant(tenant_id)
 
         state.admin.on_tenant_disabled.append(stop_tenant)
+        app.on_shutdown.append(self.stop)  # ends the orphan sweep with the app (stop is idempotent)
 
     async def start(self) -> None:
         if self.service is not None:
             await self.service.recover()
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_orphans(self.service))
+
+    async def _sweep_orphans(self, service: Any) -> None:
+        """Replicas outlive each other: a batch left `validating` by a replica that died is failed
+        by a live one, not only at the next start."""
+        while True:
+            await asyncio.sleep(ORPHAN_SWEEP_S)
+            try:
+                await service.fail_orphaned()
+            except Exception as exc:  # the database is down: next time
+                log.warning("checking for orphaned batches failed (%r)", exc)
 
     async def stop(self) -> None:
-        return None
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
 
 
 def batch_components(settings: Settings) -> BatchComponents:

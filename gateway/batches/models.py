@@ -55,6 +55,9 @@ class Batch(Base):
     expired_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     cancelling_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     cancelled_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # The gateway replica creating it: a batch still `validating` is failed at another replica's
+    # start only once its creator is dead (None: created before replicas were recorded).
+    created_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class BatchResult(Base):

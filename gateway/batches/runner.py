@@ -32,6 +32,7 @@ from sluice.gateway.batches.service import (
 )
 from sluice.gateway.batches.views import line_number
 from sluice.gateway.db.base import utcnow
+from sluice.gateway.invalidation import Change
 from sluice.gateway.kafka_backend import Defer
 from sluice.gateway.quotas import QuotaExceeded, QuotaService, Reservation
 from sluice.gateway.usage import UsageService
@@ -85,6 +86,13 @@ class BatchRunner:
     def forget_tenant(self, tenant_id: str) -> None:
         """Its settings changed (e.g. it was disabled): read them again next time."""
         self._tenants.pop(tenant_id, None)
+
+    def on_change(self, change: Change) -> None:
+        """The invalidation bus: a tenant changed on any replica (or everything may have)."""
+        if change.kind == "tenant":
+            self.forget_tenant(change.ident)
+        elif change.kind == "everything":
+            self._tenants.clear()
 
     def tenant_label(self, tenant_id: str) -> str:
         """The tenant's name for request records (its id if not cached)."""

@@ -6,6 +6,13 @@ status moves to `in_progress`. If the broker fails midway the batch is marked `f
 client gets a 503; lines that did reach Kafka are skipped when consumed (their batch is failed).
 Every line gets exactly one `batch_result` row; once all `total` rows exist the batch is
 finalized (output and error files written in one transaction).
+
+With several gateway replicas each runs the lines of its own batch-topic partitions (a batch's
+lines share its tenant's key, so one partition), whichever replica created the batch: so stopping
+a batch (cancelled, its tenant disabled) is announced on the invalidation bus and every replica
+ends the lines it holds; a `validating` batch belongs to the replica creating it (`created_by`)
+and is failed by another only once that replica's lease has run out; finalization is a
+conditional update, so two replicas finishing lines at once finalize once.
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ from sluice.gateway.batches.views import (
 )
 from sluice.gateway.db.base import new_id, utcnow
 from sluice.gateway.errors import OpenAIError, service_unavailable
+from sluice.gateway.invalidation import Change
 from sluice.gateway.kafka_backend import HeldLines
+from sluice.gateway.shared import SharedState
 from sluice.protocol import GenerateRequest, Priority
 
 log = logging.getLogger(__name__)
@@ -62,11 +71,15 @@ class BatchService:
         backend: Any,
         *,
         max_file_bytes: int,
+        shared: SharedState | None = None,
     ) -> None:
         self.sessions = sessions
         self.generation = generation
         self.backend = backend  # KafkaBackend: enqueue_batch_line(), dispatcher
         self.max_file_bytes = max_file_bytes
+        # The app's shared state: its replica id, lease (the ledger) and bus.
+        self.shared: SharedState = shared if shared is not None else backend.shared
+        self.shared.bus.subscribe(self._on_change)
 
     # ---- files ---------------------------------------------------------------------------------
 
@@ -324,6 +337,7 @@ class BatchService:
             created_at=now,
             expires_at=now + window,
             status="validating",
+            created_by=self.shared.replica,
         )
         if errors:  # OpenAI semantics: the batch exists, failed at validation, with the errors listed
             row.status, row.failed_at, row.errors, row.total = "failed", now, errors[:100], 0
@@ -383,7 +397,7 @@ class BatchService:
                     .where(Batch.id == batch_id, Batch.status.in_(RUNNABLE))
                     .values(status="cancelling", cancelling_at=utcnow())
                 )
-            self._stop_lines({batch_id})
+            await self._announce_stopped({batch_id})
             await self.maybe_finalize(batch_id)
         elif row.status not in ("cancelling", "cancelled"):
             raise OpenAIError(
@@ -391,10 +405,20 @@ class BatchService:
             )
         return await self.view(await self.batch_row(tenant_id, batch_id))
 
+    async def _announce_stopped(self, batch_ids: set[str]) -> None:
+        """These batches are cancelling (committed): every replica, this one included, ends the
+        lines of them it holds (`_stop_lines`, through the bus)."""
+        for batch_id in sorted(batch_ids):
+            await self.shared.bus.publish(Change("batch_stopped", batch_id))
+
+    def _on_change(self, change: Change) -> None:
+        if change.kind == "batch_stopped":
+            self._stop_lines({change.ident})
+
     def _stop_lines(self, batch_ids: set[str]) -> None:
         """Lines of these (cancelling) batches queued or running here end now (ABORT → an error
         result row, nothing billed for a line that never ran); lines still in Kafka are answered
-        without running when consumed."""
+        without running when consumed, wherever."""
         dispatcher = self.backend.dispatcher
         jobs = [p.payload for p in dispatcher.scheduler.items()]
         jobs += [j for w in dispatcher.workers.values() for j in w.inflight.values()]
@@ -418,7 +442,7 @@ class BatchService:
         if not ids:
             return
         log.info("tenant %s disabled: stopping %d batch(es)", tenant_id, len(ids))
-        self._stop_lines(ids)
+        await self._announce_stopped(ids)
         for batch_id in ids:
             await self.maybe_finalize(batch_id)
 
@@ -540,14 +564,9 @@ class BatchService:
         return out
 
     async def recover(self) -> None:
-        """At start-up: fail batches whose queueing a crash interrupted (their creator never got an
-        answer, and some lines never reached Kafka), and finish batches whose results were all
-        stored before a crash. One gateway owns the batches (several replicas would need a lease)."""
-        async with self.sessions() as session, session.begin():
-            await session.execute(update(Batch).where(Batch.status == "validating").values(
-                status="failed", failed_at=utcnow(),
-                errors=[{"code": "interrupted", "param": None, "line": None,
-                         "message": "The gateway restarted while queueing this batch; submit it again."}]))
+        """At start-up: fail batches whose queueing a crash interrupted, and finish batches whose
+        results were all stored before a crash."""
+        await self.fail_orphaned()
         async with self.sessions() as session:
             ids = (
                 await session.scalars(
@@ -556,6 +575,38 @@ class BatchService:
             ).all()
         for batch_id in ids:
             await self.maybe_finalize(batch_id)
+
+    async def fail_orphaned(self) -> int:
+        """Fails the `validating` batches whose creating replica is dead (their creator never got
+        an answer, and some lines may never have reached Kafka); a live replica's are left to it.
+        Returns how many were failed."""
+        async with self.sessions() as session:
+            rows = (await session.execute(
+                select(Batch.id, Batch.created_by).where(Batch.status == "validating"))).all()
+        dead = [batch_id for batch_id, creator in rows if not await self._alive(creator)]
+        if not dead:
+            return 0
+        async with self.sessions() as session, session.begin():
+            await session.execute(update(Batch).where(Batch.id.in_(dead), Batch.status == "validating").values(
+                status="failed", failed_at=utcnow(),
+                errors=[{"code": "interrupted", "param": None, "line": None,
+                         "message": "The gateway restarted while queueing this batch; submit it again."}]))
+        log.warning("failed %d batch(es) whose creating gateway died while queueing them", len(dead))
+        return len(dead)
+
+    async def _alive(self, replica: str | None) -> bool:
+        """Whether a batch's creator lives: this replica, or one whose lease runs (a row from before
+        creators were recorded has none: one gateway made it, now gone). Unknown (the shared store
+        unreachable) counts as alive: a batch is never failed on a guess."""
+        if replica is None:
+            return False
+        if replica == self.shared.replica:
+            return True
+        try:
+            return await self.shared.ledger.alive(replica)
+        except Exception as exc:
+            log.warning("could not tell whether replica %s lives (%r); leaving its batches", replica, exc)
+            return True
 
 
 def stopped_by_tenant_disabled(batch: Batch) -> bool:
