@@ -288,6 +288,11 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
         raise ConfigError(f"{shared_source}: [shared] lease_s must be positive, got {shared.lease_s}")
     if not shared.prefix or any(c.isspace() for c in shared.prefix):
         raise ConfigError(f"{shared_source}: [shared] prefix must be non-empty, without spaces")
+    kafka = settings.kafka
+    if not 0 < kafka.heartbeat_interval_ms < kafka.session_timeout_ms:
+        raise ConfigError(f"{sources.get('kafka', '[kafka]')}: [kafka] heartbeat_interval_ms must be positive and "
+                          f"below session_timeout_ms (a third of it is usual), got {kafka.heartbeat_interval_ms} "
+                          f"and {kafka.session_timeout_ms}")
     if settings.admin.demo_key_ttl_days < 1:
         raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] demo_key_ttl_days must be at least 1")
     if not settings.admin.console_session_ttl_s > 0:

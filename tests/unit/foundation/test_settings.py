@@ -78,6 +78,7 @@ def test_config_dir_from_environment(config_dir: Path) -> None:
         ("sluice.toml", "[shared]\nurl = 5", r"sluice\.toml.*Expected `str`.*\$\.shared\.url"),
         ("sluice.toml", "[shared]\nlease_s = 0", r"\[shared\] lease_s must be positive"),
         ("sluice.toml", "[shared]\nprefix = ''", r"\[shared\] prefix must be non-empty"),
+        ("sluice.toml", "[kafka]\nsession_timeout_ms = 900", r"\[kafka\] heartbeat_interval_ms must be .* below"),
         ("tenants.toml", "[[tenants]]\nname = 'a'\nweight = 0", r"tenants\.toml: tenant 'a': weight must be positive"),
         ("tenants.toml", "[[tenants]]\nname = 'a'\n[[tenants]]\nname = 'a'", r"empty or repeated"),
         ("tenants.toml", "[[tenants]]\nname = 'a'\npriority_ceiling = 'vip'", r"tenants\.toml.*\$\.tenants\[0\]"),
