@@ -79,6 +79,7 @@ class BatchService:
         self.max_file_bytes = max_file_bytes
         # The app's shared state: its replica id, lease (the ledger) and bus.
         self.shared: SharedState = shared if shared is not None else backend.shared
+        self._tasks: set[asyncio.Task[None]] = set()
         self.shared.bus.subscribe(self._on_change)
 
     # ---- files ---------------------------------------------------------------------------------
@@ -414,6 +415,20 @@ class BatchService:
     def _on_change(self, change: Change) -> None:
         if change.kind == "batch_stopped":
             self._stop_lines({change.ident})
+        elif change.kind == "everything":  # the bus may have missed announcements: ask the database
+            task = asyncio.get_running_loop().create_task(self._stop_cancelling())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _stop_cancelling(self) -> None:
+        try:
+            async with self.sessions() as session:
+                ids = set((await session.scalars(select(Batch.id).where(Batch.status == "cancelling"))).all())
+        except Exception as exc:  # the database is down too: lines of a missed cancel run to the end
+            log.warning("could not look for cancelling batches (%r)", exc)
+            return
+        if ids:
+            self._stop_lines(ids)
 
     def _stop_lines(self, batch_ids: set[str]) -> None:
         """Lines of these (cancelling) batches queued or running here end now (ABORT → an error

@@ -1,7 +1,8 @@
 """Batches with two gateway replicas in one consumer group (the embedded broker, one database,
 the real Redis of $SLUICE_TEST_REDIS_URL; skipped without it): the batch topic's partitions are
-split between them; a cancel made on one replica stops the lines the other holds; a `validating`
-batch of a live replica is not failed by another replica's recovery, one of a dead replica is."""
+split between them; each replica's lost-lines audit leaves the lines of the other's partitions
+alone; a cancel made on one replica stops the lines the other holds; a `validating` batch of a
+live replica is not failed by another replica's recovery, one of a dead replica is."""
 
 from __future__ import annotations
 
@@ -68,6 +69,13 @@ async def test_a_cancel_on_one_replica_stops_the_lines_another_holds(replica_set
         await wait_for(lambda: {a.backend.dispatcher.num_jobs, b.backend.dispatcher.num_jobs} == {0, 6}, 60,
                        "one replica to hold every line")
         holder, other = (a, b) if a.backend.dispatcher.num_jobs else (b, a)
+        # The lost-lines audit of each replica covers its own partitions only: the other replica
+        # must not take the lines it neither holds nor owns for lost (and queue them again).
+        for gw in (other, holder):
+            check = await on_app(gw, gw.backend._consumers[Priority.BATCH].check)
+            assert check.caught_up and not check.lost
+            await on_app(gw, gw.backend._requeue_lost_lines)
+            assert gw.backend.requeued_lines == 0
         cancelled = await other.sdk.batches.cancel(batch.id)  # asked of the replica that holds nothing
         assert cancelled.status in ("cancelling", "cancelled")
         done = await holder.wait_done(batch.id, timeout=60)
