@@ -84,3 +84,27 @@ async def test_unreachable_broker_fails_fast() -> None:
         await log.start()
     with pytest.raises(QueueUnavailable, match="not started"):
         await log.append(request(0))
+
+
+async def test_records_written_at_once_are_not_taken_for_lost(bootstrap_servers: str) -> None:
+    """Tansu 0.6 answers ListOffsets with base + 1 of the last record batch until the next write:
+    records appended concurrently (one batch) must not look like a log that ends below our
+    position (which would read the partition again from the start at every check)."""
+    settings = KafkaSettings(bootstrap_servers=bootstrap_servers, topic_prefix=f"q{uuid.uuid4().hex[:8]}",
+                             partitions=1)
+    await ensure_topics(settings)
+    log = RequestLog(settings)
+    await log.start()
+    try:
+        await asyncio.gather(*(log.append(request(n)) for n in range(6)))
+    finally:
+        await log.stop()
+    consumer, got = await collect(settings, Priority.STANDARD, 6)
+    try:
+        for _, ref in got:
+            consumer.finish(ref)
+        check = await consumer.check()
+        assert not check.lost and check.caught_up
+        assert consumer.records_read == 6
+    finally:
+        await consumer.stop()
