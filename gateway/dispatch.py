@@ -1,5 +1,10 @@
 """Workers and dispatch: the worker port, the registry, the dispatch loop, and deltas routed to each job's sink.
 
+A worker is anything behind the `WorkerLink` interface (send, abort, room and load, close, view):
+a worker process connected to the worker port (`WorkerConn`, below) or an OpenAI-compatible HTTP
+server configured under [[upstreams]] (`gateway/upstream.py`, docs/upstreams.md). The dispatcher
+treats both alike: same queue, room rule, deltas, and loss.
+
 Workers connect to the gateway's worker port (msgspec frames, `sluice.protocol`), register, and
 report `WorkerCapacity` on every change and as a heartbeat. Queued jobs wait in the fair
 scheduler (`gateway/fair.py`) until a worker has room; a worker's own waiting queue is kept at
@@ -47,7 +52,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from redis.exceptions import RedisError
@@ -56,6 +61,7 @@ from sluice import telemetry
 from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
 from sluice.gateway.shared import SharedState
 from sluice.gateway.slots import LocalSlots, RedisSlots, WorkerSlots, has_room
+from sluice.gateway.upstream import UpstreamLink
 from sluice.protocol import (
     MAX_FRAME_BYTES,
     READ_CHUNK_BYTES,
@@ -154,8 +160,44 @@ class Job:
 OnFinished = Callable[[Job, RequestDelta], None]
 
 
+class WorkerLink(Protocol):
+    """What the dispatcher needs of a worker, whatever carries its requests (module docstring).
+
+    A link reports back through the dispatcher: each delta of a job it holds goes to
+    `Dispatcher.deliver`, and a link that can no longer reach its worker calls `Dispatcher.lose`
+    (its jobs: batch work re-queued, the rest ended with an error)."""
+
+    worker_id: str
+    models: frozenset[str]
+    inflight: dict[str, Job]  # sent and not finished, by request id (the dispatcher keeps it)
+    last_seen: float  # monotonic: when it last showed its worker alive (heartbeat monitor)
+
+    @property
+    def est_waiting(self) -> int: ...
+
+    @property
+    def load(self) -> float: ...
+
+    @property
+    def accepting(self) -> bool:
+        """Under its own cap (a worker process: always; an upstream: its max_concurrency)."""
+        ...
+
+    def has_room_for(self, priority: Priority, max_waiting: int) -> bool: ...
+
+    def send(self, request: GenerateRequest) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def close(self) -> None:
+        """The worker is lost: stop its transport (the dispatcher has taken its jobs)."""
+        ...
+
+    def view(self, draining: bool = False) -> dict[str, Any]: ...
+
+
 class WorkerConn:
-    """One connected worker as the gateway sees it."""
+    """One connected worker process as the gateway sees it (a `WorkerLink` over the worker port)."""
 
     def __init__(self, register: WorkerRegister, writer: asyncio.StreamWriter) -> None:
         self.worker_id = register.worker_id
@@ -182,8 +224,19 @@ class WorkerConn:
     def load(self) -> float:
         return (self.capacity.num_running + self.est_waiting) / max(1, self.capacity.max_num_seqs)
 
-    def send(self, message: GenerateRequest | AbortRequest) -> None:
-        self.writer.write(encode_frame(message))
+    @property
+    def accepting(self) -> bool:
+        return True  # its engine queues what it cannot run yet; the room rule bounds that queue
+
+    def send(self, request: GenerateRequest) -> None:
+        self.sent += 1
+        self.writer.write(encode_frame(request))
+
+    def abort(self, request_id: str) -> None:
+        self.writer.write(encode_frame(AbortRequest(request_id)))
+
+    def close(self) -> None:
+        self.writer.close()
 
     def view(self, draining: bool = False) -> dict[str, Any]:
         cap = self.capacity
@@ -195,7 +248,7 @@ class WorkerConn:
             "inflight": len(self.inflight), "load": round(self.load, 3),
             "num_preemptions": cap.num_preemptions,
             "last_heartbeat_age_s": round(time.monotonic() - self.last_seen, 3),
-            "draining": draining,
+            "draining": draining, "kind": "worker",
         }
 
 
@@ -218,7 +271,9 @@ class Dispatcher:
         if isinstance(self.slots, RedisSlots):
             self.slots.on_release = lambda: self._wake.set()
         self._slot_error = False  # Redis unreachable at the last take (logged once per outage)
-        self.workers: dict[str, WorkerConn] = {}
+        self.workers: dict[str, WorkerLink] = {}
+        # The [[upstreams]] links, attached to `workers` while their server answers (gateway/upstream.py).
+        self.upstreams: list[UpstreamLink] = []
         self.draining: set[str] = set()  # worker ids that get no new jobs (see the module docstring)
         self._on_finished = on_finished
         self._jobs: dict[str, Job] = {}  # every job queued or on a worker, by request id
@@ -243,6 +298,8 @@ class Dispatcher:
         host = gw.worker_host if host is None else host
         port = gw.worker_port if port is None else port
         self.worker_secret = worker_secret_for(self.settings)
+        # First: a missing API key variable is a start error before anything listens.
+        self.upstreams = [UpstreamLink(spec, self, self.settings) for spec in self.settings.upstreams]
         self._started_at = time.monotonic()
         context = server_ssl_context(self.settings)
         try:
@@ -252,6 +309,8 @@ class Dispatcher:
         self.port = self._server.sockets[0].getsockname()[1]
         self._tasks = [asyncio.create_task(self._dispatch_loop(), name="dispatch"),
                        asyncio.create_task(self._monitor_loop(), name="worker-monitor")]
+        for link in self.upstreams:
+            link.start()
         if self.fairness is not None:
             await self.fairness.start()
         log.info("worker port listening on %s:%d (%s)", host, self.port, "TLS" if context else "plain TCP")
@@ -265,6 +324,8 @@ class Dispatcher:
         # logs cancelled connection callbacks as errors.
         for worker in list(self.workers.values()):
             self._lose_worker(worker, "gateway stopping")
+        for link in self.upstreams:
+            await link.shutdown()
         if self._conn_tasks:
             _, pending = await asyncio.wait(list(self._conn_tasks), timeout=2.0)
             for task in pending:
@@ -317,7 +378,7 @@ class Dispatcher:
             return
         worker = self.workers.get(job.worker)
         if worker is not None:
-            worker.send(AbortRequest(request_id))
+            worker.abort(request_id)
 
     def drain(self, worker_id: str) -> bool:
         """No new jobs for this worker; its running ones finish. False when no such worker is connected."""
@@ -352,18 +413,19 @@ class Dispatcher:
 
     # ---- dispatch ------------------------------------------------------------------------------
 
-    def _candidates(self, job: Job) -> list[WorkerConn]:
-        """The workers that may serve `job`, least loaded first."""
+    def _candidates(self, job: Job) -> list[WorkerLink]:
+        """The workers that may serve `job` (under their own cap), least loaded first."""
         model = job.request.model
-        serving = [w for w in self.workers.values() if model in w.models and w.worker_id not in self.draining]
+        serving = [w for w in self.workers.values()
+                   if model in w.models and w.worker_id not in self.draining and w.accepting]
         return sorted(serving, key=lambda w: w.load)
 
-    def _pick_worker(self, job: Job) -> WorkerConn | None:
+    def _pick_worker(self, job: Job) -> WorkerLink | None:
         assert isinstance(self.slots, LocalSlots)  # the shared round takes its slots in _dispatch_shared
         return self.slots.take(job, self._candidates(job), self.settings.dispatch.max_worker_waiting,
                                self.settings.scheduler.priority_enabled)
 
-    def _send(self, job: Job, worker: WorkerConn) -> None:
+    def _send(self, job: Job, worker: WorkerLink) -> None:
         job.worker, job.dispatch_time, job.started = worker.worker_id, time.time(), False
         job.attempts += 1
         request = job.request
@@ -371,7 +433,6 @@ class Dispatcher:
             # Priority off: the engine must not reorder by class either.
             request = msgspec.structs.replace(request, priority=Priority.STANDARD)
         worker.inflight[job.request_id] = job
-        worker.sent += 1
         worker.send(request)
 
     def _next(self, now: float, refused: set[tuple[str, Priority]],
@@ -568,13 +629,20 @@ class Dispatcher:
 
     def _register(self, message: WorkerRegister, writer: asyncio.StreamWriter) -> WorkerConn:
         worker = WorkerConn(message, writer)
-        self.workers[worker.worker_id] = worker
-        self.announced_models.update(worker.models)
+        self.attach(worker)
         telemetry.observe_worker(message.capacity)
         log.info("worker %s registered (models %s, device %s, pid %d)",
                  worker.worker_id, ", ".join(sorted(worker.models)), worker.device, worker.pid)
-        self._wake.set()
         return worker
+
+    def attach(self, link: WorkerLink) -> bool:
+        """A worker ready for jobs; False when its id is taken by another live one (never replaced)."""
+        if self.workers.get(link.worker_id, link) is not link:
+            return False
+        self.workers[link.worker_id] = link
+        self.announced_models.update(link.models)
+        self._wake.set()
+        return True
 
     def _on_message(self, worker: WorkerConn, message: object) -> None:
         worker.last_seen = time.monotonic()
@@ -588,7 +656,28 @@ class Dispatcher:
                 telemetry.count_preemptions(worker.worker_id, preempted)
             self._wake.set()
 
-    def _on_delta(self, worker: WorkerConn, delta: RequestDelta) -> None:
+    def deliver(self, worker: WorkerLink, delta: RequestDelta) -> None:
+        """A delta from a link: routed as the worker port routes its frames."""
+        worker.last_seen = time.monotonic()
+        self._on_delta(worker, delta)
+
+    def wake(self) -> None:
+        """Room may have come back at some worker: run a dispatch round."""
+        self._wake.set()
+
+    def lose(self, worker: WorkerLink, reason: str) -> None:
+        """A link that can no longer reach its worker (see `_lose_worker`)."""
+        if self.workers.get(worker.worker_id) is worker:
+            self._lose_worker(worker, reason)
+
+    def lose_job(self, worker: WorkerLink, request_id: str, reason: str) -> None:
+        """One job's transport to its worker broke: handled as if its worker were lost, alone."""
+        job = worker.inflight.pop(request_id, None)
+        if job is not None:
+            self._drop_job(job, worker.worker_id, reason)
+            self._wake.set()
+
+    def _on_delta(self, worker: WorkerLink, delta: RequestDelta) -> None:
         job = worker.inflight.get(delta.request_id)
         if job is None:
             return  # a late delta of a job this gateway already gave up on
@@ -608,34 +697,36 @@ class Dispatcher:
         del worker.inflight[delta.request_id]
         self._finish(job, delta)
 
-    def _lose_worker(self, worker: WorkerConn, reason: str) -> None:
+    def _lose_worker(self, worker: WorkerLink, reason: str) -> None:
         if self.workers.get(worker.worker_id) is worker:
             del self.workers[worker.worker_id]
-        worker.writer.close()
+        worker.close()
         jobs, worker.inflight = list(worker.inflight.values()), {}
-        requeued = 0
-        for job in jobs:
-            self.slots.release(job)
-            if job.request.batch_id is not None and job.attempts < MAX_DISPATCH_ATTEMPTS:
-                # Batch work must complete: back into the scheduler, ahead of its tenant's newer work.
-                job.worker, job.dispatch_time, job.started, job.num_output_tokens = "", None, False, 0
-                job.token_times.clear()
-                self.scheduler.requeue(Pending(
-                    request_id=job.request_id, tenant=job.request.tenant_id, priority=job.request.priority,
-                    enqueued_at=job.enqueued_at, payload=job,
-                    prompt_tokens=len(job.request.prompt_token_ids), weight=job.request.tenant_weight,
-                ))
-                requeued += 1
-            else:
-                self._finish(job, RequestDelta(
-                    request_id=job.request_id, finish_reason=FinishReason.ERROR,
-                    error=f"the worker serving this request ({worker.worker_id}) {reason}; please retry",
-                    num_prompt_tokens=len(job.request.prompt_token_ids),
-                    num_output_tokens=job.num_output_tokens,
-                ))
+        requeued = sum(self._drop_job(job, worker.worker_id, reason) for job in jobs)
         log.warning("worker %s lost (%s): %d batch job(s) re-queued, %d failed",
                     worker.worker_id, reason, requeued, len(jobs) - requeued)
         self._wake.set()
+
+    def _drop_job(self, job: Job, worker_id: str, reason: str) -> bool:
+        """A job whose worker is gone: batch work back in line (True), the rest ended with an error."""
+        self.slots.release(job)
+        if job.request.batch_id is not None and job.attempts < MAX_DISPATCH_ATTEMPTS:
+            # Batch work must complete: back into the scheduler, ahead of its tenant's newer work.
+            job.worker, job.dispatch_time, job.started, job.num_output_tokens = "", None, False, 0
+            job.token_times.clear()
+            self.scheduler.requeue(Pending(
+                request_id=job.request_id, tenant=job.request.tenant_id, priority=job.request.priority,
+                enqueued_at=job.enqueued_at, payload=job,
+                prompt_tokens=len(job.request.prompt_token_ids), weight=job.request.tenant_weight,
+            ))
+            return True
+        self._finish(job, RequestDelta(
+            request_id=job.request_id, finish_reason=FinishReason.ERROR,
+            error=f"the worker serving this request ({worker_id}) {reason}; please retry",
+            num_prompt_tokens=len(job.request.prompt_token_ids),
+            num_output_tokens=job.num_output_tokens,
+        ))
+        return False
 
     # ---- views ---------------------------------------------------------------------------------
 

@@ -168,6 +168,13 @@ def check_engine_options(settings: Settings, device: str) -> None:
 
 def check_ports(settings: Settings) -> None:
     from sluice.broker import port_in_use
+    from sluice.gateway.upstream import upstream_api_key
+
+    for spec in settings.upstreams:  # not a port, but as cheap to check before anything starts
+        try:
+            upstream_api_key(spec)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
 
     gw = settings.gateway
     if port_in_use(gw.host, gw.port):

@@ -30,7 +30,7 @@ from sluice.gateway import redis_scripts
 from sluice.protocol import Priority
 
 if TYPE_CHECKING:
-    from sluice.gateway.dispatch import Job, WorkerConn
+    from sluice.gateway.dispatch import Job, WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ def has_room(est_waiting: int, unstarted: list[Priority], priority: Priority, ma
 class LocalSlots:
     """One gateway alone: its view of each worker is the whole truth (today's rule, synchronous)."""
 
-    def take(self, job: Job, candidates: Sequence[WorkerConn], max_waiting: int,
-             by_class: bool) -> WorkerConn | None:
+    def take(self, job: Job, candidates: Sequence[WorkerLink], max_waiting: int,
+             by_class: bool) -> WorkerLink | None:
         """The first of `candidates` (least loaded first) with room for `job`."""
         priority = job.request.priority
         for worker in candidates:
@@ -86,8 +86,8 @@ class RedisSlots:
         self._tasks: set[asyncio.Task[None]] = set()
         self.on_release: Callable[[], None] = lambda: None  # the dispatcher wakes: room may be back
 
-    async def take(self, job: Job, candidates: Sequence[WorkerConn], max_waiting: int,
-                   by_class: bool) -> WorkerConn | None:
+    async def take(self, job: Job, candidates: Sequence[WorkerLink], max_waiting: int,
+                   by_class: bool) -> WorkerLink | None:
         """The first of `candidates` with room for `job` by the counts of every replica, its slot
         taken; None when none has room. Raises RedisError when Redis cannot be reached (the job
         stays queued: the bound is never skipped)."""

@@ -5,6 +5,8 @@ Files (all optional except where noted), in `$SLUICE_CONFIG_DIR` (default: ./con
                 [engine]
   models.toml   [[models]] name, path, and how a missing directory is made: demo = true or fetch = "NAME"
   tenants.toml  [[tenants]] the seed tenants (see TenantSeed)
+  upstreams.toml [[upstreams]] OpenAI-compatible servers the gateway dispatches to (see UpstreamSpec,
+                docs/upstreams.md)
 
 Environment overrides: SLUICE_<SECTION>_<KEY>=value, e.g. SLUICE_GATEWAY_PORT=8080,
 SLUICE_DATABASE_URL=postgresql+asyncpg://..., SLUICE_KAFKA_BOOTSTRAP_SERVERS=kafka:9092,
@@ -180,6 +182,30 @@ class TenantSeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     quotas: QuotaSeed = msgspec.field(default_factory=QuotaSeed)
 
 
+UpstreamKind = Literal["openai", "vllm"]
+
+
+class UpstreamSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An OpenAI-compatible server that serves some of the gateway's models (docs/upstreams.md).
+
+    The gateway keeps the queue: it tokenizes with its own copy of the model (models.toml) and
+    forwards token-id prompts to `/v1/completions` only while the upstream has room."""
+
+    name: str
+    base_url: str  # the server's root, http(s)://HOST[:PORT][/PREFIX]; a trailing /v1 is dropped
+    # The API key is read from this environment variable at start (never from a file); empty = none.
+    api_key_env: str = ""
+    models: tuple[str, ...]  # names from models.toml (their tokenizer and max length are the gateway's)
+    served_names: dict[str, str] = msgspec.field(default_factory=dict)  # model -> the upstream's name for it
+    max_concurrency: int = 64  # requests sent and not finished, at most
+    # "vllm": also poll GET /metrics every second and forward only while its
+    # vllm:num_requests_waiting is under dispatch.max_worker_waiting.
+    kind: UpstreamKind = "openai"
+    priority: bool = False  # pass the class to vLLM's `priority` field (server run with --scheduling-policy priority)
+    request_timeout_s: float = 600.0  # one request, connection to last byte
+    connect_timeout_s: float = 5.0
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     gateway: GatewaySettings = msgspec.field(default_factory=GatewaySettings)
     admin: AdminSettings = msgspec.field(default_factory=AdminSettings)
@@ -193,11 +219,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     engine: dict[str, Any] = msgspec.field(default_factory=dict)
     models: tuple[ModelSpec, ...] = ()
     tenants: tuple[TenantSeed, ...] = ()
+    upstreams: tuple[UpstreamSpec, ...] = ()
     config_dir: str = "config"
 
 
 _SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "shared", "engine")
-_FILES = {"sluice.toml": None, "models.toml": "models", "tenants.toml": "tenants"}
+_FILES = {"sluice.toml": None, "models.toml": "models", "tenants.toml": "tenants", "upstreams.toml": "upstreams"}
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -310,6 +337,7 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
                               f"model; known: {', '.join(KNOWN_MODELS)}")
         if model.fetch is not None and model.demo:
             raise ConfigError(f"{models_source}: model {model.name!r}: set demo or fetch, not both")
+    _check_upstreams(settings.upstreams, names, sources.get("upstreams", "upstreams.toml"))
     tenant_source = sources.get("tenants", "tenants.toml")
     seen: set[str] = set()
     for tenant in settings.tenants:
@@ -328,6 +356,50 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
                 f"{tenant_source}: tenant {tenant.name!r}: allowed_models names unknown model(s) "
                 f"{sorted(unknown_models)}"
             )
+
+
+def upstream_root(base_url: str) -> str:
+    """The server root of an upstream's base_url (a trailing slash and /v1 dropped)."""
+    root = base_url.rstrip("/")
+    return root[:-3] if root.endswith("/v1") else root
+
+
+def _check_upstreams(upstreams: tuple[UpstreamSpec, ...], models: list[str], source: str) -> None:
+    """Names unique, URLs http(s) with a host, models known. Messages never repeat a URL (it may
+    carry credentials)."""
+    from urllib.parse import urlsplit
+
+    seen: set[str] = set()
+    for up in upstreams:
+        if not up.name or up.name in seen or any(c.isspace() or c == "/" for c in up.name):
+            raise ConfigError(f"{source}: upstream name {up.name!r} is empty, repeated, or has spaces or '/'")
+        seen.add(up.name)
+        where = f"{source}: upstream {up.name!r}"
+        parts = urlsplit(up.base_url)
+        try:
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            raise ConfigError(f"{where}: base_url has a port that is not 1..65535") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+            raise ConfigError(f"{where}: base_url must be http(s)://HOST[:PORT][/PREFIX]")
+        if parts.username or parts.password:
+            raise ConfigError(f"{where}: base_url must not carry credentials; use api_key_env")
+        if up.api_key_env and not up.api_key_env.replace("_", "a").isalnum():
+            raise ConfigError(f"{where}: api_key_env must name an environment variable (letters, digits, _)")
+        if not up.models:
+            raise ConfigError(f"{where}: models must list at least one model")
+        unknown = sorted(set(up.models) - set(models))
+        if unknown:
+            raise ConfigError(f"{where}: models {unknown} are not in models.toml (the gateway tokenizes "
+                              "with its own copy of each model)")
+        extra = sorted(set(up.served_names) - set(up.models))
+        if extra:
+            raise ConfigError(f"{where}: served_names names model(s) {extra} that are not in its models")
+        if up.max_concurrency < 1:
+            raise ConfigError(f"{where}: max_concurrency must be at least 1, got {up.max_concurrency}")
+        for key in ("request_timeout_s", "connect_timeout_s"):
+            if not getattr(up, key) > 0:
+                raise ConfigError(f"{where}: {key} must be positive, got {getattr(up, key)}")
 
 
 def load_settings(config_dir: str | Path | None = None, environ: dict[str, str] | None = None) -> Settings:

@@ -196,7 +196,8 @@ class Flight:
 
     def observe(self, delta: RequestDelta) -> None:
         """Bookkeeping for one delta: a few attribute writes, nothing per token."""
-        if delta.token_ids and self.first_token_time is None:
+        # The first output: token ids from a worker; text alone from an upstream that sends no ids.
+        if (delta.token_ids or delta.text) and self.first_token_time is None:
             self.first_token_time = time.time()
             self.engine_first_token = delta.first_token_time
             self.engine_first_scheduled = delta.first_scheduled_time
