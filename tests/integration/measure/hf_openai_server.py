@@ -5,11 +5,17 @@ OpenAI SSE chunks. It shares no code with sluice's gateway or engine: if the loa
 works against this, it is not tied to sluice.
 
     python hf_openai_server.py MODEL_DIR   -> prints "PORT <n>" once listening on 127.0.0.1
+
+For the upstream tests (tests/integration/dispatch/test_upstream.py) it can act as a server with
+a short batch: HF_MAX_RUNNING=N lets N requests generate at once and the others wait, and
+GET /metrics reports them as vLLM's `vllm:num_requests_waiting` / `running` gauges, plus the most
+requests it ever held at once (`hf:max_requests_present`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -24,6 +30,17 @@ TOKENIZER = AutoTokenizer.from_pretrained(MODEL_DIR)
 MODEL = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
 EOS = set(MODEL.generation_config.eos_token_id or [])
 FORWARD_LOCK = threading.Lock()  # one forward at a time; requests interleave between tokens
+MAX_RUNNING = int(os.environ.get("HF_MAX_RUNNING", "0"))  # 0 = no limit
+RUN_SLOTS = threading.Semaphore(MAX_RUNNING) if MAX_RUNNING else None
+STATE_LOCK = threading.Lock()
+STATE = {"waiting": 0, "running": 0, "max_present": 0}
+
+
+def _count(waiting: int, running: int) -> None:
+    with STATE_LOCK:
+        STATE["waiting"] += waiting
+        STATE["running"] += running
+        STATE["max_present"] = max(STATE["max_present"], STATE["waiting"] + STATE["running"])
 
 
 def greedy_tokens(prompt_ids: list[int], max_tokens: int, ignore_eos: bool):
@@ -53,6 +70,31 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(body):x}\r\n".encode() + body + b"\r\n")
         self.wfile.flush()
 
+    def do_GET(self) -> None:
+        if self.path == "/metrics":
+            with STATE_LOCK:
+                body = (f"# TYPE vllm:num_requests_waiting gauge\n"
+                        f'vllm:num_requests_waiting{{model_name="demo"}} {STATE["waiting"]}\n'
+                        f"# TYPE vllm:num_requests_running gauge\n"
+                        f'vllm:num_requests_running{{model_name="demo"}} {STATE["running"]}\n'
+                        f"# TYPE hf:max_requests_present gauge\n"
+                        f'hf:max_requests_present {STATE["max_present"]}\n').encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        if self.path != "/v1/models":
+            self.send_error(404)
+            return
+        body = b'{"object": "list", "data": [{"id": "demo", "object": "model"}]}'
+        self.send_response(200 if self.headers.get("Authorization") == "Bearer test-key" else 401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def do_POST(self) -> None:
         chat = self.path == "/v1/chat/completions"
         if not chat and self.path != "/v1/completions":
@@ -70,9 +112,23 @@ class Handler(BaseHTTPRequestHandler):
         if chat:
             prompt_ids = TOKENIZER.apply_chat_template(request["messages"], add_generation_prompt=True,
                                                        tokenize=True, return_dict=False)
+        elif isinstance(request["prompt"], list):  # token ids, as OpenAI's API allows
+            prompt_ids = [int(t) for t in request["prompt"]]
         else:
             prompt_ids = TOKENIZER.encode(request["prompt"])
         prompt_ids = list(prompt_ids)
+        _count(1, 0)
+        if RUN_SLOTS is not None:
+            RUN_SLOTS.acquire()
+        _count(-1, 1)
+        try:
+            self._generate(request, chat, prompt_ids)
+        finally:
+            _count(0, -1)
+            if RUN_SLOTS is not None:
+                RUN_SLOTS.release()
+
+    def _generate(self, request: dict, chat: bool, prompt_ids: list[int]) -> None:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
