@@ -1,0 +1,32 @@
+"""What an upstream is sent for a request: `completion_body` (gateway/upstream.py)."""
+
+from __future__ import annotations
+
+from sluice.gateway.upstream import completion_body
+from sluice.protocol import GenerateRequest, Priority, SamplingParams
+from sluice.settings import UpstreamSpec, upstream_root
+
+
+def request(priority: Priority = Priority.INTERACTIVE, **sampling: object) -> GenerateRequest:
+    return GenerateRequest(request_id="r1", tenant_id="t1", model="demo", priority=priority,
+                           prompt_token_ids=(1, 2, 3), sampling=SamplingParams(**sampling),  # type: ignore[arg-type]
+                           cache_salt="salt-t1", arrival_time=0.0)
+
+
+def test_openai_kind_gets_standard_fields_and_only_the_extensions_set() -> None:
+    spec = UpstreamSpec(name="a", base_url="http://x", models=("demo",), served_names={"demo": "org/Demo"})
+    body = completion_body(request(max_tokens=7, temperature=0.0, seed=5, stop=("\n",)), spec, priority_enabled=True)
+    assert body == {"model": "org/Demo", "prompt": [1, 2, 3], "max_tokens": 7, "temperature": 0.0, "top_p": 1.0,
+                    "seed": 5, "stop": ["\n"], "stream": True, "stream_options": {"include_usage": True}}
+    body = completion_body(request(top_k=20, ignore_eos=True, stop_token_ids=(9,)), spec, priority_enabled=True)
+    assert body["top_k"] == 20 and body["ignore_eos"] is True and body["stop_token_ids"] == [9]
+    assert "priority" not in body and "cache_salt" not in body and "min_p" not in body
+
+
+def test_vllm_kind_gets_ids_salt_and_the_class_as_priority() -> None:
+    spec = UpstreamSpec(name="v", base_url="http://x/v1/", models=("demo",), kind="vllm", priority=True)
+    body = completion_body(request(Priority.BATCH), spec, priority_enabled=True)
+    assert body["return_token_ids"] is True and body["cache_salt"] == "salt-t1" and body["priority"] == 2
+    assert body["model"] == "demo"
+    assert "priority" not in completion_body(request(Priority.BATCH), spec, priority_enabled=False)
+    assert upstream_root(spec.base_url) == "http://x"
