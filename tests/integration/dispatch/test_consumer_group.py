@@ -221,3 +221,42 @@ async def test_a_revoked_partition_is_never_committed_by_its_old_owner(bootstrap
     finally:
         await second.stop()
         await first.stop()
+
+
+async def test_a_revoked_partition_s_watermark_is_committed_before_it_moves(bootstrap_servers: str) -> None:
+    """Finished offsets not yet committed when a rebalance starts are committed by the old owner
+    while it still owns the partition, so the new owner replays nothing it finished."""
+    settings = group_settings(bootstrap_servers)
+    await ensure_topics(settings)
+    got: list[tuple[GenerateRequest, RecordRef]] = []
+
+    async def reads(request: GenerateRequest, ref: RecordRef) -> None:
+        got.append((request, ref))
+
+    async def ignore(request: GenerateRequest, ref: RecordRef) -> None:
+        return None
+
+    # After one commit its commit loop sleeps for the rest of the test: later finishes stay pending.
+    first = ClassConsumer(settings, Priority.BATCH, reads, group_assigned=True, commit_interval_s=3600)
+    second = ClassConsumer(settings, Priority.BATCH, ignore, group_assigned=True)
+    await first.start()
+    try:
+        await wait_for(lambda: len(first.owned) == PARTITIONS, 60, "the first member to join")
+        await append_all(settings, [line(n) for n in range(N)])
+        await wait_for(lambda: len(got) == N, 30, "every record to be read")
+        first.finish(got[0][1])
+        deadline = time.monotonic() + 10
+        while (await committed(settings))[got[0][1].partition.partition] is None:
+            assert time.monotonic() < deadline, "the first commit did not go out"
+            await asyncio.sleep(0.1)
+        for _, ref in got[1:]:
+            first.finish(ref)  # pending: the commit loop sleeps
+        ends: dict[int, int] = {}
+        for _, ref in got:
+            ends[ref.partition.partition] = max(ends.get(ref.partition.partition, 0), ref.offset + 1)
+        await second.start()
+        await wait_for(lambda: bool(first.owned) and bool(second.owned), 60, "the group to rebalance")
+        assert await committed(settings) == ends  # every partition's watermark, committed at revocation
+    finally:
+        await second.stop()
+        await first.stop()
