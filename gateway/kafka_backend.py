@@ -107,7 +107,7 @@ class StreamSubmission(QueuedSubmission):
 
     def __init__(self, request_id: str, backend: KafkaBackend) -> None:
         super().__init__(request_id, backend._abort)
-        self.job: Job | None = None  # set once consumed from Kafka
+        self.job: Job | None = None  # set once dispatched (at acceptance)
 
     @property
     def worker(self) -> str:

@@ -110,6 +110,7 @@ class SchedulerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     min_share_batch: float = 0.02
     priority_enabled: bool = True  # False: one lane for all classes (isolation experiment control arm)
     # In-memory backlog per class; above it the class topic's consumer is paused (Kafka holds the rest).
+    # Streams count toward it but are dispatched at acceptance all the same (the quotas' max_queued bounds them).
     max_backlog_per_class: int = 2000
 
 
