@@ -268,8 +268,9 @@ def test_own_worker_and_upstream_in_one_deployment(pair: Pair, tmp_path: Path, d
     env.update(SLUICE_GATEWAY_RECORD_LOG_PATH=str(record_log), UPSTREAM_KEY=pair.up_key)
     mixed = Serve(tmp_path, env, free_port(), "--workers", "1")
     try:
-        wait_until(lambda: len(mixed.admin("GET", "/admin/workers").json().get("workers", [])) == 2
-                   if mixed.process.poll() is None else True, "a worker and the upstream", timeout=180)
+        mixed.wait_ready()  # answers, with one of the two
+        wait_until(lambda: len(mixed.admin("GET", "/admin/workers").json()["workers"]) == 2,
+                   "a worker and the upstream", timeout=180)
         kinds = sorted(w["kind"] for w in mixed.admin("GET", "/admin/workers").json()["workers"])
         assert kinds == ["upstream", "worker"]
         client = openai.OpenAI(api_key=tenant_key(mixed, "demo-chat"), base_url=mixed.base + "/v1",
