@@ -83,6 +83,20 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     _common(overhead, "gateway-overhead")
     overhead.set_defaults(handler=_gateway_overhead)
 
+    scale = bench_subparsers.add_parser(
+        "scale-out", help="throughput and gateway overhead with 1, 2, 3 gateway replicas (one run, same load)")
+    scale.add_argument("--replicas", type=positive_int_list, default=[1, 2, 3], help="cluster sizes, e.g. 1,2,3")
+    scale.add_argument("--workers", type=int, default=2, help="worker processes, linked to every replica")
+    scale.add_argument("--concurrency", type=int, default=16, help="closed-loop streams, round-robin")
+    scale.add_argument("--requests", type=int, default=300, help="requests per cluster size")
+    scale.add_argument("--max-tokens", type=int, default=16)
+    scale.add_argument("--model", help="model directory (default: the demo model)")
+    scale.add_argument("--postgres-url", default="", help="PostgreSQL server URL; a database is made per size")
+    scale.add_argument("--redis-url", default="", help="Redis URL; a key prefix is used per size")
+    scale.add_argument("--json", dest="json_out", default="scale-out.json", help="JSON summary path")
+    scale.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    scale.set_defaults(handler=_scale_out)
+
 
 def _policies(args: argparse.Namespace) -> int:
     from sluice.experiments.policies import run_policies_command
@@ -100,6 +114,12 @@ def _isolation(args: argparse.Namespace) -> int:
     from sluice.experiments.isolation import run_isolation_command
 
     return run_isolation_command(args)
+
+
+def _scale_out(args: argparse.Namespace) -> int:
+    from sluice.experiments.scale_out import run_scale_out_command
+
+    return run_scale_out_command(args)
 
 
 def _gateway_overhead(args: argparse.Namespace) -> int:
