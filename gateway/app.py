@@ -27,6 +27,7 @@ from sluice.gateway.admin.controllers import AdminController
 from sluice.gateway.admin.service import AdminService
 from sluice.gateway.api.generation import GenerationService
 from sluice.gateway.api.openai import OpenAIController
+from sluice.gateway.api.resumable import StreamHub
 from sluice.gateway.api.system import health, metrics, ready
 from sluice.gateway.api.tokenize import TokenizeController
 from sluice.gateway.auth import AuthService
@@ -87,7 +88,8 @@ def create_app(
         session_factory = make_session_factory(owned_engine)
     # One per process: `sluice serve` passes the one its backend uses, so both file under one
     # replica id. The app starts it (before the backend) and stops it (after).
-    shared = open_shared(settings.shared) if shared is None else shared
+    if shared is None:
+        shared = open_shared(settings.shared, stream_retention_s=settings.gateway.stream_retention_s)
     auth = AuthService(session_factory, cache_ttl_s=settings.gateway.key_cache_ttl_s, bus=shared.bus)
     usage = UsageService(session_factory)
     quotas = QuotaService(usage.day_total, ledger=shared.ledger)
@@ -96,6 +98,7 @@ def create_app(
                                    request_timeout_s=settings.gateway.request_timeout_s,
                                    max_prompt_chars=settings.gateway.max_prompt_chars,
                                    max_messages=settings.gateway.max_messages)
+    streams = StreamHub(shared.stream_log, generation.spawn, grace_s=settings.gateway.disconnect_grace_s)
     admin = AdminService(session_factory, auth, usage.flush)
     body_judge = BodyJudge()
     state = State(
@@ -109,6 +112,7 @@ def create_app(
             "quotas": quotas,
             "tokenizers": tokenizers,
             "generation": generation,
+            "streams": streams,
             "body_judge": body_judge,
             "admin": admin,
             "tenants": admin,
@@ -138,6 +142,7 @@ def create_app(
         log.info("gateway ready: models %s", ", ".join(tokenizers.names()) or "(none)")
 
     async def shutdown(app: Litestar) -> None:
+        await streams.stop()
         await backend.stop()
         await generation.drain()
         await shared.stop()

@@ -71,6 +71,7 @@ ERROR_MEANINGS: dict[int, str] = {
     "or a model the tenant may not use",
     404: "No such resource (unknown id or model)",
     409: "The name is already taken",
+    410: "Gone: the stream events asked for are no longer kept (past the log's bound)",
     413: "The request body is larger than the gateway accepts",
     429: "Over a rate limit (`retry-after` says when to retry) or over a budget that no retry helps "
     "(`x-should-retry: false`): the daily token budget, or one request larger than the tokens-per-minute "

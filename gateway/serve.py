@@ -317,7 +317,7 @@ def run_gateway(settings: Settings, role: GatewayRole) -> int:
         )
     workers = LocalWorkers(settings, role.local_workers, role.device, var / "logs")
     batches = batch_components(settings)
-    shared = open_shared(settings.shared)
+    shared = open_shared(settings.shared, stream_retention_s=settings.gateway.stream_retention_s)
     backend = KafkaBackend(settings, batch_handler=batches.handler, shared=shared)
     gw = settings.gateway
     tasks: list[asyncio.Task[None]] = []

@@ -19,6 +19,7 @@ from sluice.gateway.ledger import LocalLedger, QuotaLedger
 from sluice.gateway.redis_ledger import RedisLedger
 from sluice.gateway.shared_fair import RedisFairness
 from sluice.gateway.slots import LocalSlots, RedisSlots, WorkerSlots
+from sluice.gateway.stream_log import DEFAULT_RETENTION_S, LocalStreamLog, RedisStreamLog, StreamLog
 from sluice.settings import SharedSettings
 
 # A Redis that does not answer within this long fails the admission (503), not the event loop.
@@ -33,10 +34,12 @@ class SharedState:
     clients: tuple[Redis, ...] = field(default=())
     slots: WorkerSlots = field(default_factory=LocalSlots)  # who may send to a worker (gateway/slots.py)
     fairness: RedisFairness | None = None  # the fair scheduler's counters, cluster-wide (None: this process's)
+    stream_log: StreamLog = field(default_factory=LocalStreamLog)  # streamed responses' events (docs/streams.md)
 
     async def start(self) -> None:
         await self.ledger.start()
         await self.bus.start()
+        await self.stream_log.start()
 
     async def ready(self) -> dict[str, bool]:
         """`/ready`'s check: {"shared": Redis answers}, or nothing when the state is in-process."""
@@ -50,6 +53,7 @@ class SharedState:
 
     async def stop(self) -> None:
         """After the gateway's own requests have ended: settles what is left and gives the lease up."""
+        await self.stream_log.stop()
         await self.bus.stop()
         await self.ledger.stop()
         for client in self.clients:
@@ -71,11 +75,16 @@ def new_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def open_shared(settings: SharedSettings, *, replica: str | None = None) -> SharedState:
-    """One per gateway process: the app and the backend share it (pass it to both)."""
+def open_shared(
+    settings: SharedSettings, *, replica: str | None = None, stream_retention_s: float = DEFAULT_RETENTION_S
+) -> SharedState:
+    """One per gateway process: the app and the backend share it (pass it to both).
+    `stream_retention_s` is `gateway.stream_retention_s`."""
     replica = replica or new_replica_id()
     if not settings.url:
-        return SharedState(LocalLedger(), LocalBus(), replica)
+        return SharedState(
+            LocalLedger(), LocalBus(), replica, stream_log=LocalStreamLog(retention_s=stream_retention_s)
+        )
     commands = _client(settings.url, retries=1)
     # The subscription gets no silent retries: the bus must see every break (it may have missed messages).
     subscription = _client(settings.url, retries=0)
@@ -86,4 +95,5 @@ def open_shared(settings: SharedSettings, *, replica: str | None = None) -> Shar
         (commands, subscription),
         RedisSlots(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
         RedisFairness(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
+        RedisStreamLog(commands, prefix=settings.prefix, retention_s=stream_retention_s),
     )

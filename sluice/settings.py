@@ -53,6 +53,12 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_messages: int = 2048  # messages of one chat request (OpenAI's own limit)
     max_body_bytes: int = 8 * 2**20
     request_timeout_s: float = 600.0
+    # Streamed responses (docs/streams.md): their events are kept this long after the last one, for
+    # clients that attach again (GET .../{id}/events, or the POST re-sent with its Idempotency-Key).
+    stream_retention_s: float = 300.0
+    # A stream whose client went away keeps generating this long for a client to attach again, then
+    # is aborted; 0 = abort at once (a request can ask for that: `X-Sluice-Disconnect: abort`).
+    disconnect_grace_s: float = 30.0
     key_cache_ttl_s: float = 30.0
     record_log_path: str = ""  # per-request JSON lines; empty = the `sluice.records` logger only
 

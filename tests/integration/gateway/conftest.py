@@ -75,6 +75,12 @@ def shared_mode() -> str:
     return "in-process"
 
 
+@pytest.fixture(scope="module")
+def gateway_options() -> dict[str, Any]:
+    """More `GatewaySettings` fields for this module's gateway (override it in a module)."""
+    return {}
+
+
 def _shared_settings(mode: str) -> SharedSettings:
     if mode == "in-process":
         return SharedSettings()
@@ -87,13 +93,17 @@ def _shared_settings(mode: str) -> SharedSettings:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, shared_mode: str) -> Iterator[Gateway]:
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, shared_mode: str, gateway_options: dict[str, Any]
+) -> Iterator[Gateway]:
     directory = tmp_path_factory.mktemp("gateway")
     database_url = f"sqlite+aiosqlite:///{directory / 'sluice.db'}"
     admin_token = "slc-admin-" + secrets.token_urlsafe(32)
     metrics_token = "metrics-" + secrets.token_urlsafe(24)
     settings = Settings(
-        gateway=GatewaySettings(max_body_bytes=256 * 1024, key_cache_ttl_s=30.0, metrics_token=metrics_token),
+        gateway=GatewaySettings(
+            max_body_bytes=256 * 1024, key_cache_ttl_s=30.0, metrics_token=metrics_token, **gateway_options
+        ),
         admin=AdminSettings(token=admin_token),
         database=DatabaseSettings(url=database_url),
         shared=_shared_settings(shared_mode),
