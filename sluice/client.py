@@ -41,12 +41,12 @@ class StreamBroken(Exception):
 
 def _events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
     """(id, data) per SSE event; comments and unknown fields are skipped."""
-    event_id, data = "", []
+    event_id, data = "", list[str]()
     for line in lines:
         if not line:
             if data:
                 yield event_id, "\n".join(data)
-            event_id, data = "", []
+            event_id, data = "", list[str]()
         elif line.startswith("id:"):
             event_id = line[3:].strip()
         elif line.startswith("data:"):
