@@ -32,6 +32,7 @@ DEFAULT_RETENTION_S = 300.0
 DEFAULT_MAX_EVENTS = 65_536  # per response: more than any completion of a 64k-token context has
 MAX_RESPONSES = 20_000  # in-process: the oldest response is forgotten beyond this many
 READ_BATCH = 1024  # events per XRANGE / XREAD
+EXPIRE_EVERY_S = 5.0  # a live stream's keys have their TTL renewed this often (it is >= 1 s)
 MIRROR_LINGER_S = 30.0  # Redis mode: the in-process mirror of an ended response lives this long
 
 
@@ -260,6 +261,7 @@ class RedisStreamLog:
         self._mirror = LocalStreamLog(retention_s=min(retention_s, MIRROR_LINGER_S), max_events=max_events)
         self._next: dict[str, int] = {}  # next seq of each response pumped here
         self._keys: dict[str, str] = {}  # response id -> its Idempotency-Key's Redis key
+        self._expired_at: dict[str, float] = {}  # response id -> when its TTLs were last renewed
         self._pending: list[tuple[str, int, bytes | None, float]] = []  # id, seq, frame (None: end), when
         self._wake = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
@@ -350,14 +352,21 @@ class RedisStreamLog:
             fields: dict[str, bytes] = {"f": frame} if frame is not None else {"e": b"1"}
             pipe.xadd(self._k("sl", rid), fields, id=_entry_id(seq), maxlen=self.max_events, approximate=True)  # type: ignore[arg-type]
             touched[rid] = touched.get(rid, False) or frame is None
+        now = time.monotonic()
         for rid, ended in touched.items():
+            # The TTLs are renewed at the first event, at the end and every EXPIRE_EVERY_S between:
+            # three EXPIREs per batch per stream would cost more than the XADDs.
+            if not ended and now - self._expired_at.get(rid, -EXPIRE_EVERY_S) < EXPIRE_EVERY_S:
+                continue
+            self._expired_at[rid] = now
             pipe.expire(self._k("sl", rid), self._ttl)
             pipe.expire(self._k("sm", rid), self._ttl)
             key = self._keys.get(rid)
             if key is not None:
                 pipe.expire(key, self._ttl)
-                if ended:
-                    del self._keys[rid]
+            if ended:
+                self._keys.pop(rid, None)
+                del self._expired_at[rid]
         for attempt in (1, 2):
             try:
                 await pipe.execute(raise_on_error=False)

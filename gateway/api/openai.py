@@ -144,7 +144,7 @@ async def _answer_stream(
         await _unless_disconnected(request, flight.first_delta())
     except BaseException:
         flight.finish(aborted=True)
-        streams.log.end(response_id)
+        await streams.log.drop(response_id, tenant.id, key)  # nothing was streamed: a retry starts anew
         raise
     streams.start(flight, stream(flight), grace_s)
     return Stream(

@@ -100,9 +100,12 @@ def test_concurrency_cap_counts_open_streams(gateway) -> None:
     _, key = gateway.tenant(quotas={"max_concurrent": 1})
     with gateway.client(key) as client:
         with client.stream(
-            "POST", "/v1/chat/completions", json=body(max_tokens=3000, ignore_eos=True, stream=True)
+            "POST",
+            "/v1/chat/completions",
+            json=body(max_tokens=3000, ignore_eos=True, stream=True),
+            headers={"x-sluice-disconnect": "abort"},  # the slot is released at the disconnect, no grace
         ) as stream:
-            lines = stream.iter_lines()
+            lines = (line for line in stream.iter_lines() if not line.startswith("id: "))
             first = [next(lines) for _ in range(3)]  # role chunk, blank, first content chunk
             assert '"content"' in first[2] and "error" not in first[2], first
             second = client.post("/v1/chat/completions", json=body())

@@ -387,5 +387,12 @@ def test_a_stream_accepted_on_a_is_followed_through_b_while_it_runs(gateway, rep
         with b.stream("GET", f"/v1/chat/completions/{response_id}/events", headers=headers) as response:
             assert response.status_code == 200
             items = events(response)
-    assert_consecutive(items, response_id, first=1)
-    assert items[-1][1] == "[DONE]" and chat_text(items) == want
+        assert_consecutive(items, response_id, first=1)
+        assert items[-1][1] == "[DONE]" and chat_text(items) == want
+        # After the end, from Redis (B never had it in memory): exactly the events after seq 5.
+        with b.stream(
+            "GET",
+            f"/v1/chat/completions/{response_id}/events",
+            headers={**headers, "last-event-id": f"{response_id}:5"},
+        ) as response:
+            assert events(response) == items[5:]

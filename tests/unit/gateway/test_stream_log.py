@@ -1,0 +1,77 @@
+"""The in-process stream log and the header rules of resumable streams: pure logic, no network."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sluice.gateway.api.resumable import check_idempotency_key, disconnect_grace, parse_last_event_id
+from sluice.gateway.errors import OpenAIError
+from sluice.gateway.stream_log import LocalStreamLog, LogTrimmed
+
+pytestmark = pytest.mark.unit
+
+
+async def test_reads_after_a_seq_wait_for_the_next_event_and_see_the_end() -> None:
+    log = LocalStreamLog()
+    assert await log.create("r1", "tenant-a", None) is None
+    for frame in (b"a", b"b", b"c"):
+        log.append("r1", frame)
+    page = await log.read("r1", 0, wait_s=0)
+    assert page is not None and (page.first, page.frames, page.ended) == (1, [b"b", b"c"], False)
+    waiting = asyncio.ensure_future(log.read("r1", 2, wait_s=30))
+    await asyncio.sleep(0)
+    log.append("r1", b"d")
+    page = await waiting
+    assert page is not None and (page.first, page.frames) == (3, [b"d"])
+    log.end("r1")
+    log.append("r1", b"after the end")  # ignored
+    page = await log.read("r1", 3, wait_s=30)
+    assert page is not None and page.frames == [] and page.ended
+    assert await log.owner("r1") == "tenant-a" and await log.owner("nope") is None
+    assert await log.read("nope", -1, wait_s=0) is None
+
+
+async def test_the_bound_trims_the_front_and_a_read_into_the_gap_says_so() -> None:
+    log = LocalStreamLog(max_events=3)
+    await log.create("r", "t", None)
+    for i in range(5):
+        log.append("r", b"%d" % i)
+    page = await log.read("r", 1, wait_s=0)
+    assert page is not None and page.frames == [b"2", b"3", b"4"]
+    with pytest.raises(LogTrimmed):
+        await log.read("r", 0, wait_s=0)
+
+
+async def test_keys_are_per_tenant_and_expire_with_the_response() -> None:
+    log = LocalStreamLog(retention_s=0.05)
+    assert await log.create("r1", "a", "k") is None
+    assert await log.create("r2", "a", "k") == "r1"  # same tenant, same key: the first response
+    assert await log.create("r3", "b", "k") is None  # another tenant's key is its own
+    assert await log.by_key("a", "k") == "r1"
+    log.end("r1")
+    await asyncio.sleep(0.1)
+    assert await log.owner("r1") is None and await log.by_key("a", "k") is None
+    assert await log.create("r4", "a", "k") is None  # expired: the key is free again
+    await log.drop("r4", "a", "k")
+    assert await log.by_key("a", "k") is None and await log.owner("r4") is None
+
+
+def test_header_rules() -> None:
+    assert parse_last_event_id(None, None) == (None, -1)
+    assert parse_last_event_id("chatcmpl-x:7", "chatcmpl-x") == ("chatcmpl-x", 7)
+    for bad in ("7", "chatcmpl-x:", ":3", "chatcmpl-x:-1", "chatcmpl-x:1e3", "chatcmpl-x:" + "9" * 13):
+        with pytest.raises(OpenAIError):
+            parse_last_event_id(bad, None)
+    with pytest.raises(OpenAIError):
+        parse_last_event_id("chatcmpl-y:1", "chatcmpl-x")
+    assert disconnect_grace(None, 30) == 30 and disconnect_grace("abort", 30) == 0
+    assert disconnect_grace("grace=5", 30) == 5 and disconnect_grace("grace=99", 30) == 30
+    for bad in ("never", "grace=", "grace=nan", "grace=-2", "grace=inf"):
+        with pytest.raises(OpenAIError):
+            disconnect_grace(bad, 30)
+    assert check_idempotency_key(None) is None and check_idempotency_key("k-1") == "k-1"
+    for bad in ("", "x" * 256, "ключ", "a\nb"):
+        with pytest.raises(OpenAIError):
+            check_idempotency_key(bad)
