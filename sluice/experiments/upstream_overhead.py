@@ -19,6 +19,7 @@ Each gateway runs only for its own turn, so an idle one does not take CPU from a
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import secrets
@@ -71,7 +72,10 @@ def level_stats(results: list[StreamResult], wall_s: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok and r.ttft_s is not None]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     gaps = [g for r in ok for g in r.gaps()]
-    return {"requests": len(results), "errors": len(results) - len(ok), "wall_s": wall_s,
+    kinds = collections.Counter(r.error for r in results if r.error)
+    examples = {r.error: r.error_detail for r in reversed(results) if r.error}
+    return {"requests": len(results), "errors": len(results) - len(ok), "error_kinds": dict(kinds),
+            "error_examples": examples, "wall_s": wall_s,
             "rps": len(ok) / wall_s if wall_s > 0 else None,
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_mean_s": _mean(gaps), "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),

@@ -51,6 +51,7 @@ class StreamResult:
     end: float = 0.0
     completion_tokens: int = 0
     error: str = ""  # "" = success; else http_NNN, stream, connect, closed
+    error_detail: str = ""  # the start of an error body or event
 
     @property
     def ok(self) -> bool:
@@ -112,7 +113,9 @@ class _Connection:
             await self._read_chunked(reader, result)
         else:
             body = await reader.readexactly(int(headers.get(b"content-length") or 0))
-            if status == 200 and body:
+            if status != 200:
+                result.error_detail = body[:200].decode("utf-8", "replace")
+            elif body:
                 event = _decode(body)
                 result.completion_tokens = int((event.get("usage") or {}).get("completion_tokens") or 0)
                 result.first_token = time.perf_counter()
@@ -149,6 +152,7 @@ class _Connection:
             chunk = _decode(payload)
             if isinstance(chunk, dict) and "error" in chunk:
                 result.error = result.error or "stream"
+                result.error_detail = result.error_detail or payload[:200].decode("utf-8", "replace")
             elif _carries_text(chunk):
                 if result.first_token is None:
                     result.first_token = now
@@ -163,7 +167,7 @@ async def closed_loop(target: Target, concurrency: int, *, requests: int | None 
                       on_start: Callable[[], Awaitable[None]] | None = None) -> tuple[list[StreamResult], float]:
     """`concurrency` streams, each sending its next request when the last one ends.
 
-    Stops after `requests` in all, or (with `duration_s`) at the first request end past it.
+    Stops after `requests` in all, or (with `duration_s`) at the deadline, dropping what is in flight.
     Connections are opened before the clock starts, so connection set-up is not a request's TTFT.
     Returns the results and the wall time from the start to the last end.
     """
@@ -196,8 +200,15 @@ async def closed_loop(target: Target, concurrency: int, *, requests: int | None 
                 conn.close()
                 await asyncio.sleep(0.05)  # a refusing server is not hammered in a tight loop
 
+    tasks = [asyncio.ensure_future(one_stream(c)) for c in connections]
     try:
-        await asyncio.gather(*(one_stream(c) for c in connections))
+        # Timed runs end at the deadline: requests still in flight are dropped (their connections
+        # closed), so a target that queues hundreds of requests does not stretch the run.
+        timeout = None if stop_at is None else max(stop_at - time.perf_counter(), 0.0)
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         for conn in connections:
             conn.close()
