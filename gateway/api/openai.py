@@ -235,26 +235,16 @@ class OpenAIController(Controller):
         return await _answer(request, generation, tenant, prepared, stream_completion, complete_text)
 
     @get(
-        "/chat/completions/{response_id:str}/events",
-        summary="Attach to a streamed chat completion",
+        ["/chat/completions/{response_id:str}/events", "/completions/{response_id:str}/events"],
+        summary="Attach to a streamed (chat) completion",
         description=_ATTACH_NOTE,
         responses=_ATTACH_ERRORS,
     )
-    async def chat_events(
+    async def stream_events(
         self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], response_id: FromPath[str]
     ) -> Response[Any]:
-        return await _events(request, tenant, response_id, "chatcmpl-")
-
-    @get(
-        "/completions/{response_id:str}/events",
-        summary="Attach to a streamed completion",
-        description=_ATTACH_NOTE,
-        responses=_ATTACH_ERRORS,
-    )
-    async def completion_events(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], response_id: FromPath[str]
-    ) -> Response[Any]:
-        return await _events(request, tenant, response_id, "cmpl-")
+        kind = "chatcmpl-" if "/chat/completions/" in request.url.path else "cmpl-"
+        return await _events(request, tenant, response_id, kind)
 
     @get("/usage", summary="Your own token usage per model and UTC day", responses=_READ_ERRORS)
     async def usage(
