@@ -39,6 +39,10 @@ def cluster_overrides() -> dict[str, object]:
     return {"worker_max_num_seqs": 2, "sluice_toml": "[scheduler]\naging_s = 0.0\n"}
 
 
+def jain(values: list[float]) -> float:
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
 def set_draining(cluster: Cluster, draining: bool) -> None:
     """Every worker on every replica, all calls at once: undrained one replica after another, the
     first would fill every worker slot before the others could dispatch anything."""
@@ -94,6 +98,30 @@ def spread(key: str, count: int, replicas: list[int]) -> list[tuple[int, str]]:
 
 def interleave(*lists: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return [item for group in itertools.zip_longest(*lists) for item in group if item is not None]
+
+
+async def check_jain(cluster: Cluster, light_replicas: list[int], label: str) -> None:
+    tag = secrets.token_hex(3)
+    heavy_name, light_name = f"heavy-{tag}", f"light-{tag}"
+    heavy = cluster.new_tenant(heavy_name)[2]
+    light = cluster.new_tenant(light_name)[2]
+    every = [r.index for r in cluster.replicas]
+    heavy_n, light_n = 100, 10  # 10x skew
+    await run_drained(cluster, interleave(spread(heavy, heavy_n, every), spread(light, light_n, light_replicas)))
+    records = (await wait_records(cluster, heavy_name, heavy_n)) + (await wait_records(cluster, light_name, light_n))
+    order = served_order(records)
+    contended = order[:2 * light_n]  # while the light tenant still had work queued, if served fairly
+    served = tokens_by_tenant(contended)
+    index = jain([served.get(heavy_name, 0), served.get(light_name, 0)])
+    light_positions = [i for i, r in enumerate(order) if r.tenant == light_name]
+    print(f"\nfairness ({label}): first {len(contended)} served: heavy {served.get(heavy_name, 0)} tokens, light "
+          f"{served.get(light_name, 0)} tokens, Jain {index:.3f}; light served at positions {light_positions}")
+    assert index >= 0.95
+
+
+async def test_light_tenant_on_one_replica_is_not_out_shared_by_heavy_on_all(cluster: Cluster) -> None:
+    """Per-replica fairness would serve heavy alone on the two replicas light never reaches."""
+    await check_jain(cluster, [len(cluster.replicas) - 1], "light tenant on one replica only")
 
 
 async def test_weights_two_to_one_over_replicas_give_two_to_one_tokens(cluster: Cluster) -> None:
