@@ -17,6 +17,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotAuthorizedException, ValidationException
 from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
+from redis.exceptions import RedisError
 
 from sluice.gateway.body_check import NESTED_TOO_DEEPLY, BodyFault
 from sluice.gateway.methods import allowed_methods
@@ -228,6 +229,13 @@ def recursion_error_handler(request: Request[Any, Any, Any], exc: RecursionError
     return internal_error_handler(request, exc)
 
 
+def shared_store_error_handler(request: Request[Any, Any, Any], exc: RedisError) -> Response[Any]:
+    """The shared store (Redis) failed on a path that has no more specific answer (e.g. filing a
+    stream in the stream log): a 503 the client may retry; the reason goes to the operator's log."""
+    log.warning("shared store unavailable on %s %s: %r", request.method, request.url.path, exc)
+    return _respond(request, service_unavailable())
+
+
 def internal_error_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     log.error(
         "unhandled error on %s %s: %s", request.method, request.url.path, type(exc).__name__, exc_info=exc
@@ -248,5 +256,6 @@ EXCEPTION_HANDLERS: dict[type[Exception] | int, Any] = {
     RecursionError: recursion_error_handler,
     ValidationException: validation_error_handler,
     HTTPException: http_error_handler,
+    RedisError: shared_store_error_handler,
     Exception: internal_error_handler,
 }

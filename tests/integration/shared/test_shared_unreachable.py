@@ -36,5 +36,14 @@ async def test_unreachable_redis_is_a_503_for_admission(demo_model_dir: Path, tm
         assert error["code"] == "service_unavailable" and error["type"] == "server_error"
         assert answer.headers["retry-after"] == "1"
         assert "127.0.0.1" not in answer.text  # internals go to the operator's log, not the client
+        # A streamed request is filed in the stream log (Redis) before admission: also a 503.
+        streamed = await client.post("/v1/chat/completions", headers={"authorization": f"Bearer {key['key']}"},
+                                     json={"model": "demo", "stream": True, "max_tokens": 1,
+                                           "messages": [{"role": "user", "content": "hi"}]})
+        assert streamed.status_code == 503, streamed.text
+        assert streamed.json()["error"]["code"] == "service_unavailable"
+        attach = await client.get("/v1/chat/completions/chatcmpl-unknown/events",
+                                  headers={"authorization": f"Bearer {key['key']}"})
+        assert attach.status_code in (404, 503), attach.text
         readiness = await client.get("/ready")
         assert readiness.status_code == 503 and readiness.json()["checks"]["shared"] is False
