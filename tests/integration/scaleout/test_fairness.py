@@ -119,6 +119,10 @@ async def check_jain(cluster: Cluster, light_replicas: list[int], label: str) ->
     assert index >= 0.95
 
 
+async def test_ten_to_one_skew_spread_over_replicas_is_fair(cluster: Cluster) -> None:
+    await check_jain(cluster, [r.index for r in cluster.replicas], "both tenants on every replica")
+
+
 async def test_light_tenant_on_one_replica_is_not_out_shared_by_heavy_on_all(cluster: Cluster) -> None:
     """Per-replica fairness would serve heavy alone on the two replicas light never reaches."""
     await check_jain(cluster, [len(cluster.replicas) - 1], "light tenant on one replica only")
