@@ -92,8 +92,8 @@ _Target = TypeVar("_Target")
 MAX_DISPATCH_ATTEMPTS = 3
 REGISTER_TIMEOUT_S = 10.0  # a peer must register this soon after connecting
 REGISTER_MAX_FRAME_BYTES = 64 * 1024  # an unauthenticated peer's frames are small or refused
-# Shared slots: a round that another replica's jobs refused is tried again this soon (their
-# releases are not announced here; the worker's capacity reports wake the loop too).
+# Shared slots: a round that another replica's jobs refused is tried again this soon (the
+# fallback: their releases are announced and wake the loop at once, gateway/slots.py).
 SLOT_RETRY_S = 0.05
 SLOT_ERROR_RETRY_S = 0.5  # Redis unreachable: jobs stay queued, tried again this often
 
@@ -311,6 +311,8 @@ class Dispatcher:
                        asyncio.create_task(self._monitor_loop(), name="worker-monitor")]
         for link in self.upstreams:
             link.start()
+        if isinstance(self.slots, RedisSlots):
+            await self.slots.start()
         if self.fairness is not None:
             await self.fairness.start()
         log.info("worker port listening on %s:%d (%s)", host, self.port, "TLS" if context else "plain TCP")
@@ -337,6 +339,7 @@ class Dispatcher:
         with contextlib.suppress(TimeoutError):  # Redis gone: the lease sweep ends the rest
             if isinstance(self.slots, RedisSlots):
                 await asyncio.wait_for(self.slots.flush(), 5.0)
+                await self.slots.stop()
             if self.fairness is not None:
                 await asyncio.wait_for(self.fairness.stop(), 5.0)
 
@@ -473,7 +476,7 @@ class Dispatcher:
         """One round with shared slots: jobs in the scheduler's order, each sent only once the
         store gave it a slot on a worker (the first candidate, least loaded first, with room by
         every replica's counts). Returns whether the store refused some job (to be tried again
-        soon: other replicas do not announce their releases here)."""
+        soon, should an announced release be missed)."""
         now = time.time()
         limit, by_class = self.settings.dispatch.max_worker_waiting, self.settings.scheduler.priority_enabled
         refused: set[tuple[str, Priority]] = set()

@@ -93,7 +93,8 @@ def open_shared(
         RedisBus(subscription, f"{settings.prefix}:invalidate"),
         replica,
         (commands, subscription),
-        RedisSlots(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
+        RedisSlots(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica,
+                   subscription=subscription),
         RedisFairness(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
         RedisStreamLog(commands, prefix=settings.prefix, retention_s=stream_retention_s),
     )

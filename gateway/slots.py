@@ -13,11 +13,19 @@ schedule").
 A slot is released when its job starts producing (first delta), finishes, is aborted or its worker
 is lost. Each is filed under its replica like the quota ledger's holds, so a dead replica's slots
 are released by the ledger's lease sweep within `shared.lease_s`.
+
+A release is announced to every replica (Redis pub/sub, published by the release script itself),
+and each replica's dispatch loop wakes on it. Without that, only the replica whose own job freed a
+slot woke at once and the others polled every `SLOT_RETRY_S`: the freed slot nearly always went
+back to the replica that freed it, and a replica holding the most deserving work (a light
+tenant's) could wait ~50 dispatches for a slot, so the cluster was not one schedule. A lost
+subscription only costs latency: the poll stays as the fallback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -33,6 +41,8 @@ if TYPE_CHECKING:
     from sluice.gateway.dispatch import Job, WorkerLink
 
 log = logging.getLogger(__name__)
+
+RESUBSCRIBE_DELAY_S = 0.5  # a lost release subscription is retried this often (polling meanwhile)
 
 
 def has_room(est_waiting: int, unstarted: list[Priority], priority: Priority, max_waiting: int) -> bool:
@@ -74,8 +84,11 @@ class RedisSlots:
     settlements. A release that cannot reach Redis is retried before the next take: until then
     the slot still counts, which can only refuse more, never overfill a worker."""
 
-    def __init__(self, client: Redis, *, prefix: str, lease_s: float, replica: str) -> None:
+    def __init__(self, client: Redis, *, prefix: str, lease_s: float, replica: str,
+                 subscription: Redis | None = None) -> None:
         self._client = client
+        self._subscription = subscription  # hears the other replicas' releases (None: polling only)
+        self._listener: asyncio.Task[None] | None = None
         self._prefix = prefix
         self._lease_ms = int(lease_s * 1000)
         self.replica = replica
@@ -85,6 +98,44 @@ class RedisSlots:
         self._retry: set[str] = set()  # slots whose release did not reach Redis yet
         self._tasks: set[asyncio.Task[None]] = set()
         self.on_release: Callable[[], None] = lambda: None  # the dispatcher wakes: room may be back
+
+    async def start(self) -> None:
+        """Listens for the other replicas' releases (each wakes this replica's dispatcher)."""
+        if self._subscription is not None and self._listener is None:
+            self._listener = asyncio.get_running_loop().create_task(self._listen(), name="slot-releases")
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+            self._listener = None
+
+    async def _listen(self) -> None:
+        assert self._subscription is not None
+        channel, me = f"{self._prefix}:slots-freed", self.replica.encode()
+        failing = False
+        while True:
+            pubsub = self._subscription.pubsub()
+            try:
+                await pubsub.subscribe(channel)
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is None:
+                        continue
+                    if message["type"] == "subscribe" and failing:
+                        failing = False
+                        log.info("shared state: slot release announcements heard again")
+                    elif message["type"] == "message" and message["data"] != me:
+                        self.on_release()  # our own releases wake us already, in _release_now
+            except (RedisError, OSError) as exc:
+                if not failing:
+                    log.warning("shared state: slot release subscription lost (%s); polling meanwhile", exc)
+                failing = True
+                await asyncio.sleep(RESUBSCRIBE_DELAY_S)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
 
     async def take(self, job: Job, candidates: Sequence[WorkerLink], max_waiting: int,
                    by_class: bool) -> WorkerLink | None:
