@@ -484,7 +484,9 @@ class Dispatcher:
         while (found := self._next(now, refused, lambda job: self._candidates(job) or None)) is not None:
             item, candidates = found
             job = item.payload
-            worker = await slots.take(job, candidates, limit, by_class)
+            lane = item.priority if by_class else Priority.STANDARD  # the scheduler's lane for it
+            worker = await slots.take(job, candidates, limit, by_class,
+                                      counter=self.scheduler.counter(lane, item.tenant))
             if worker is None:
                 refused.add((job.request.model, item.priority))
                 store_refused = True

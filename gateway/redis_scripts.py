@@ -228,17 +228,47 @@ return 0
 # ---- the global schedule (gateway/slots.py) ------------------------------------------------------
 
 # ARGV: prefix, replica, lease ms, slot (the job's id and a take number), class, max_waiting,
-# by_class ('1': the room rule with overtaking; '0': the plain bound), then (worker, floor) pairs
-# in the order to try. `floor` is the worker's waiting queue as this replica last saw it (its
-# report plus what is on this replica's wire), so preempted jobs count. The first worker with
-# room gets the job: a slot is counted and filed under the replica. Returns that worker's 1-based position, or 0 (none).
+# by_class ('1': the room rule with overtaking; '0': the plain bound), model, the job's fair-share
+# counter (its tenant's virtual tokens in its lane), then (worker, floor) pairs in the order to
+# try. `floor` is the worker's waiting queue as this replica last saw it (its report plus what is
+# on this replica's wire), so preempted jobs count. The first worker with room gets the job: a
+# slot is counted and filed under the replica. Returns that worker's 1-based position, or 0.
+#
+# Arbitration: a replica refused files its head job (class, counter, when) in P:heads:MODEL; a
+# take is refused while another live replica filed, within HEAD_MS, a head of a more urgent class
+# (by_class) or of the same class with a smaller counter. So a freed slot goes to the most
+# deserving head in the cluster, not to whichever replica's take reaches Redis first. A head is
+# dropped when its replica takes a slot, when it is older than HEAD_MS (a refused replica files
+# again at every retry, SLOT_RETRY_S), or when its replica's lease has lapsed.
 TAKE_SLOT = _COMMON + r"""
+local HEAD_MS = 250
 local replica, lease, slot = ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local class, limit, by_class = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7] == '1'
+local model, counter = ARGV[8], tonumber(ARGV[9])
 local now = now_ms()
 redis.call('ZADD', P .. ':replicas', now + lease, replica)
 sweep(now)
-for i = 8, #ARGV, 2 do
+local heads = P .. ':heads:' .. model
+local function file_head()
+  redis.call('HSET', heads, replica, class .. ':' .. ARGV[9] .. ':' .. now)
+  redis.call('PEXPIRE', heads, lease)
+  return 0
+end
+local filed = redis.call('HGETALL', heads)
+for j = 1, #filed, 2 do
+  local other = filed[j]
+  if other ~= replica then
+    local c, v, t = string.match(filed[j + 1], '^(%d+):(.-):(%d+)$')
+    c, v, t = tonumber(c), tonumber(v), tonumber(t)
+    local deadline = tonumber(redis.call('ZSCORE', P .. ':replicas', other))
+    if not c or not v or t < now - HEAD_MS or not deadline or deadline <= now then
+      redis.call('HDEL', heads, other)
+    elseif (by_class and c < class) or ((c == class or not by_class) and v < counter) then
+      return file_head()
+    end
+  end
+end
+for i = 10, #ARGV, 2 do
   local worker = ARGV[i]
   local counts = redis.call('HGETALL', P .. ':ws:' .. worker)
   local total, ahead, behind = 0, 0, false
@@ -252,10 +282,11 @@ for i = 8, #ARGV, 2 do
   if room then
     redis.call('HINCRBY', P .. ':ws:' .. worker, class, 1)
     redis.call('HSET', P .. ':slots:' .. replica, slot, class .. ':' .. worker)
-    return (i - 6) / 2
+    redis.call('HDEL', heads, replica)
+    return (i - 8) / 2
   end
 end
-return 0
+return file_head()
 """
 
 # ARGV: prefix, replica, then slots. Ends them (job started, finished, aborted, worker lost);

@@ -138,10 +138,11 @@ class RedisSlots:
                     await pubsub.aclose()
 
     async def take(self, job: Job, candidates: Sequence[WorkerLink], max_waiting: int,
-                   by_class: bool) -> WorkerLink | None:
+                   by_class: bool, *, counter: float = 0.0) -> WorkerLink | None:
         """The first of `candidates` with room for `job` by the counts of every replica, its slot
-        taken; None when none has room. Raises RedisError when Redis cannot be reached (the job
-        stays queued: the bound is never skipped)."""
+        taken; None when none has room, or when another replica's refused head job deserves the
+        slot more (`counter`: `job`'s fair-share counter; TAKE_SLOT's arbitration). Raises
+        RedisError when Redis cannot be reached (the job stays queued: the bound is never skipped)."""
         if not candidates:
             return None
         if self._retry:
@@ -153,7 +154,8 @@ class RedisSlots:
         for worker in candidates:
             pairs += [worker.worker_id, worker.est_waiting]
         args: list[str | int] = [self._prefix, self.replica, self._lease_ms, slot,
-                                 int(job.request.priority), max_waiting, "1" if by_class else "0", *pairs]
+                                 int(job.request.priority), max_waiting, "1" if by_class else "0",
+                                 job.request.model, repr(float(counter)), *pairs]
         try:
             chosen = int(await self._take(args=args))
         except (RedisError, asyncio.CancelledError):

@@ -191,6 +191,64 @@ async def test_a_clean_stop_gives_the_slots_back_at_once(
     assert await a.slots.take(job(), [w], 2, True) is w
 
 
+async def test_a_release_wakes_every_other_replica(make_replicas: MakeReplicas, redis_url: str, prefix: str,
+                                                 lease_s: float) -> None:
+    """The freed slot is announced: without it only the releasing replica woke at once and took
+    it back, and the others (polling) could starve for dozens of dispatches."""
+    (a,) = await make_replicas(1)
+    listener = Redis.from_url(redis_url)
+    b = RedisSlots(listener, prefix=prefix, lease_s=lease_s, replica="replica-b", subscription=listener)
+    woken = {"a": asyncio.Event(), "b": asyncio.Event()}
+    a.slots.on_release = woken["a"].set
+    b.on_release = woken["b"].set
+    await b.start()
+    try:
+        w = worker("w1")
+        await asyncio.sleep(0.2)  # the subscription is in place (nothing below depends on timing)
+        held = job()
+        assert await a.slots.take(held, [w], 2, True) is w
+        a.slots.release(held)
+        await asyncio.wait_for(woken["b"].wait(), 10)  # the other replica heard it
+        assert woken["a"].is_set()  # and the releasing one woke itself, as before
+        woken["a"].clear()
+        woken["b"].clear()
+        mine = job()
+        assert await b.take(mine, [w], 2, True) is w
+        b.release(mine)
+        await b.flush()
+        assert woken["b"].is_set()  # its own release wakes it directly
+        woken["b"].clear()
+        await asyncio.sleep(0.2)
+        assert not woken["b"].is_set()  # and its own announcement is not heard as another's
+    finally:
+        await b.stop()
+        await listener.aclose()
+
+
+async def test_a_freed_slot_goes_to_the_most_deserving_head_of_the_cluster(
+        make_replicas: MakeReplicas) -> None:
+    """Whichever replica's take reached Redis first used to win; now a replica whose head job has
+    a larger counter is refused while another replica's refused head (smaller counter, or a more
+    urgent class) is filed, until that head got its slot."""
+    a, b = await make_replicas(2)
+    w = worker("w1")
+    held = [job(S), job(S)]
+    assert [await a.slots.take(j, [w], 2, True, counter=5.0) for j in held] == [w, w]
+    light, heavy = job(S, "light"), job(S, "heavy")
+    assert await b.slots.take(light, [w], 2, True, counter=1.0) is None  # full: B's head is filed
+    a.slots.release(held.pop())
+    await a.slots.flush()
+    assert await a.slots.take(heavy, [w], 2, True, counter=9.0) is None  # room, but B's head deserves it
+    assert await b.slots.take(light, [w], 2, True, counter=1.0) is w
+    assert await a.slots.take(heavy, [w], 2, True, counter=9.0) is None  # full again (no head in the way)
+    a.slots.release(held.pop())
+    await a.slots.flush()
+    assert await a.slots.take(heavy, [w], 2, True, counter=9.0) is w  # B's head got its slot: dropped
+    # A less urgent head does not hold a more urgent job back, whatever its counter.
+    assert await b.slots.take(job(B, "light"), [w], 2, True, counter=0.0) is None  # full: filed
+    assert await a.slots.take(job(HI, "heavy"), [w], 2, True, counter=9.0) is w  # overtakes the standard work
+
+
 # ---- fairness: two replicas' schedulers ordering by the cluster's counters ------------------------
 
 def pending(tenant: str, weight: float = 1.0, prompt: int = 10) -> Pending[str]:
