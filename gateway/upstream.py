@@ -152,7 +152,9 @@ class UpstreamLink:
         self._priority_enabled = settings.scheduler.priority_enabled
         self._probe_interval_s = METRICS_INTERVAL_S if spec.kind == "vllm" else settings.dispatch.heartbeat_interval_s
         self._probe_timeout_s = settings.dispatch.heartbeat_timeout_s
-        headers = {"user-agent": "sluice-gateway"}
+        # A sluice upstream keeps generating through a disconnect for its resumable-stream grace
+        # unless told otherwise: closing our stream means abort (vLLM aborts on a close anyway).
+        headers = {"user-agent": "sluice-gateway", "x-sluice-disconnect": "abort"}
         key = upstream_api_key(spec)
         if key:
             headers["authorization"] = f"Bearer {key}"

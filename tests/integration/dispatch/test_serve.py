@@ -379,6 +379,7 @@ REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "")
 
 
 @pytest.mark.skipif(not REDIS_URL, reason="SLUICE_TEST_REDIS_URL is not set")
+@pytest.mark.timeout(900)  # three processes start, one is killed and restarted with backoff: slow on 2 shared cores
 def test_serve_replicas_answers_on_every_port(tmp_path: Path, serve_env: dict[str, str]) -> None:
     """`sluice serve --replicas 2 --workers 1`: two `sluice gateway` children on consecutive ports
     sharing Redis and one worker linked to both; each answers a chat completion. A killed replica

@@ -177,6 +177,9 @@ def test_completions_and_chat_streaming_and_not(pair: Pair) -> None:
                                                    stream=True, extra_body=extra))
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected_chat
 
+    # A stream's record is written when its pump ends, which may be just after the client's [DONE].
+    wait_until(lambda: len([r for r in records(pair.front_records) if r["finish_reason"] == "length"]) >= 4,
+               "the four requests' records")
     served = [r for r in records(pair.front_records) if r["finish_reason"] == "length"]
     assert len(served) >= 4 and all(r["worker"] == "upstream/second" for r in served)
     (view,) = pair.workers()
@@ -200,7 +203,9 @@ def _stream_until_first_chunk(pair: Pair, started: threading.Event, stop: thread
     """A long streaming request; returns (closing the stream) once `stop` is set."""
     try:
         with httpx.stream("POST", pair.front.base + "/v1/completions", timeout=120,
-                          headers={"authorization": f"Bearer {pair.keys['demo-chat']}"},
+                          # Abort at once on disconnect (no resumable-stream grace): the abort must reach the upstream.
+                          headers={"authorization": f"Bearer {pair.keys['demo-chat']}",
+                                   "x-sluice-disconnect": "abort"},
                           json={"model": "demo", "prompt": "a long story", "max_tokens": 400, "stream": True,
                                 "ignore_eos": True, "temperature": 0}) as response:
             box["status"] = response.status_code
