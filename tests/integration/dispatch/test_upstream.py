@@ -57,6 +57,23 @@ def records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def six_at_once(client: openai.OpenAI, prompt: str, *, max_tokens: int) -> list[str | None]:
+    """Six greedy completions (`prompt 0` … `prompt 5`) sent at once; their finish reasons."""
+    finished: list[str | None] = []
+
+    def ask(i: int) -> None:
+        answer = client.completions.create(model="demo", prompt=f"{prompt} {i}", temperature=0,
+                                           max_tokens=max_tokens, extra_body={"ignore_eos": True})
+        finished.append(answer.choices[0].finish_reason)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    return finished
+
+
 def wait_until(predicate: Any, what: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -280,19 +297,7 @@ def test_own_worker_and_upstream_in_one_deployment(pair: Pair, tmp_path: Path, d
         assert kinds == ["upstream", "worker"]
         client = openai.OpenAI(api_key=tenant_key(mixed, "demo-chat"), base_url=mixed.base + "/v1",
                                max_retries=0, timeout=120)
-        finished: list[str | None] = []
-
-        def ask(i: int) -> None:
-            answer = client.completions.create(model="demo", prompt=f"mixed {i}", max_tokens=8, temperature=0,
-                                               extra_body={"ignore_eos": True})
-            finished.append(answer.choices[0].finish_reason)
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(180)
-        assert finished == ["length"] * 6
+        assert six_at_once(client, "mixed", max_tokens=8) == ["length"] * 6
         wait_until(lambda: len(records(record_log)) == 6, "the six records")
         served_by = {r["worker"] for r in records(record_log)}
         assert "upstream/second" in served_by and len(served_by) == 2, served_by
@@ -371,19 +376,7 @@ def test_hf_transformers_server_as_a_vllm_kind_upstream(tmp_path: Path, demo_mod
                                                      extra_body={"ignore_eos": True}))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
-        finished: list[str | None] = []
-
-        def ask(i: int) -> None:
-            answer = client.completions.create(model="demo", prompt=f"question {i}", temperature=0, max_tokens=24,
-                                               extra_body={"ignore_eos": True})
-            finished.append(answer.choices[0].finish_reason)
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(180)
-        assert finished == ["length"] * 6
+        assert six_at_once(client, "question", max_tokens=24) == ["length"] * 6
         gauges = {name.split("{")[0]: float(value) for name, value in
                   (row.rsplit(" ", 1) for row in httpx.get(hf_base + "/metrics", timeout=10).text.splitlines()
                    if row and not row.startswith("#"))}
