@@ -122,6 +122,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # The tenant's fair-share weight at admission: the gateway's scheduler divides served tokens
     # by it (a replayed request keeps the weight it was accepted with).
     tenant_weight: float = 1.0
+    # Output tokens already produced (and delivered) by an earlier attempt: the engine recomputes
+    # prompt + these and generates after them, as its preemption does (worker failover, replica
+    # takeover). `sampling.max_tokens` stays the whole budget, these included.
+    resume_token_ids: tuple[int, ...] = ()
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

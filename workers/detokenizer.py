@@ -7,6 +7,11 @@ the right spacing). Two hold-backs keep what we emit final:
   * the longest suffix that is a prefix of a stop string: it may become a match.
 On a stop-string match the text is truncated before the match and `stopped` is set; the
 engine then finishes the request with reason "stop".
+
+A resumed request (its earlier output produced elsewhere, `resume_token_ids`) is primed by
+replaying those tokens one at a time, as the engine fed them to the first run (one token per
+step), so the state after priming (text emitted, text held back, window offsets) is the one the
+undisturbed run had: what it emits next is exactly what that run would have emitted.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ class DetokenizerOutput:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Decode, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Decode, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 resume_token_ids: Sequence[int] = ()) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._decode = decode
@@ -40,6 +46,9 @@ class IncrementalDetokenizer:
         self._stop = tuple(stop)
         self._max_stop = max((len(s) for s in self._stop), default=0)
         self.stopped = False
+        for token_id in resume_token_ids:  # priming: the text of these was delivered already
+            if self.add_tokens((token_id,)).stopped:
+                raise ValueError("the resumed output tokens already end with a stop string")
 
     @property
     def text(self) -> str:

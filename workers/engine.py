@@ -146,7 +146,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], sampling: SamplingParams,
                     priority: int = Priority.STANDARD, cache_salt: str = "",
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, resume_token_ids: Sequence[int] = ()) -> None:
+        """Queues a request. `resume_token_ids`: output an earlier attempt produced and delivered
+        (worker failover): it is recomputed with the prompt, and the request goes on from there as
+        if undisturbed (same budget, stop checks, text and, for a seeded request, tokens)."""
         sampling.validate()
         if request_id in self._detokenizers:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -163,12 +166,33 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; this model accepts at most "
                 f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
             )
+        resumed = self._check_resume(token_ids, [int(t) for t in resume_token_ids], sampling)
         request = Request(request_id, token_ids, sampling,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
-                          priority=priority, cache_salt=cache_salt, eos_token_ids=self.eos_token_ids)
+                          priority=priority, cache_salt=cache_salt, eos_token_ids=self.eos_token_ids,
+                          resume_token_ids=resumed)
+        detokenizer = IncrementalDetokenizer(self._decode, token_ids, sampling.stop, resumed)
         self.scheduler.add_request(request)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self._decode, token_ids, sampling.stop)
-        self._num_reported[request_id] = 0
+        self._detokenizers[request_id] = detokenizer
+        self._num_reported[request_id] = len(resumed)  # delivered by the earlier attempt
+
+    def _check_resume(self, prompt: list[int], resumed: list[int], sampling: SamplingParams) -> list[int]:
+        """Resumed output is validated like a prompt, and must not already have ended the request
+        (`Request` checks that it leaves some of max_tokens to generate)."""
+        if not resumed:
+            return resumed
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in resumed):
+            raise ValueError(f"resume token ids must be between 0 and {vocab - 1}")
+        if len(prompt) + len(resumed) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt and resumed output have {len(prompt) + len(resumed)} tokens; this model "
+                f"accepts at most {self.max_model_len - 1} (max_model_len {self.max_model_len})"
+            )
+        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
+        if any(t in stops for t in resumed):
+            raise ValueError("the resumed output tokens contain a stop token: that request has ended")
+        return resumed
 
     def abort(self, request_id: str) -> bool:
         """Aborts a live request; its final delta (finish_reason abort) comes from the next step()."""
@@ -198,9 +222,9 @@ class LLMEngine:
     def _execute_isolating(self, scheduled: SchedulerOutput, deltas: list[RequestDelta]) -> RunnerOutput:
         """A step raised: run its chunks one by one, so a request that raises on its own ends with an
         error (its delta goes to `deltas`) and the others go on. Re-running a chunk recomputes the same
-        KV entries; only a sampled row's random draw may advance once more. When every one of several
-        chunks fails, in several steps in a row, the engine itself is broken: raise (the worker exits
-        and is restarted)."""
+        KV entries and draws the same random number (it depends on the output position alone). When
+        every one of several chunks fails, in several steps in a row, the engine itself is broken:
+        raise (the worker exits and is restarted)."""
         log.warning("an engine step failed; running its %d chunk(s) one by one", len(scheduled.chunks),
                     exc_info=True)
         sampled: dict[str, int] = {}

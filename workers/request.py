@@ -78,6 +78,7 @@ class Request:
         priority: int = Priority.STANDARD,
         cache_salt: str = "",
         eos_token_ids: Iterable[int] = (),
+        resume_token_ids: Sequence[int] = (),
     ) -> None:
         if not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -88,6 +89,9 @@ class Request:
         if not math.isfinite(arrival_time):
             raise ValueError(f"request {request_id}: arrival_time must be a finite number")
         sampling.validate()
+        if len(resume_token_ids) >= sampling.max_tokens:
+            raise ValueError(f"request {request_id}: {len(resume_token_ids)} resumed output tokens leave "
+                             f"nothing to generate within max_tokens {sampling.max_tokens}")
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.sampling = sampling
@@ -96,8 +100,10 @@ class Request:
         self.arrival_seq = 0  # set by the scheduler: ties between equal arrival times
         self.cache_salt = cache_salt
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        # A resumed request starts as a preempted one would: its earlier output is context to
+        # recompute, counted in the output (max_tokens, usage) but never reported again.
+        self.output_token_ids: list[int] = list(resume_token_ids)
+        self._all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
@@ -120,6 +126,7 @@ class Request:
             priority=int(message.priority),
             cache_salt=message.cache_salt,
             eos_token_ids=eos_token_ids,
+            resume_token_ids=message.resume_token_ids,
         )
 
     @property

@@ -5,7 +5,7 @@
 for the rows that sample, and samples. Owns the model, the paged KV pool (one (k, v) pair per
 layer, each [num_blocks + 1, block_size, num_kv_heads, head_dim]; the extra last block is a
 scratch block for CUDA-graph padding rows and is never handed to the scheduler) and the
-per-request random generators.
+per-request sampling seeds.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(model_cfg.num_layers)]
         self.scratch_block = self.num_kv_blocks
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}  # per request: its own seed, or one drawn for it
         self._seed_source = random.Random(config.seed)
         self._graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
@@ -120,18 +120,19 @@ class ModelRunner:
     # ---- per-request state ---------------------------------------------------------------------
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's generator."""
-        self._generators.pop(request_id, None)
+        """Forget a finished request's seed."""
+        self._seeds.pop(request_id, None)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            # CPU generators on every device: one uniform per sampled token is drawn on the host,
-            # so the sampler never synchronises with the GPU per request.
-            gen = torch.Generator()
-            gen.manual_seed(seed if seed is not None else self._seed_source.getrandbits(63))
-            self._generators[request_id] = gen
-        return gen
+    def _seed(self, request_id: str, seed: int | None) -> int:
+        """A seeded request samples from its own seed; an unseeded one from a seed drawn once (from
+        the engine's seed), so its preemptions do not change its tokens. Sampling is a function of
+        (seed, output position) alone (sampler.uniform): no generator state to keep or move."""
+        if seed is not None:
+            return seed
+        drawn = self._seeds.get(request_id)
+        if drawn is None:
+            drawn = self._seeds[request_id] = self._seed_source.getrandbits(63)
+        return drawn
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -155,8 +156,8 @@ class ModelRunner:
         rows = []
         for _, c in sample_chunks:
             req = c.request
-            gen = None if req.sampling.greedy else self._generator(req.request_id, req.sampling.seed)
-            rows.append(SampleRow(req.sampling, req.prompt_token_ids, req.output_token_ids, gen))
+            seed = None if req.sampling.greedy else self._seed(req.request_id, req.sampling.seed)
+            rows.append(SampleRow(req.sampling, req.prompt_token_ids, req.output_token_ids, seed))
         out = sample(logits, rows)
         sampled = {c.request.request_id: t for (_, c), t in zip(sample_chunks, out.token_ids, strict=True)}
         logprobs: dict[str, PositionLogprobs] = {

@@ -7,8 +7,10 @@ Order of processing, vectorised over rows [N, V]:
   2. greedy rows (temperature 0 or top_k 1): argmax of the penalised logits, which is exactly
      argmax of the raw logits when no penalty is set;
   3. other rows: divide by temperature, then top-k, top-p and min-p truncate the distribution,
-     and one token is drawn by inverse CDF with a uniform number from the request's own
-     torch.Generator, so a seeded request gets the same tokens whatever else is in the batch.
+     and one token is drawn by inverse CDF with a uniform number that is a function of the
+     request's seed and the output position alone (a counter-based hash, no generator state), so
+     a seeded request gets the same tokens whatever else is in the batch, however often it was
+     preempted, and when it is resumed at position k on another worker (worker failover).
 Logprobs (when asked) are the log-softmax of the logits after penalties and temperature
 (temperature 1 for greedy rows) but before top-k/top-p/min-p truncation, so top_logprobs never
 report -inf for tokens that truncation removed.
@@ -30,14 +32,31 @@ class SampleRow:
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    generator: torch.Generator | None  # required unless params.greedy
+    output_token_ids: Sequence[int]  # its length is the position of the token sampled now
+    seed: int | None  # the request's seed (the runner draws one for an unseeded request); required unless greedy
 
 
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[PositionLogprobs | None]  # None where the request did not ask for logprobs
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that scatters nearby inputs."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that output position `position` of a request seeded `seed`
+    samples with: stateless, so any worker computes the same one (53 random bits)."""
+    z = _mix64((_mix64(seed & _MASK64) + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64)
+    return (z >> 11) * (1.0 / (1 << 53))
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -153,9 +172,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
         probs = truncated.softmax(dim=-1)  # [n, V]
         uniforms = []
         for r in sub_rows:
-            if r.generator is None:
-                raise ValueError("a sampling (non-greedy) request needs a torch.Generator")
-            uniforms.append(torch.rand((), generator=r.generator).item())  # CPU generator
+            if r.seed is None:
+                raise ValueError("a sampling (non-greedy) request needs a seed")
+            uniforms.append(uniform(r.seed, len(r.output_token_ids)))
         u = torch.tensor(uniforms, device=device, dtype=probs.dtype)[:, None]
         cdf = probs.cumsum(dim=-1)
         # Inverse CDF: the first token whose cumulative mass exceeds u * total (clamped in range).

@@ -89,15 +89,19 @@ class Scheduler:
         rid = request.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid} is already in the engine")
-        if request.status != RequestStatus.WAITING or request.block_ids or request.output_token_ids:
+        if (request.status != RequestStatus.WAITING or request.block_ids or request.num_computed_tokens
+                or request.first_scheduled_time is not None):
             raise ValueError(f"request {rid} was already scheduled once; submit a fresh request")
-        if request.num_prompt_tokens >= cfg.max_model_len:
+        # A resumed request's output so far is context like its prompt (it is recomputed).
+        if request.num_tokens >= cfg.max_model_len:
+            resumed = f" and {request.num_output_tokens} resumed output" if request.output_token_ids else ""
+            kind = "prompt and resumed" if request.output_token_ids else "prompt"
             raise ValueError(
-                f"the prompt has {request.num_prompt_tokens} tokens but this model accepts at most "
-                f"{cfg.max_model_len - 1} prompt tokens (context length {cfg.max_model_len}, "
+                f"the prompt has {request.num_prompt_tokens}{resumed} tokens but this model accepts at "
+                f"most {cfg.max_model_len - 1} {kind} tokens (context length {cfg.max_model_len}, "
                 "including at least one generated token)"
             )
-        blocks = -(-request.num_prompt_tokens // cfg.block_size)
+        blocks = -(-request.num_tokens // cfg.block_size)
         if blocks > cfg.num_kv_blocks:
             raise ValueError(
                 f"the prompt needs {blocks} KV blocks but the pool has only {cfg.num_kv_blocks}"

@@ -397,7 +397,8 @@ class WorkerServer:
         try:
             self.engine.add_request(rid, list(request.prompt_token_ids), request.sampling,
                                     priority=int(request.priority), cache_salt=request.cache_salt,
-                                    arrival_time=request.arrival_time)
+                                    arrival_time=request.arrival_time,
+                                    resume_token_ids=request.resume_token_ids)
         except Exception as exc:  # bad prompt for this model, values the engine refuses
             if isinstance(exc, ValueError):  # written for users (SamplingParams.validate, add_request)
                 text = str(exc)

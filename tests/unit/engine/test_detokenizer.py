@@ -84,3 +84,36 @@ def test_multi_token_add_stops_inside_the_batch(tokenizer: Tokenizer) -> None:
 def test_empty_stop_string_is_rejected(tokenizer: Tokenizer) -> None:
     with pytest.raises(ValueError, match="non-empty"):
         _detok(tokenizer, stop=("",))
+
+
+def _primed(tokenizer: Tokenizer, resume: list[int], stop: tuple[str, ...] = ()) -> IncrementalDetokenizer:
+    def decode(ids):
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    return IncrementalDetokenizer(decode, tokenizer.encode("Q: ").ids, stop, resume)
+
+
+@pytest.mark.parametrize("stop", [(), ("river runs",), ("你好 — П",)])
+def test_primed_with_resumed_tokens_emits_exactly_what_the_undisturbed_run_would(
+        tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+    """Worker failover: resumed at any k (a multi-byte character or a stop-string prefix split
+    there included), the text after k is exactly the undisturbed run's text after k."""
+    text = "the river rises 🙂, 你好 — Привет ☕ the river runs 🚀!"
+    ids = tokenizer.encode(text).ids
+    undisturbed = _detok(tokenizer, stop=stop)
+    pieces, stopped = _feed(undisturbed, ids)
+    tail = "" if stopped else undisturbed.flush()
+    assert stopped == bool(stop)
+    for k in range(len(pieces)):
+        primed = _primed(tokenizer, ids[:k], stop)
+        assert primed.text == "".join(pieces[:k])  # what the client already has
+        after, primed_stopped = _feed(primed, ids[k:])
+        assert after == pieces[k:], k
+        assert primed_stopped == stopped
+        assert ("" if stopped else primed.flush()) == tail
+
+
+def test_resumed_tokens_that_already_hit_a_stop_string_are_refused(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("aaa B ccc").ids
+    with pytest.raises(ValueError, match="stop string"):
+        _primed(tokenizer, ids, stop=("B",))

@@ -1,4 +1,5 @@
-"""Sampler behaviour: greedy is argmax, seeds are batch-independent, truncation and penalties."""
+"""Sampler behaviour: greedy is argmax, seeds are batch- and position-determined, truncation and
+penalties."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from sluice.protocol import SamplingParams
-from sluice.workers.sampler import SampleRow, apply_penalties, sample
+from sluice.workers.sampler import SampleRow, apply_penalties, sample, uniform
 
 pytestmark = pytest.mark.unit
 
@@ -20,8 +21,7 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 
 def _row(params: SamplingParams, seed: int | None = None, prompt=(1, 2), output=()) -> SampleRow:
-    gen = None if seed is None else torch.Generator().manual_seed(seed)
-    return SampleRow(params, list(prompt), list(output), gen)
+    return SampleRow(params, list(prompt), list(output), seed)
 
 
 def test_greedy_is_argmax_of_raw_logits() -> None:
@@ -35,13 +35,12 @@ def test_greedy_is_argmax_of_raw_logits() -> None:
 
 def _draw(logits_row: torch.Tensor, params: SamplingParams, seed: int, n: int, batch_noise: int) -> list[int]:
     """n tokens for one seeded request placed among `batch_noise` other random rows."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
+    out: list[int] = []
     for step in range(n):
         others = _logits(batch_noise, seed=100 + step) if batch_noise else torch.empty(0, VOCAB)
         logits = torch.cat([others, logits_row[None]])
         rows = [_row(SamplingParams(temperature=1.0), seed=step) for _ in range(batch_noise)]
-        rows.append(SampleRow(params, [1], out.copy(), gen))
+        rows.append(SampleRow(params, [1], out.copy(), seed))
         out.append(sample(logits, rows).token_ids[-1])
     return out
 
@@ -56,12 +55,29 @@ def test_seed_gives_same_tokens_regardless_of_batch() -> None:
     assert _draw(row, params, seed=8, n=20, batch_noise=0) != alone
 
 
+def test_a_draw_depends_on_seed_and_position_only() -> None:
+    """Worker failover: a seeded request resumed at position k samples what the undisturbed run did."""
+    params = SamplingParams(temperature=1.0, seed=7)
+    row = _logits(1, seed=3)[0] / 3
+    undisturbed = _draw(row, params, seed=7, n=20, batch_noise=0)
+    k = 9
+    resumed = list(undisturbed[:k])
+    for _ in range(k, 20):  # the first k tokens came from "another worker": no state is carried over
+        resumed.append(sample(row[None], [SampleRow(params, [1], resumed.copy(), 7)]).token_ids[0])
+    assert resumed == undisturbed
+    assert uniform(7, 3) == uniform(7, 3) != uniform(7, 4)
+    assert uniform(7, 3) != uniform(8, 3) and uniform(-1, 0) == uniform(2**64 - 1, 0)
+    draws = [uniform(11, p) for p in range(4000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.02  # roughly uniform
+    assert sum(u < 0.25 for u in draws) / len(draws) == pytest.approx(0.25, abs=0.03)
+
+
 def test_top_k_and_top_p_and_min_p_restrict_support() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0] + [-10.0] * (VOCAB - 4)])
 
     def support(params: SamplingParams) -> set[int]:
-        gen = torch.Generator().manual_seed(0)
-        return {sample(logits, [SampleRow(params, [1], [], gen)]).token_ids[0] for _ in range(300)}
+        return {sample(logits, [SampleRow(params, [1], [], seed)]).token_ids[0] for seed in range(300)}
 
     assert support(SamplingParams(temperature=1.0, top_k=2)) == {0, 1}
     # probabilities ~ .64 .24 .09 .03: top_p .8 keeps tokens until their mass before reaches .8
@@ -73,9 +89,8 @@ def test_top_k_and_top_p_and_min_p_restrict_support() -> None:
 
 def test_low_temperature_concentrates_on_argmax() -> None:
     logits = _logits(1, seed=5) / 3
-    gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.05)
-    picks = {sample(logits, [SampleRow(params, [1], [], gen)]).token_ids[0] for _ in range(50)}
+    picks = {sample(logits, [SampleRow(params, [1], [], seed)]).token_ids[0] for seed in range(50)}
     assert picks == {int(logits.argmax())}
 
 
