@@ -13,8 +13,6 @@ committed; the bus delivers each to every replica's handlers:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Literal, Protocol
@@ -23,10 +21,11 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from sluice.gateway.pubsub import Subscription
+
 log = logging.getLogger(__name__)
 
-SUBSCRIBE_WAIT_S = 5.0
-RESUBSCRIBE_DELAY_S = 0.5
+SUBSCRIBE_WAIT_S = 5.0  # start() waits this long for the subscription, then lets it go on trying
 
 
 class Change(msgspec.Struct, frozen=True):
@@ -80,8 +79,10 @@ class RedisBus(LocalBus):
         super().__init__()
         self._client = client
         self._channel = channel
-        self._listener: asyncio.Task[None] | None = None
-        self._subscribed = asyncio.Event()
+        # A lost subscription may have missed changes: the whole cache goes, when the loss is
+        # noticed and again once resubscribed (changes made between the two).
+        self._subscription = Subscription(client, channel, self._received, what="invalidations",
+                                          on_lost=self._drop_everything, on_back=self._drop_everything)
 
     async def publish(self, change: Change) -> None:
         self.deliver(change)
@@ -94,45 +95,15 @@ class RedisBus(LocalBus):
                       change.kind, change.ident, exc)
 
     async def start(self) -> None:
-        self._listener = asyncio.get_running_loop().create_task(self._listen())
-        try:
-            await asyncio.wait_for(self._subscribed.wait(), SUBSCRIBE_WAIT_S)
-        except TimeoutError:
+        self._subscription.start()
+        if not await self._subscription.wait_subscribed(SUBSCRIBE_WAIT_S):
             log.error("shared state: no subscription to %s yet; retrying in the background", self._channel)
 
     async def stop(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
-            self._listener = None
+        await self._subscription.stop()
 
-    async def _listen(self) -> None:
-        missed = False
-        while True:
-            pubsub = self._client.pubsub()
-            try:
-                await pubsub.subscribe(self._channel)
-                while True:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is None:
-                        continue
-                    if message["type"] == "subscribe":
-                        self._subscribed.set()
-                        if missed:
-                            self.deliver(Change("everything"))
-                            missed = False
-                    elif message["type"] == "message":
-                        self._received(message["data"])
-            except (RedisError, OSError) as exc:
-                if not missed:
-                    log.warning("shared state: invalidation subscription lost (%s); resubscribing", exc)
-                missed = True
-                self.deliver(Change("everything"))
-                await asyncio.sleep(RESUBSCRIBE_DELAY_S)
-            finally:
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
+    def _drop_everything(self) -> None:
+        self.deliver(Change("everything"))
 
     def _received(self, data: bytes) -> None:
         try:

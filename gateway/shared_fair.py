@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 
 from sluice.gateway import redis_scripts
 from sluice.gateway.fair import FairScheduler
+from sluice.gateway.pubsub import cancel_and_wait
 from sluice.protocol import Priority
 
 log = logging.getLogger(__name__)
@@ -58,11 +59,8 @@ class RedisFairness:
             self._task = asyncio.get_running_loop().create_task(self._sync_forever(), name="fair-sync")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         with contextlib.suppress(RedisError):
             await self.sync()  # the last charges count for the others
 

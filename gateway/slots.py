@@ -25,7 +25,6 @@ subscription only costs latency: the poll stays as the fallback.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -35,14 +34,13 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from sluice.gateway import redis_scripts
+from sluice.gateway.pubsub import Subscription
 from sluice.protocol import Priority
 
 if TYPE_CHECKING:
     from sluice.gateway.dispatch import Job, WorkerLink
 
 log = logging.getLogger(__name__)
-
-RESUBSCRIBE_DELAY_S = 0.5  # a lost release subscription is retried this often (polling meanwhile)
 
 
 def has_room(est_waiting: int, unstarted: list[Priority], priority: Priority, max_waiting: int) -> bool:
@@ -87,8 +85,10 @@ class RedisSlots:
     def __init__(self, client: Redis, *, prefix: str, lease_s: float, replica: str,
                  subscription: Redis | None = None) -> None:
         self._client = client
-        self._subscription = subscription  # hears the other replicas' releases (None: polling only)
-        self._listener: asyncio.Task[None] | None = None
+        # Hears the other replicas' releases (None: polling only); our own wake us in _release_now.
+        self._releases = (None if subscription is None else
+                          Subscription(subscription, f"{prefix}:slots-freed", self._heard_release,
+                                       what="slot releases"))
         self._prefix = prefix
         self._lease_ms = int(lease_s * 1000)
         self.replica = replica
@@ -101,41 +101,16 @@ class RedisSlots:
 
     async def start(self) -> None:
         """Listens for the other replicas' releases (each wakes this replica's dispatcher)."""
-        if self._subscription is not None and self._listener is None:
-            self._listener = asyncio.get_running_loop().create_task(self._listen(), name="slot-releases")
+        if self._releases is not None:
+            self._releases.start()
 
     async def stop(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
-            self._listener = None
+        if self._releases is not None:
+            await self._releases.stop()
 
-    async def _listen(self) -> None:
-        assert self._subscription is not None
-        channel, me = f"{self._prefix}:slots-freed", self.replica.encode()
-        failing = False
-        while True:
-            pubsub = self._subscription.pubsub()
-            try:
-                await pubsub.subscribe(channel)
-                while True:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is None:
-                        continue
-                    if message["type"] == "subscribe" and failing:
-                        failing = False
-                        log.info("shared state: slot release announcements heard again")
-                    elif message["type"] == "message" and message["data"] != me:
-                        self.on_release()  # our own releases wake us already, in _release_now
-            except (RedisError, OSError) as exc:
-                if not failing:
-                    log.warning("shared state: slot release subscription lost (%s); polling meanwhile", exc)
-                failing = True
-                await asyncio.sleep(RESUBSCRIBE_DELAY_S)
-            finally:
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
+    def _heard_release(self, data: bytes) -> None:
+        if data != self.replica.encode():  # the release script publishes the releasing replica's name
+            self.on_release()
 
     async def take(self, job: Job, candidates: Sequence[WorkerLink], max_waiting: int,
                    by_class: bool, *, counter: float = 0.0) -> WorkerLink | None:
