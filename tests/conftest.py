@@ -122,3 +122,25 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path, worker_id: str)
         yield f"{prefix}/{name}".replace("postgresql://", "postgresql+asyncpg://")
     finally:
         asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def _module_rank(items: list[pytest.Item]) -> tuple[float, int]:
+    """Longest first: the largest `timeout` a module's tests declare (a test marked with more than
+    the default 300 s says it takes minutes), then modules with `slow` tests, then the rest."""
+    timeouts = [float(m.args[0]) for item in items for m in item.iter_markers("timeout") if m.args]
+    slow = any(item.get_closest_marker("slow") is not None for item in items)
+    return -max(timeouts, default=0.0), 0 if slow else 1
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Orders whole modules longest first, keeping each module's tests in their order.
+
+    `make test` runs `--dist loadscope --no-loadscope-reorder`: each module is one unit, handed in
+    this order to whichever xdist worker runs low. xdist's own reorder puts the modules with the
+    most tests first, which sends the few-test modules that start a whole cluster (minutes each)
+    last, where one worker runs them while the other has nothing left to do."""
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    ranked = sorted(by_module.values(), key=_module_rank)  # stable: otherwise collection order
+    items[:] = [item for module in ranked for item in module]
