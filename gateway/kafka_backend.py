@@ -1,9 +1,15 @@
 """`KafkaBackend`: the production GenerationBackend (durable queue, fair scheduler, remote workers).
 
-submit(): the request's stream is registered (`_streams`), then the request is written to its class
-topic (acks=all, the accepting replica in its header); only then is it "accepted". The accepting
-process then always dispatches it itself, at once: a streaming request is only ever served to the
-client waiting on this process, so its record is there for durability of the acceptance, not to be
+submit(): the request's stream is registered (`_streams`) and its job handed to the dispatcher,
+then the request is written to its class topic (acks=all, the accepting replica in its header);
+only once the broker acknowledged it is it "accepted": submit() returns and the HTTP handler may
+send the response head and the first token. The job runs meanwhile (durability overlaps with
+work: the client's time to first token is max(ack, first token) instead of their sum); its
+deltas wait in the submission, unread. An append that fails (or a client gone before the ack)
+aborts the job at its worker or upstream, and the client gets the 503 it got before: it never
+heard "accepted", so nothing it was promised is lost by a crash before the ack. The accepting
+process always dispatches a streaming request itself: it is only ever served to the client
+waiting on this process, so its record is there for durability of the acceptance, not to be
 run from. Whichever replica's consumer reads a streaming record (under the consumer group another
 replica may own its partition) just finishes its offset: it was dispatched by its acceptor, or its
 acceptor died and its client went with it. Streams held in memory are therefore bounded by the
@@ -237,12 +243,21 @@ class KafkaBackend:
         # Registered before the write: our consumer may read the record before append() returns.
         self._streams[request.request_id] = stream
         try:
+            # Dispatched at once, while the broker is still writing it (module docstring): the
+            # client hears nothing (this returns nothing) until the append is acknowledged, so
+            # the stream's time to first token is max(ack, first token), not their sum.
+            self._enqueue(request, stream.deliver, ref=None)
+        except BaseException:
+            self._streams.pop(request.request_id, None)
+            raise
+        try:
             await self._log.append(request)
         except QueueUnavailable as exc:
-            self._streams.pop(request.request_id, None)
+            self._abort(request.request_id)  # not accepted: its job ends at its worker too
             raise BackendUnavailable(str(exc)) from exc
-        if not stream.aborted:  # dispatched here, always (module docstring)
-            self._enqueue(request, stream.deliver, ref=None)
+        except BaseException:  # cancelled (the client went away): never accepted either
+            self._abort(request.request_id)
+            raise
         return stream
 
     async def enqueue_batch_line(self, request: GenerateRequest) -> None:
