@@ -206,12 +206,14 @@ def start_litellm(workdir: Path, cores: tuple[int, ...], backend_url: str, model
 
 
 def start_sluice_upstream(config_dir: str | Path, workdir: Path, cores: tuple[int, ...], backend_url: str,
-                          model: str, model_dir: Path, max_concurrency: int, nice: int = 0) -> Stack:
+                          model: str, model_dir: Path, max_concurrency: int, nice: int = 0,
+                          env: dict[str, str] | None = None) -> Stack:
     """`sluice serve` with no local workers and one `[[upstreams]]` entry: the fake backend.
 
     The copied config serves one model (`model`, tokenized with `model_dir`'s tokenizer; the
     demo model by default) and sends it to the fake; the queue, quotas, fair scheduler and the
-    acks=all Kafka enqueue are the stack's own, as in production."""
+    acks=all Kafka enqueue are the stack's own, as in production. `env` is added to the gateway's
+    environment (the profiler's sampler)."""
     source = workdir / "sluice-config"
     shutil.copytree(config_dir, source, dirs_exist_ok=True)
     (source / "models.toml").write_text(
@@ -220,6 +222,5 @@ def start_sluice_upstream(config_dir: str | Path, workdir: Path, cores: tuple[in
         f'[[upstreams]]\nname = "fake"\nbase_url = "{backend_url}"\nmodels = ["{model}"]\n'
         f"max_concurrency = {max_concurrency}\n", encoding="utf-8")
     (source / "tenants.toml").unlink(missing_ok=True)  # the bench makes its own tenant
-    env = {"SLUICE_ADMIN_DEMO_TENANT": ""}
-    return start_stack(source, workdir / "sluice", None, workers=0, env=env, model_name=model,
-                       prefix=pinned([], cores, nice))
+    return start_stack(source, workdir / "sluice", None, workers=0, model_name=model,
+                       env={"SLUICE_ADMIN_DEMO_TENANT": "", **(env or {})}, prefix=pinned([], cores, nice))
