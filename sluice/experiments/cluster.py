@@ -95,16 +95,25 @@ class Process:
             os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait(10)
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def terminate(self) -> None:
+        """SIGTERM to the group (a clean shutdown), without waiting for it."""
         if self.popen is None or self.popen.poll() is not None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGTERM)
-            self.popen.wait(grace_s)
+
+    def wait_or_kill(self, grace_s: float) -> None:
+        """Waits up to `grace_s` for the process to end, then SIGKILLs it."""
+        if self.popen is None:
+            return
+        try:
+            self.popen.wait(max(grace_s, 0.0))
         except subprocess.TimeoutExpired:
             self.kill()
-        except ProcessLookupError:
-            pass
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self.terminate()
+        self.wait_or_kill(grace_s)
 
     def log_tail(self, lines: int = 30) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
@@ -185,11 +194,16 @@ class Cluster:
         except (httpx.HTTPError, CLIError):
             return False
 
-    def stop(self) -> None:
-        for worker in self.workers:
-            worker.stop()
-        for replica in self.replicas:
-            replica.process.stop()
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Every process told at once, then waited for: one after another, five processes took
+        about 20 s of a test module's teardown (each replica leaving its consumer groups in turn
+        made the others rebalance before they left too)."""
+        processes = [*self.workers, *(replica.process for replica in self.replicas)]
+        for process in processes:
+            process.terminate()
+        deadline = time.monotonic() + grace_s
+        for process in processes:
+            process.wait_or_kill(deadline - time.monotonic())
 
     def __enter__(self) -> Cluster:
         return self

@@ -159,7 +159,7 @@ async def test_interactive_overtakes_a_batch_backlog_accepted_on_other_replicas(
     batch_name, chat_name = f"nightly-{tag}", f"chat-{tag}"
     batch_key = cluster.new_tenant(batch_name, priority_ceiling="batch", default_class="batch")[2]
     chat_key = cluster.new_tenant(chat_name, priority_ceiling="interactive", default_class="interactive")[2]
-    lines = 400
+    lines = 160  # 20 run before the interactive requests and a few dozen while they go: plenty left
     client = openai.OpenAI(api_key=batch_key, base_url=cluster.replicas[1].base_url + "/v1", max_retries=3)
     uploaded = await asyncio.to_thread(client.files.create, file=("backlog.jsonl", batch_file(lines, 16)),
                                        purpose="batch")
