@@ -1,7 +1,7 @@
 """The gateway's Litestar application: OpenAI routes, admin API, admin console, health, metrics.
 
 `create_app` builds every service once and stores it on `app.state` (shared, quotas, usage, auth,
-admin, generation, tokenizers, session_factory, backend, body_judge); `shared` is the state replicas
+admin, generation, tokenizers, session_factory, backend, body_judge, streams, drain); `shared` is the state replicas
 share (`[shared]`: in-process, or Redis); the Batch API controllers (`gateway/batches`) join through
 `extra_route_handlers` and reuse `tenant_guard` / `current_tenant` and the quota/usage services.
 """
@@ -38,6 +38,7 @@ from sluice.gateway.console import console_route_handlers, template_config
 from sluice.gateway.console.security import ConsoleSessions
 from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.session import make_engine, make_session_factory
+from sluice.gateway.drain import Drain
 from sluice.gateway.errors import EXCEPTION_HANDLERS
 from sluice.gateway.methods import OptionsMiddleware
 from sluice.gateway.openapi import COMPONENTS, ContractJsonPlugin
@@ -113,6 +114,7 @@ def create_app(
             "tokenizers": tokenizers,
             "generation": generation,
             "streams": streams,
+            "drain": Drain(settings.gateway.drain_timeout_s),
             "body_judge": body_judge,
             "admin": admin,
             "tenants": admin,

@@ -13,8 +13,14 @@ supervises them (a dead child is restarted with backoff; see `gateway/local_proc
 4. M `sluice worker` children per model, each linked to every replica (`--gateway a,b,...`).
 
 The worker secret (configured, or generated here for a loopback worker host) reaches every child
-through its environment, never argv. Ctrl-C / SIGTERM stop the workers, then the replicas, then the
-broker; the children also exit by themselves if this process is killed.
+through its environment, never argv. Signals to this process:
+
+- SIGHUP: a rolling restart (`rolling_restart`): one replica at a time is drained, started again
+  and waited for until ready, so the cluster keeps serving throughout (docs/scale-out.md);
+- SIGTERM: every replica drains (its open requests finish), then the workers and the broker stop;
+- Ctrl-C (SIGINT): the workers, the replicas and the broker stop at once.
+
+The children also exit by themselves if this process is killed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +48,9 @@ from sluice.settings import Settings
 
 if TYPE_CHECKING:
     from sluice.gateway.seed import DemoKey
+
+STOP_MARGIN_S = 15.0  # past the drain timeout, for the replica's own shutdown, before SIGKILL
+READY_TIMEOUT_S = 180.0  # a restarted replica must answer /ready within this (rolling restart)
 
 
 def cluster_ports(settings: Settings, replicas: int) -> tuple[list[int], list[int]]:
@@ -149,9 +159,24 @@ async def _run(args: argparse.Namespace, settings: Settings, secret: str, http_p
     gateways = ChildProcesses("replica", var / "logs")
     workers = LocalWorkers(settings, settings.dispatch.local_workers, args.device, var / "logs")
     stop = asyncio.Event()
+    stop_signal: list[signal.Signals] = []  # the first stop signal received
     loop = asyncio.get_running_loop()
+
+    def on_stop(sig: signal.Signals) -> None:
+        stop_signal.append(sig)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop, sig)
+    rolling: list[asyncio.Task[None]] = []
+
+    def roll() -> None:
+        if rolling and not rolling[-1].done():
+            print("sluice serve: SIGHUP: a rolling restart is already under way", flush=True)
+            return
+        rolling.append(asyncio.create_task(rolling_restart(gateways, gw.host, http_ports, gw.drain_timeout_s)))
+
+    loop.add_signal_handler(signal.SIGHUP, roll)
     try:
         for i, (port, worker_port) in enumerate(zip(http_ports, worker_ports, strict=True)):
             gateways.start(str(i), ChildSpec(_replica_args(args, settings, port, worker_port), env))
@@ -164,9 +189,47 @@ async def _run(args: argparse.Namespace, settings: Settings, secret: str, http_p
             print_demo_key(demo, settings, gw.host, http_ports[0], var)
         supervisors = [asyncio.create_task(gateways.supervise()), asyncio.create_task(workers.supervise())]
         await stop.wait()
-        for task in supervisors:
+        for task in [*supervisors, *rolling]:
             task.cancel()
     finally:
-        await asyncio.to_thread(workers.stop)
-        await asyncio.to_thread(gateways.stop, 10.0)
+        if stop_signal[:1] == [signal.SIGTERM]:
+            # Every replica drains (its open requests finish on the workers), then the workers stop.
+            await asyncio.to_thread(gateways.stop, gw.drain_timeout_s + STOP_MARGIN_S, signal.SIGTERM)
+            await asyncio.to_thread(workers.stop)
+        else:  # Ctrl-C: at once
+            await asyncio.to_thread(workers.stop)
+            await asyncio.to_thread(gateways.stop, 10.0, signal.SIGINT)
     return 0
+
+
+async def rolling_restart(gateways: ChildProcesses, host: str, http_ports: list[int], drain_timeout_s: float) -> None:
+    """SIGHUP: each replica in turn is drained (SIGTERM), started again, and waited for until it
+    is ready (`/ready`: database, Redis, broker and a linked worker) before the next one goes, so
+    at most one replica is out at any time. A replica that does not get ready stops the roll
+    (the others are left running, untouched)."""
+    print(f"sluice serve: rolling restart of {len(http_ports)} replicas", flush=True)
+    for i, port in enumerate(http_ports):
+        code = await asyncio.to_thread(gateways.restart, str(i), drain_timeout_s + STOP_MARGIN_S)
+        how = f"exit code {code}" if code is not None else "killed after the drain timeout"
+        print(f"sluice serve: rolling restart: replica {i} stopped ({how}), started again", flush=True)
+        if not await _ready(f"http://{host}:{port}/ready", READY_TIMEOUT_S):
+            print(f"sluice serve: rolling restart stopped: replica {i} was not ready within {READY_TIMEOUT_S:.0f}s "
+                  f"(log {gateways.log_path(str(i))})", flush=True)
+            return
+        print(f"sluice serve: rolling restart: replica {i} ready", flush=True)
+    print("sluice serve: rolling restart done", flush=True)
+
+
+async def _ready(url: str, timeout_s: float) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                if (await client.get(url)).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+    return False

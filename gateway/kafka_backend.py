@@ -206,10 +206,22 @@ class KafkaBackend:
         self._started = True
         self._spawn(self._keep_queue())
 
-    async def stop(self) -> None:
-        for consumer in self._consumers.values():
-            await consumer.stop()
+    async def stop_consuming(self) -> None:
+        """Leaves the consumer group now (each consumer commits its finished offsets, then leaves):
+        a draining replica's batch partitions move to the others at once, while the requests it
+        accepted run on here. What it still held is replayed by the new owners (exactly once by
+        the result rows, see the module docstring)."""
+        consumers = list(self._consumers.values())
         self._consumers.clear()
+        await asyncio.gather(*(consumer.stop() for consumer in consumers))
+
+    @property
+    def open_requests(self) -> int:
+        """Requests accepted here (streamed or not) and not finished: what a drain waits for."""
+        return len(self._streams)
+
+    async def stop(self) -> None:
+        await self.stop_consuming()
         for task in list(self._tasks):
             task.cancel()
         await self.dispatcher.stop()

@@ -2,7 +2,9 @@
 
 Each child runs in its own process group (so stopping it stops anything it started), writes its
 output to a log file under var/logs, and is restarted with backoff when it dies (`restart_delay`);
-a child that ran for `HEALTHY_RUN_S` before dying starts the backoff over. Secrets reach children
+a child that ran for `HEALTHY_RUN_S` before dying starts the backoff over, and one that exited 0
+(a replica drained on SIGTERM) is started again at once. `restart` stops and starts one child
+on purpose (a rolling restart of the replicas, gateway/cluster.py). Secrets reach children
 through their environment, never their command line (`ps` shows it) or a log. Children also exit
 by themselves when `serve` is gone (`--exit-with-parent`).
 """
@@ -56,6 +58,7 @@ class ChildProcesses:
     _specs: dict[str, ChildSpec] = field(default_factory=dict)
     _restarts: dict[str, int] = field(default_factory=dict)
     _started_at: dict[str, float] = field(default_factory=dict)
+    _restarting: set[str] = field(default_factory=set)  # restarted on purpose (`restart`): not supervised now
     _stopping: bool = False
 
     def log_path(self, child_id: str) -> Path:
@@ -89,9 +92,17 @@ class ChildProcesses:
             await asyncio.sleep(1.0)
             for child_id, process in list(self.processes.items()):
                 code = process.poll()
-                if code is None or self._stopping:
+                if code is None or self._stopping or child_id in self._restarting:
                     continue
                 uptime = time.monotonic() - self._started_at.get(child_id, time.monotonic())
+                if code == 0:
+                    # A clean exit (a replica drained on someone's SIGTERM) is no crash: start it
+                    # again at once, and its backoff over.
+                    log.warning("%s %s exited cleanly after %.0fs; starting it again (log %s)",
+                                self.kind, child_id, uptime, self.log_path(child_id))
+                    self._restarts[child_id] = 0
+                    self._spawn(child_id)
+                    continue
                 delay, self._restarts[child_id] = restart_delay(self._restarts.get(child_id, 0), uptime)
                 log.warning("%s %s exited with code %s after %.0fs; restarting in %.0fs (restart #%d; log %s)",
                             self.kind, child_id, code, uptime, delay, self._restarts[child_id],
@@ -100,19 +111,45 @@ class ChildProcesses:
                 if not self._stopping:
                     self._spawn(child_id)
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM to every child's group, SIGKILL to those still there after `grace_s`."""
+    def restart(self, child_id: str, grace_s: float) -> int | None:
+        """Stops one child on purpose and starts it again (a rolling restart): SIGTERM (a replica
+        drains), SIGKILL if it is still there after `grace_s`, then a new start; the supervisor
+        leaves it alone meanwhile. Returns the old process's exit code (None: it was killed).
+        Blocking: call it in a thread."""
+        self._restarting.add(child_id)
+        try:
+            process = self.processes[child_id]
+            code = _terminate(process, signal.SIGTERM, grace_s)
+            if not self._stopping:
+                self._restarts[child_id] = 0
+                self._spawn(child_id)
+            return code
+        finally:
+            self._restarting.discard(child_id)
+
+    def stop(self, grace_s: float = 5.0, sig: signal.Signals = signal.SIGTERM) -> None:
+        """`sig` to every child's group (SIGTERM: replicas drain; SIGINT: they stop at once),
+        SIGKILL to those still there after `grace_s`."""
         self._stopping = True
         for process in self.processes.values():
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
+                os.killpg(process.pid, sig)
         for process in self.processes.values():
-            try:
-                process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait(grace_s)
+            _terminate(process, None, grace_s)
+
+
+def _terminate(process: subprocess.Popen[bytes], sig: signal.Signals | None, grace_s: float) -> int | None:
+    """`sig` (if any) to the process's group, SIGKILL after `grace_s`; its exit code, None if killed."""
+    if sig is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+    try:
+        return process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(grace_s)
+        return None
 
 
 class LocalWorkers:

@@ -16,9 +16,11 @@ tenants and creates the admin token; `serve` keeps ONE expiring API key for the 
 (`admin.demo_tenant`, see `gateway/seed.py`), spawns the local workers (the worker secret reaches
 them through their environment, never argv or a log) and prints a copy-paste curl. Secrets (a
 generated admin token, a new demo key) go to the terminal when stdout is one; otherwise into 0600
-files under var/, never into a log. Ctrl-C / SIGTERM stop the workers (process groups, terminate
-then kill), the gateway and the broker it started; workers (and replicas started by `serve
---replicas`) also exit by themselves if their parent is killed.
+files under var/, never into a log. SIGTERM first drains (gateway/drain.py: new requests get 503,
+open ones finish, for at most `[gateway] drain_timeout_s`); Ctrl-C (or a second SIGTERM) stops at
+once. Then the workers stop (process groups, terminate then kill), the gateway and the broker it
+started; workers (and replicas started by `serve --replicas`) also exit by themselves if their
+parent is killed.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -219,16 +224,28 @@ def server_class() -> type:
 
     class Server(uvicorn.Server):
         """uvicorn re-raises SIGINT/SIGTERM after its shutdown, which would kill this process before
-        it stops the broker and the workers; here a signal only asks the server to exit."""
+        it stops the broker and the workers; here a signal only asks the server to exit. Once
+        started, the first SIGTERM calls `on_term` instead (the drain, gateway/drain.py, which sets
+        `should_exit` when done); SIGINT and a second SIGTERM exit at once."""
+
+        on_term: Callable[[], None] | None = None
 
         @contextlib.contextmanager
         def capture_signals(self):  # type: ignore[override]
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
             try:
                 yield
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
+
+        def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+            on_term = self.on_term
+            if sig == signal.SIGTERM and on_term is not None and self.started and not self.should_exit:
+                self.on_term = None  # the next SIGTERM exits at once
+                on_term()
+            else:
+                self.handle_exit(sig, frame)
 
     return Server
 
@@ -334,9 +351,21 @@ def run_gateway(settings: Settings, role: GatewayRole) -> int:
         log.warning("the parent process %d is gone; gateway exiting", parent_pid)
         server.should_exit = True
 
+    async def drain_then_exit(app: Any) -> None:
+        try:
+            await app.state.drain.run(lambda: backend.open_requests + app.state.streams.running,
+                                      backend.stop_consuming, app.state.streams.stop)
+        finally:
+            server.should_exit = True
+
+    def on_sigterm(app: Any, loop: asyncio.AbstractEventLoop) -> None:
+        # Called by the signal handler (between two bytecodes of the loop's thread): schedule only.
+        loop.call_soon_threadsafe(lambda: tasks.append(asyncio.ensure_future(drain_then_exit(app))))
+
     async def after_start(app: Any) -> None:
         batches.attach(app, backend)
         await batches.start()
+        server.on_term = functools.partial(on_sigterm, app, asyncio.get_running_loop())
         if role.parent_pid is not None:
             tasks.append(asyncio.create_task(watch_parent(role.parent_pid)))
         if role.replica:

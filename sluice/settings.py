@@ -59,6 +59,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # A stream whose client went away keeps generating this long for a client to attach again, then
     # is aborted; 0 = abort at once (a request can ask for that: `X-Sluice-Disconnect: abort`).
     disconnect_grace_s: float = 30.0
+    # SIGTERM drains (docs/scale-out.md "Draining and rolling restarts"): new requests get 503, open
+    # ones run on for at most this long, then the rest are closed and the process exits 0.
+    drain_timeout_s: float = 30.0
     key_cache_ttl_s: float = 30.0
     record_log_path: str = ""  # per-request JSON lines; empty = the `sluice.records` logger only
 

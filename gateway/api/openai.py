@@ -99,6 +99,7 @@ async def _answer(
     """Launches a prepared request; answers with an SSE stream when it asked for one, else the whole body."""
     if prepared.stream:
         return await _answer_stream(request, generation, tenant, prepared, stream)
+    request.app.state.drain.refuse_new()
     flight = await generation.launch(tenant, prepared)
     quotas = generation.quotas
     body = await _unless_disconnected(request, complete(flight))
@@ -136,6 +137,7 @@ async def _answer_stream(
         await streams.log.drop(response_id, tenant.id, key)
         raise not_found(last_id)
     try:
+        request.app.state.drain.refuse_new()  # attaching (above) is still served while draining
         flight = await generation.launch(tenant, prepared)
     except BaseException:
         await streams.log.drop(response_id, tenant.id, key)

@@ -42,6 +42,16 @@ ABANDONED = sse(
         }
     }
 )
+INTERRUPTED = sse(
+    {
+        "error": {
+            "message": "The stream was stopped: the gateway replica generating it shut down before it ended.",
+            "type": "server_error",
+            "param": None,
+            "code": "stream_interrupted",
+        }
+    }
+)
 LOST = sse(
     {
         "error": {
@@ -113,6 +123,7 @@ class _Pump:
         self.grace_s = grace_s
         self.followers = 0
         self.done = False
+        self.ending = ABANDONED  # the log's last event when the pump is cancelled
         self.task: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._arm(max(grace_s, FIRST_ATTACH_S))  # until the POST's own follower starts
@@ -129,7 +140,7 @@ class _Pump:
             # Runs the SSE loop's own cleanup: an unfinished request is aborted at its worker.
             await frames.aclose()  # type: ignore[attr-defined]
             if cancelled:
-                stream_log.append(self.response_id, ABANDONED)
+                stream_log.append(self.response_id, self.ending)
             stream_log.end(self.response_id)
             self.done = True
             self._disarm()
@@ -206,11 +217,18 @@ class StreamHub:
     async def _await(task: asyncio.Future[None]) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
+    @property
+    def running(self) -> int:
+        """Streamed responses still generating in this process (a drain waits for them)."""
+        return len(self._pumps)
+
     async def stop(self) -> None:
-        """At shutdown: streams cannot outlive the process, so each is aborted (as a disconnect
-        was before there was a grace); their logs end with the abandoned event."""
+        """At shutdown (or a drain's timeout): streams cannot outlive the process, so each is
+        aborted (as a disconnect was before there was a grace); their logs end with
+        `stream_interrupted`."""
         pumps = list(self._pumps.values())
         for pump in pumps:
+            pump.ending = INTERRUPTED
             if pump.task is not None:
                 pump.task.cancel()
         await asyncio.gather(*(p.task for p in pumps if p.task is not None), return_exceptions=True)

@@ -1,5 +1,8 @@
 """Liveness and readiness (open: they reveal nothing), and Prometheus metrics (behind a token).
 
+Both answer 503 while the process drains (gateway/drain.py): `/health` with status `draining`,
+`/ready` with the check `accepting` false.
+
 `/metrics` carries tenant names and per-tenant token counters, so it needs
 `Authorization: Bearer <token>` with `gateway.metrics_token` (for a Prometheus scrape job) or the
 admin token; anything else gets 401.
@@ -29,9 +32,17 @@ class Readiness(msgspec.Struct):
     checks: dict[str, bool]
 
 
-@get("/health", tags=["System"], summary="Liveness: the process answers")
-async def health() -> Health:
-    return Health(status="ok")
+@get(
+    "/health",
+    tags=["System"],
+    summary="Liveness: the process answers (503 `draining` once SIGTERM began its drain)",
+    responses={503: ResponseSpec(Health, description="Draining: stopping, takes no new requests")},
+)
+async def health(request: Request[Any, Any, Any]) -> Response[Health]:
+    # A load balancer's health check moves traffic away from a draining replica before it exits.
+    if request.app.state.drain.draining:
+        return Response(Health(status="draining"), status_code=503)
+    return Response(Health(status="ok"))
 
 
 @get(
@@ -41,7 +52,7 @@ async def health() -> Health:
     responses={503: ResponseSpec(Readiness, description="Not ready: `checks` says what is missing")},
 )
 async def ready(request: Request[Any, Any, Any]) -> Response[Readiness]:
-    checks: dict[str, bool] = {}
+    checks: dict[str, bool] = {"accepting": not request.app.state.drain.draining}
     try:
         async with request.app.state.session_factory() as session:
             await session.execute(text("SELECT 1"))

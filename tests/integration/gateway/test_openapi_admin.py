@@ -131,7 +131,7 @@ def test_health_ready_metrics(gateway) -> None:
 
     assert httpx.get(gateway.base_url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gateway.base_url + "/ready")
-    assert ready.status_code == 200 and ready.json()["checks"] == {"database": True, "workers": True}
+    assert ready.status_code == 200 and ready.json()["checks"] == {"accepting": True, "database": True, "workers": True}
     assert httpx.get(gateway.base_url + "/metrics").status_code == 401
     metrics = httpx.get(gateway.base_url + "/metrics", headers={"authorization": f"Bearer {gateway.admin_token}"})
     assert metrics.status_code == 200 and "text/plain" in metrics.headers["content-type"]
