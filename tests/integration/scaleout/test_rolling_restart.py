@@ -174,6 +174,7 @@ def references(serve_cluster: ServeCluster, api_key: str) -> dict[str, str]:
     return refs
 
 
+@pytest.mark.timeout(900)  # a cluster of 4 processes starts, replicas restart: slow on 2 shared cores
 def test_sigterm_drains_a_replica_and_the_supervisor_starts_it_again(
         serve_cluster: ServeCluster, api_key: str, references: dict[str, str]) -> None:
     cluster, base = serve_cluster, serve_cluster.bases[1]
@@ -225,6 +226,7 @@ def test_sigterm_drains_a_replica_and_the_supervisor_starts_it_again(
     assert text_of([base], api_key, body(PROMPTS[2])) == references[PROMPTS[2]]
 
 
+@pytest.mark.timeout(900)  # a cluster of 4 processes starts, replicas restart: slow on 2 shared cores
 def test_rolling_restart_under_50_streams_loses_nothing(
         serve_cluster: ServeCluster, api_key: str, references: dict[str, str]) -> None:
     cluster = serve_cluster
