@@ -41,9 +41,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.gateway.slots import has_room
+from sluice.gateway.upstream_http import StreamedResponse, TransportError, UpstreamHTTP
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
 from sluice.settings import Settings, UpstreamSpec, upstream_root
 
@@ -53,8 +55,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 1.0  # kind vllm: how often its /metrics gauges are read
+DRAIN_AFTER_DONE_S = 1.0  # after [DONE], the server's end of the body is awaited this long (else: closed)
 MAX_ERROR_DETAIL = 300  # characters of an upstream's own error message passed on to the client
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode  # msgspec.DecodeError (a ValueError) on garbage
 
 
 class LinkHost(Protocol):
@@ -158,12 +163,13 @@ class UpstreamLink:
         key = upstream_api_key(spec)
         if key:
             headers["authorization"] = f"Bearer {key}"
+        # Probes go through httpx; the completions through the lean streaming client (its
+        # module says why), bounded as a whole by request_timeout_s.
         self._client = httpx.AsyncClient(
             base_url=upstream_root(spec.base_url), headers=headers,
-            # read: between two chunks; the whole request is bounded by request_timeout_s.
             timeout=httpx.Timeout(spec.request_timeout_s, connect=spec.connect_timeout_s),
-            limits=httpx.Limits(max_connections=spec.max_concurrency + 2,
-                                max_keepalive_connections=spec.max_concurrency + 2))
+            limits=httpx.Limits(max_connections=2, max_keepalive_connections=1))
+        self._http = UpstreamHTTP(upstream_root(spec.base_url), headers, connect_timeout_s=spec.connect_timeout_s)
         self._streams: dict[str, _Stream] = {}
         self._attached = False
         self._suspect = False
@@ -237,15 +243,14 @@ class UpstreamLink:
     async def _run(self, stream: _Stream) -> None:
         request = stream.request
         rid = request.request_id
-        body = completion_body(request, self.spec, priority_enabled=self._priority_enabled)
+        body = _encode(completion_body(request, self.spec, priority_enabled=self._priority_enabled))
         try:
             async with asyncio.timeout(self.spec.request_timeout_s):
-                async with self._client.stream("POST", "/v1/completions", json=body,
-                                               headers={"x-request-id": rid}) as response:
-                    if response.status_code >= 400:
-                        detail = _error_detail(await response.aread())
+                async with self._http.post("/v1/completions", body, {"x-request-id": rid}) as response:
+                    if response.status >= 400:
+                        detail = _error_detail(await response.read())
                         raise UpstreamError(f"upstream {self.spec.name!r} answered HTTP "
-                                            f"{response.status_code}{detail}")
+                                            f"{response.status}{detail}")
                     await self._relay(stream, response)
         except asyncio.CancelledError:
             if not stream.aborting:
@@ -256,15 +261,11 @@ class UpstreamLink:
         except TimeoutError:
             self._end(stream, FinishReason.ERROR, f"upstream {self.spec.name!r} did not finish this request "
                                                   f"within {self.spec.request_timeout_s:g}s")
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                httpx.WriteError, httpx.PoolTimeout) as exc:
-            log.warning("upstream %s: request %s lost (%s)", self.spec.name, rid, type(exc).__name__)
+        except TransportError as exc:
+            log.warning("upstream %s: request %s lost (%s)", self.spec.name, rid, exc)
             self._suspect = True
             self._probe_now.set()
             self._host.lose_job(self, rid, "could not be reached")
-        except httpx.TimeoutException:
-            self._end(stream, FinishReason.ERROR, f"upstream {self.spec.name!r} sent nothing for "
-                                                  f"{self.spec.request_timeout_s:g}s")
         except Exception as exc:  # a bug or a malformed answer ends this job only
             log.warning("upstream %s: request %s failed (%s)", self.spec.name, rid, type(exc).__name__)
             self._end(stream, FinishReason.ERROR, f"upstream {self.spec.name!r} sent an unreadable answer")
@@ -272,24 +273,21 @@ class UpstreamLink:
             if self._streams.get(rid) is stream:
                 del self._streams[rid]
 
-    async def _relay(self, stream: _Stream, response: httpx.Response) -> None:
+    async def _relay(self, stream: _Stream, response: StreamedResponse) -> None:
         """Server-sent events to deltas, until [DONE]; the final delta carries the server's usage."""
         request = stream.request
         prompt_tokens = len(request.prompt_token_ids)
         finish: str | None = None
         usage: dict[str, Any] = {}
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
+        async for data in response.events():
+            if data == b"[DONE]":
+                await response.drain(DRAIN_AFTER_DONE_S)  # the end of the body: the connection is reused
                 break
-            event = json.loads(data)
+            event = _decode(data)
             if not isinstance(event, dict):
                 raise UpstreamError(f"upstream {self.spec.name!r} sent an unreadable event")
             if event.get("error"):
-                raise UpstreamError(f"upstream {self.spec.name!r} reported an error"
-                                    f"{_error_detail(data.encode())}")
+                raise UpstreamError(f"upstream {self.spec.name!r} reported an error{_error_detail(data)}")
             if isinstance(event.get("usage"), dict):
                 usage = event["usage"]
             for choice in event.get("choices") or ():
@@ -332,6 +330,7 @@ class UpstreamLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe_task
         self.close()
+        await self._http.aclose()
         await self._client.aclose()
 
     async def _probe_loop(self) -> None:
