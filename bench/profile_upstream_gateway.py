@@ -48,7 +48,12 @@ PARTS = (
 )
 
 
+LOOP = "event loop (idle, or uvloop's own I/O and callbacks)"
+
+
 def part_of(frames: list[str]) -> str:
+    if frames[-1] in ("runners.py:Runner.run", "base_events.py:BaseEventLoop.run_forever"):
+        return LOOP  # uvloop runs in C under asyncio.run: its idle wait shows as this frame
     for frame in reversed(frames):
         low = frame.lower()
         for part, needles in PARTS:
@@ -81,9 +86,9 @@ def summarize(counts: collections.Counter[str], top: int) -> str:
         parts[part_of(frames)] += count
         for frame in set(frames):
             inclusive[frame] += count
-    busy = total - parts["idle (event loop waiting)"]
-    lines = [f"{total} samples ({busy} busy)", "", "by part (% of all samples, % of busy):"]
-    lines += [f"  {100 * n / total:5.1f}%  {100 * n / max(busy, 1) if not p.startswith('idle') else 0:5.1f}%  {p}"
+    busy = total - parts["idle (event loop waiting)"] - parts[LOOP]
+    lines = [f"{total} samples ({busy} in Python code)", "", "by part (% of all samples, % of those in Python code):"]
+    lines += [f"  {100 * n / total:5.1f}%  {100 * n / max(busy, 1) if p not in (LOOP, PARTS[0][0]) else 0:5.1f}%  {p}"
               for p, n in parts.most_common()]
     lines += ["", "own time:"]
     lines += [f"  {100 * n / total:5.1f}%  {frame}" for frame, n in own.most_common(top)]
