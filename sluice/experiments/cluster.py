@@ -297,8 +297,8 @@ def _gateway_args(port: int, worker_port: int) -> list[str]:
 
 
 def start_cluster(spec: ClusterSpec) -> Cluster:
-    """Migrate the database, start the replicas (the first alone: it creates the admin token and the
-    topics), then the workers; returns once every worker is linked to every replica."""
+    """Migrate the database, start the workers and the first replica (alone: it creates the admin
+    token and the topics), then the others; returns once every worker is linked to every replica."""
     from sluice.gateway.db.migrate import migrate
 
     spec.workdir.mkdir(parents=True, exist_ok=True)
@@ -323,11 +323,11 @@ def start_cluster(spec: ClusterSpec) -> Cluster:
         for index in range(spec.workers)]
     cluster = Cluster(spec, replicas, workers)
     try:
+        for worker in workers:  # they load the model meanwhile, and connect once each replica listens
+            worker.start()
         cluster.start_replica(0)
         for replica in replicas[1:]:
             replica.process.start()
-        for worker in workers:
-            worker.start()
         for replica in replicas[1:]:
             _wait(lambda replica=replica: _ready(replica.base_url), replica.process, "to answer /ready")
         cluster.wait_linked()
