@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from sluice.errors import CLIError
 from sluice.experiments.cli import positive_int_list
 from sluice.loadgen.prompts import LengthDist
@@ -38,6 +36,9 @@ from sluice.workers.config import SchedulerConfig
 from sluice.workers.request import Request
 from sluice.workers.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 
+# torch is imported inside the functions that run engines: every `sluice` process (a gateway
+# replica too) builds the whole parser, and so imports this module for `bench engine`'s arguments;
+# a top-level import cost each one seconds of CPU for a library it never uses.
 POLICIES = ("chunked", "prefill_first", "static")
 DEFAULT_PROMPT_LEN = "lognormal:80:0.6:8:512"
 DEFAULT_OUTPUT_LEN = "lognormal:96:0.8:8:1024"
@@ -86,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_requests(num: int, seed: int, prompt_len: LengthDist, output_len: LengthDist,
                   vocab: int) -> list[tuple[list[int], int]]:
+    import torch
     rng = random.Random(seed)
     prompt_lens = [prompt_len.sample(rng) for _ in range(num)]
     output_lens = [output_len.sample(rng) for _ in range(num)]
@@ -98,6 +100,7 @@ def make_requests(num: int, seed: int, prompt_len: LengthDist, output_len: Lengt
 
 def run_hf_static(model_dir: str, requests: list[tuple[list[int], int]], batch_size: int,
                   device: str) -> dict[str, Any]:
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -117,6 +120,7 @@ def run_hf_static(model_dir: str, requests: list[tuple[list[int], int]], batch_s
 
 def _hf_generate(model: Any, prompts: list[list[int]], new: int, device: str) -> None:
     """One static batch, left-padded, greedy, every row generating `new` tokens."""
+    import torch
     pad = 0
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.int64)
@@ -130,6 +134,7 @@ def _hf_generate(model: Any, prompts: list[list[int]], new: int, device: str) ->
 
 
 def hf_latency(model_dir: str, prompts: bench_peer.LatencyPoints, device: str) -> dict[str, dict[str, float]]:
+    import torch
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -202,6 +207,8 @@ def scheduler_step_cpu_ms(num_running: int, policy: str = "chunked", steps: int 
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
     from sluice.workers.model.config import ModelConfig
 
     if args.num_requests < 1:

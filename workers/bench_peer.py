@@ -28,12 +28,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from sluice.errors import CLIError
-from sluice.workers.model.config import ModelConfig
+
+if TYPE_CHECKING:  # sluice.workers.model loads torch
+    from sluice.workers.model.config import ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VLLM_VENV = REPO_ROOT / ".peers" / "vllm"
@@ -52,6 +52,8 @@ class LatencyPoints:
     @classmethod
     def make(cls, vocab: int, seed: int, prompt_tokens: int, output_tokens: int,
              streams: Sequence[int]) -> LatencyPoints:
+        import torch  # not at the top: see bench_engine (every `sluice` process imports this module)
+
         gen = torch.Generator().manual_seed(seed + 1)
         low = min(16, vocab - 1)
 
@@ -154,6 +156,8 @@ def gemm_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def matmul_peak(cfg: ModelConfig, rows: Sequence[int] = (64, 256), min_seconds: float = 0.2) -> dict[str, Any]:
     """Best float32 GEMM rate of this machine (GFLOP/s) over the model's shapes at a few row counts."""
+    import torch
+
     rates: dict[str, float] = {}
     for name, (k, n) in gemm_shapes(cfg).items():
         weight = torch.randn(n, k)
