@@ -176,6 +176,16 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
     if litellm and sluice["saturated_rps"] and litellm["saturated_rps"]:
         out["rps_ratio_sluice_over_litellm"] = sluice["saturated_rps"] / litellm["saturated_rps"]
         out["rps_ratio_met"] = out["rps_ratio_sluice_over_litellm"] >= GOALS["sluice_over_litellm_saturated_rps_min"]
+    elif litellm and sluice["saturated_rps"]:
+        # A peer slower than the window (its TTFT beyond saturation_s) finishes nothing in it.
+        out["rps_ratio_met"] = True
+        out["rps_ratio_note"] = "litellm finished no request within the saturation window"
+    if litellm:
+        # Closed-loop throughput at each level: a ratio even when the saturation run has none.
+        out["closed_loop_rps_ratio_by_level"] = {
+            level: row["rps"] / litellm["levels"][level]["rps"]
+            for level, row in sluice["levels"].items()
+            if row.get("rps") and litellm["levels"].get(level, {}).get("rps")}
     return out
 
 
