@@ -38,7 +38,14 @@ is configured.
 
 Deltas from a worker go straight to the job's sink (a client stream or a batch collector); there
 is no per-token round trip through Kafka. A worker that disconnects or misses heartbeats is
-dropped: its batch jobs are re-queued (they complete elsewhere), the others end with an error.
+dropped (worker failover, docs/streams.md): each of its unfinished jobs, streams and batch lines
+alike, goes back into line ahead of its tenant's newer work with `resume_token_ids` = the tokens
+already delivered to its sink, so another worker process recomputes prompt + those and goes on; the
+client sees a stall, not an error. A job gets at most `MAX_DISPATCH_ATTEMPTS` workers (a request
+that kills every worker it lands on fails instead of taking the fleet down one worker at a time).
+A resumed job goes to worker processes only. Jobs an upstream held are not resumed (an upstream
+cannot resume, and may send no token ids): its streams end with an error, its batch lines are
+re-queued from scratch.
 """
 
 from __future__ import annotations
@@ -87,8 +94,8 @@ log = logging.getLogger(__name__)
 
 DeltaSink = Callable[[RequestDelta], None]
 _Target = TypeVar("_Target")
-# A batch job whose worker died this many times fails instead of being re-queued again (a request
-# that crashes workers must not crash them forever).
+# A job whose worker died this many times fails instead of being re-queued again (a request that
+# crashes workers must not crash them forever).
 MAX_DISPATCH_ATTEMPTS = 3
 REGISTER_TIMEOUT_S = 10.0  # a peer must register this soon after connecting
 REGISTER_MAX_FRAME_BYTES = 64 * 1024  # an unauthenticated peer's frames are small or refused
@@ -151,6 +158,11 @@ class Job:
     attempts: int = 0
     slot: str = ""  # its worker slot in the shared store while it holds one (gateway/slots.py)
     token_times: list[float] = field(default_factory=list)  # kept for batch lines' records only
+    # Token ids delivered to the sink so far: where a re-queued job resumes (worker failover).
+    output_token_ids: list[int] = field(default_factory=list)
+    # The first delta that carried output: after a resume, its engine times and cached-token count
+    # stand for the request (TTFT is the first token ever, whichever worker made it).
+    first_output: RequestDelta | None = None
 
     @property
     def request_id(self) -> str:
@@ -419,8 +431,11 @@ class Dispatcher:
     def _candidates(self, job: Job) -> list[WorkerLink]:
         """The workers that may serve `job` (under their own cap), least loaded first."""
         model = job.request.model
+        # A resumed job goes to worker processes only: an upstream would start it over.
+        resumed = bool(job.request.resume_token_ids)
         serving = [w for w in self.workers.values()
-                   if model in w.models and w.worker_id not in self.draining and w.accepting]
+                   if model in w.models and w.worker_id not in self.draining and w.accepting
+                   and not (resumed and not isinstance(w, WorkerConn))]
         return sorted(serving, key=lambda w: w.load)
 
     def _pick_worker(self, job: Job) -> WorkerLink | None:
@@ -429,7 +444,9 @@ class Dispatcher:
                                self.settings.scheduler.priority_enabled)
 
     def _send(self, job: Job, worker: WorkerLink) -> None:
-        job.worker, job.dispatch_time, job.started = worker.worker_id, time.time(), False
+        job.worker, job.started = worker.worker_id, False
+        if job.dispatch_time is None:  # a resumed job keeps its first: records measure from it
+            job.dispatch_time = time.time()
         job.attempts += 1
         request = job.request
         if not self.settings.scheduler.priority_enabled and request.priority != Priority.STANDARD:
@@ -679,7 +696,7 @@ class Dispatcher:
         """One job's transport to its worker broke: handled as if its worker were lost, alone."""
         job = worker.inflight.pop(request_id, None)
         if job is not None:
-            self._drop_job(job, worker.worker_id, reason)
+            self._drop_job(job, worker, reason)
             self._wake.set()
 
     def _on_delta(self, worker: WorkerLink, delta: RequestDelta) -> None:
@@ -691,6 +708,15 @@ class Dispatcher:
             self.slots.release(job)  # it left the worker's waiting queue
         if job.request.batch_id is not None:
             job.token_times.extend(delta.token_times)
+        job.output_token_ids.extend(delta.token_ids)
+        if job.first_output is None:
+            if delta.token_ids or delta.text:
+                job.first_output = delta
+        elif job.request.resume_token_ids:  # a resumed attempt: its timing starts at the first one
+            first = job.first_output
+            delta = msgspec.structs.replace(delta, first_scheduled_time=first.first_scheduled_time,
+                                            first_token_time=first.first_token_time,
+                                            num_cached_tokens=first.num_cached_tokens)
         new_tokens = delta.num_output_tokens - job.num_output_tokens
         if new_tokens > 0:
             job.num_output_tokens = delta.num_output_tokens
@@ -707,31 +733,50 @@ class Dispatcher:
             del self.workers[worker.worker_id]
         worker.close()
         jobs, worker.inflight = list(worker.inflight.values()), {}
-        requeued = sum(self._drop_job(job, worker.worker_id, reason) for job in jobs)
-        log.warning("worker %s lost (%s): %d batch job(s) re-queued, %d failed",
+        requeued = sum(self._drop_job(job, worker, reason) for job in jobs)
+        log.warning("worker %s lost (%s): %d job(s) re-queued to resume elsewhere, %d failed",
                     worker.worker_id, reason, requeued, len(jobs) - requeued)
         self._wake.set()
 
-    def _drop_job(self, job: Job, worker_id: str, reason: str) -> bool:
-        """A job whose worker is gone: batch work back in line (True), the rest ended with an error."""
+    def _drop_job(self, job: Job, worker: WorkerLink, reason: str) -> bool:
+        """A job whose worker is gone: back in line (True), or ended with an error: its attempts are
+        spent, or it is a stream an upstream held (module docstring)."""
         self.slots.release(job)
-        if job.request.batch_id is not None and job.attempts < MAX_DISPATCH_ATTEMPTS:
-            # Batch work must complete: back into the scheduler, ahead of its tenant's newer work.
-            job.worker, job.dispatch_time, job.started, job.num_output_tokens = "", None, False, 0
-            job.token_times.clear()
-            self.scheduler.requeue(Pending(
-                request_id=job.request_id, tenant=job.request.tenant_id, priority=job.request.priority,
-                enqueued_at=job.enqueued_at, payload=job,
-                prompt_tokens=len(job.request.prompt_token_ids), weight=job.request.tenant_weight,
-            ))
+        if job.attempts >= MAX_DISPATCH_ATTEMPTS:
+            error = (f"{job.attempts} workers serving this request were lost (the last, {worker.worker_id}, "
+                     f"{reason}); it is not tried again")
+        elif isinstance(worker, WorkerConn) and len(job.output_token_ids) == job.num_output_tokens:
+            # Resumed after what its sink already has; its timing and its tenant's charge so far stay.
+            self._requeue(job, tuple(job.output_token_ids))
             return True
+        elif job.request.batch_id is not None:  # an upstream's batch line: run again from scratch
+            job.num_output_tokens, job.first_output = 0, None
+            job.token_times.clear()
+            job.output_token_ids.clear()
+            self._requeue(job, ())
+            return True
+        else:
+            error = f"the worker serving this request ({worker.worker_id}) {reason}; please retry"
+        log.warning("request %s failed: %s", job.request_id, error)
         self._finish(job, RequestDelta(
-            request_id=job.request_id, finish_reason=FinishReason.ERROR,
-            error=f"the worker serving this request ({worker_id}) {reason}; please retry",
+            request_id=job.request_id, finish_reason=FinishReason.ERROR, error=error,
             num_prompt_tokens=len(job.request.prompt_token_ids),
             num_output_tokens=job.num_output_tokens,
         ))
         return False
+
+    def _requeue(self, job: Job, resume: tuple[int, ...]) -> None:
+        """Back into the scheduler, ahead of its tenant's newer work (its first place in line)."""
+        if resume != job.request.resume_token_ids:
+            job.request = msgspec.structs.replace(job.request, resume_token_ids=resume)
+        job.worker, job.started = "", False
+        if not resume:  # nothing delivered: it starts over, dispatched anew
+            job.dispatch_time = None
+        self.scheduler.requeue(Pending(
+            request_id=job.request_id, tenant=job.request.tenant_id, priority=job.request.priority,
+            enqueued_at=job.enqueued_at, payload=job,
+            prompt_tokens=len(job.request.prompt_token_ids), weight=job.request.tenant_weight,
+        ))
 
     # ---- views ---------------------------------------------------------------------------------
 

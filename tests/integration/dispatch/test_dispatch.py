@@ -11,6 +11,7 @@ import itertools
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from sluice.broker import free_port
@@ -201,21 +202,33 @@ async def drain_iter(iterator) -> list[RequestDelta]:
     return [delta async for delta in iterator]
 
 
-async def test_worker_death_ends_streams_with_an_error(bootstrap_servers: str, demo_model_dir: Path,
-                                                       start_worker) -> None:
+async def test_a_stream_whose_lone_worker_dies_resumes_on_it_once_restarted(
+        bootstrap_servers: str, demo_model_dir: Path, start_worker) -> None:
+    """Worker failover with no other worker: the stream waits in the queue (a stall, no error) and
+    resumes after its delivered tokens once the worker is back under its id, as `serve` restarts it."""
     port = free_port()
     backend = KafkaBackend(make_settings(bootstrap_servers, demo_model_dir), worker_port=port)
     await backend.start()
     process = start_worker(demo_model_dir, port, "doomed", "--max-num-seqs", "2")
     try:
         await wait_for(lambda: "doomed" in backend.dispatcher.workers, 120, "the worker to register")
-        sub = await backend.submit(request("alice", Priority.STANDARD, 2000))
+        first = request("alice", Priority.STANDARD, 60)
+        sub = await backend.submit(first)
         iterator = sub.__aiter__()
-        await asyncio.wait_for(iterator.__anext__(), 60)
+        head = [await asyncio.wait_for(iterator.__anext__(), 60)]
         kill_group(process)
-        rest = [d async for d in iterator]
-        assert rest[-1].finish_reason == FinishReason.ERROR
-        assert "doomed" in (rest[-1].error or "")
+        await wait_for(lambda: "doomed" not in backend.dispatcher.workers, 30, "the worker to be dropped")
+        assert sub.job is not None and sub.job.worker == "" and backend.dispatcher.num_jobs == 1  # queued
+        start_worker(demo_model_dir, port, "doomed", "--max-num-seqs", "2")
+        rest = await asyncio.wait_for(drain_iter(iterator), 120)
+        deltas = head + rest
+        assert all(d.finish_reason is None for d in deltas[:-1]) and deltas[-1].error is None
+        assert deltas[-1].finish_reason == FinishReason.LENGTH and deltas[-1].num_output_tokens == 60
+        assert len(sub.job.request.resume_token_ids) >= 1 and sub.job.attempts == 2
+        again = await backend.submit(msgspec.structs.replace(first, request_id=f"{first.request_id}-again"))
+        undisturbed = await asyncio.wait_for(drain(again), 120)
+        assert [t for d in deltas for t in d.token_ids] == [t for d in undisturbed for t in d.token_ids]
+        assert "".join(d.text for d in deltas) == "".join(d.text for d in undisturbed)
         assert backend.dispatcher.num_jobs == 0
     finally:
         await backend.stop()

@@ -1,0 +1,199 @@
+"""Worker failover (issue #16 (b)): a worker process SIGKILLed mid-stream; its stream continues on
+the other worker, recomputing prompt + the tokens already delivered, and the client sees a stall,
+not an error: the same text and token ids as an undisturbed greedy run, no error event, the same
+finish_reason and usage. A request that keeps losing its workers fails after the bounded attempts.
+
+Two real worker processes on this module's worker port, the whole app (OpenAI HTTP API, quotas,
+Kafka backend) on the session's broker and a real database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dispatch.conftest import kill_group
+
+from sluice import telemetry
+from sluice.gateway.dispatch import MAX_DISPATCH_ATTEMPTS, Job
+
+from .conftest import FaultGateway, StartWorker, fault_settings, open_gateway, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+WORKER_IDS = ("fa", "fb")
+BODY = {"model": "demo", "prompt": "The keeper writes the level", "max_tokens": 200, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+class Fleet:
+    """The module's worker processes by id; `restart` brings a killed one back under its id."""
+
+    def __init__(self, start: Callable[[str], subprocess.Popen[bytes]]) -> None:
+        self._start = start
+        self.processes = {wid: start(wid) for wid in WORKER_IDS}
+
+    def kill(self, worker_id: str) -> None:
+        kill_group(self.processes[worker_id])
+
+    def restart(self, worker_id: str) -> None:
+        self.processes[worker_id] = self._start(worker_id)
+
+
+@pytest.fixture
+def database_url(tmp_path: Path) -> str:
+    """SQLite only: failover does not touch the database (the shared fixture would run each test twice)."""
+    return f"sqlite+aiosqlite:///{tmp_path / 'sluice.db'}"
+
+
+@pytest.fixture(scope="module")
+def fleet(start_worker: StartWorker, demo_model_dir: Path, worker_port: int) -> Fleet:
+    return Fleet(lambda wid: start_worker(demo_model_dir, worker_port, wid, "--max-num-seqs", "4"))
+
+
+@pytest.fixture
+async def gateway(bootstrap_servers: str, demo_model_dir: Path, database_url: str, worker_port: int,
+                  fleet: Fleet) -> AsyncIterator[FaultGateway]:
+    settings = fault_settings(bootstrap_servers, demo_model_dir, database_url)
+    async for gw in open_gateway(settings, worker_port, wait_worker=False):
+        await wait_for(functools.partial(both_up, gw), 180, "both workers to register")
+        yield gw
+
+
+def both_up(gw: FaultGateway) -> bool:
+    return all(w in gw.backend.dispatcher.workers for w in WORKER_IDS)
+
+
+def the_job(gw: FaultGateway) -> Job | None:
+    """The one stream this gateway holds (None before it is dispatched)."""
+    streams = list(gw.backend._streams.values())
+    return streams[0].job if streams else None
+
+
+async def stream_events(gw: FaultGateway) -> list[dict[str, Any]]:
+    """Every SSE event of one streamed completion, decoded (the test client hands them over at the end)."""
+    headers = {"authorization": f"Bearer {gw.sdk.api_key}"}
+    events: list[dict[str, Any]] = []
+    async with gw.client.stream("POST", "/v1/completions", json=BODY, headers=headers) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def watch(gw: FaultGateway, jobs: list[Job], stop: threading.Event, on_poll: Callable[[Job], None] | None,
+          ) -> None:
+    """Notes the stream's job and shows it to `on_poll` every few ms. A thread: the test client runs
+    the app on a loop of its own and blocks this one meanwhile."""
+    while not stop.wait(0.005):
+        job = the_job(gw)
+        if job is not None and job not in jobs:
+            jobs.append(job)
+        if job is not None and on_poll is not None:
+            on_poll(job)
+
+
+async def run_stream(gw: FaultGateway, jobs: list[Job], on_poll: Callable[[Job], None] | None = None,
+                     ) -> list[dict[str, Any]]:
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=(gw, jobs, stop, on_poll), daemon=True)
+    watcher.start()
+    try:
+        return await asyncio.wait_for(stream_events(gw), 300)
+    finally:
+        stop.set()
+        watcher.join(10)
+
+
+def summary(events: list[dict[str, Any]]) -> tuple[str, str | None, dict[str, Any]]:
+    text = "".join(c["text"] for e in events for c in e.get("choices", ()))
+    finish = [c["finish_reason"] for e in events for c in e.get("choices", ()) if c.get("finish_reason")]
+    usage = [e["usage"] for e in events if e.get("usage")]
+    assert len(finish) == 1 and len(usage) == 1, events[-3:]
+    return text, finish[0], usage[0]
+
+
+async def test_a_killed_workers_stream_continues_on_the_other_worker(
+        gateway: FaultGateway, fleet: Fleet, tmp_path: Path) -> None:
+    gw = gateway
+    jobs: list[Job] = []
+    undisturbed = await run_stream(gw, jobs)
+    [reference] = jobs
+    assert reference.attempts == 1 and len(reference.output_token_ids) == 200
+
+    record_log = tmp_path / "records.jsonl"
+    telemetry.configure(str(record_log))
+    killed: dict[str, Any] = {}
+
+    def kill_worker(job: Job) -> None:  # once, mid-generation: 40 of 200 tokens delivered
+        worker, delivered = job.worker, len(job.output_token_ids)
+        if not killed and delivered >= 40:
+            killed.update(worker=worker, at=time.time(), delivered=delivered)
+            fleet.kill(worker)
+
+    try:
+        disturbed = await run_stream(gw, jobs, kill_worker)
+        await wait_for(lambda: record_log.is_file() and record_log.read_text().strip() != "", 30,
+                       "the request record")
+    finally:
+        telemetry.configure("")
+    assert killed, "the stream ended before the kill"
+    fleet.restart(killed["worker"])  # for the next test
+
+    assert not any("error" in e for e in disturbed), [e for e in disturbed if "error" in e]
+    assert summary(disturbed) == summary(undisturbed)  # text, finish_reason, usage
+    _, finish, usage = summary(disturbed)
+    assert finish == "length" and usage["completion_tokens"] == 200
+    job = jobs[-1]
+    assert job.output_token_ids == reference.output_token_ids  # the same token ids
+    # It resumed on the other worker after the tokens its client had when the worker died.
+    assert job.worker != killed["worker"] and job.attempts == 2
+    resumed = job.request.resume_token_ids
+    assert len(resumed) >= killed["delivered"] >= 40 and resumed == tuple(reference.output_token_ids[:len(resumed)])
+    assert job.num_output_tokens == 200
+    [record] = telemetry.decode_records(record_log.read_bytes().splitlines())
+    assert record.completion_tokens == 200 and record.finish_reason == "length"
+    assert record.worker == job.worker
+    assert record.first_token_time is not None and record.first_token_time < killed["at"]  # the first token ever
+    assert record.engine_first_token is not None and record.engine_first_token < killed["at"]
+    assert record.dispatch_time is not None and record.dispatch_time < killed["at"]
+
+
+async def test_a_request_that_loses_every_worker_it_lands_on_fails_after_bounded_attempts(
+        gateway: FaultGateway, fleet: Fleet, caplog: pytest.LogCaptureFixture) -> None:
+    """Stands in for a request that crashes workers: the test SIGKILLs each worker it produces output
+    on (no real request kills a worker: one that raises in the engine fails alone, test_poison.py),
+    and restarts it, so the fleet stays."""
+    gw = gateway
+    jobs: list[Job] = []
+    lost: list[tuple[str, int]] = []  # (worker, tokens delivered when it was killed)
+
+    def kill_each_attempt(job: Job) -> None:
+        worker, delivered = job.worker, len(job.output_token_ids)  # the app's thread moves on meanwhile
+        if worker and job.attempts > len(lost) and delivered > (lost[-1][1] if lost else 0):
+            lost.append((worker, delivered))
+            fleet.kill(worker)
+            fleet.restart(worker)
+
+    events = await run_stream(gw, jobs, kill_each_attempt)
+    [job] = jobs
+    assert len(lost) == MAX_DISPATCH_ATTEMPTS == job.attempts
+    assert "error" in events[-1] and events[-1]["error"]["code"] == "generation_failed", events[-2:]
+    assert not any("error" in e for e in events[:-1])  # the first losses were stalls
+    # Resumed twice: each attempt went on after what the one before had delivered.
+    assert len(job.request.resume_token_ids) >= lost[-2][1]
+    assert any(f"{MAX_DISPATCH_ATTEMPTS} workers serving this request were lost" in r.getMessage()
+               and "not tried again" in r.getMessage() for r in caplog.records)
+    # The fleet is still there: the next request is served.
+    await wait_for(lambda: both_up(gw), 180, "the restarts")
+    after = await gw.sdk.completions.create(model="demo", prompt="after", max_tokens=4, temperature=0)
+    assert after.choices[0].finish_reason == "length"
