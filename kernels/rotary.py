@@ -186,10 +186,14 @@ def rotary_store_kv_triton(
     return q_out, k_out
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, 1, D/2]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def _joint_qk(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q and k as one [T, Hq + Hkv, D] view when k's heads follow q's in memory (the column
+    split of a fused qkv projection), else None."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    if (q.dtype != k.dtype or q.stride() != k.stride() or q.stride(1) != head_dim
+            or k.data_ptr() != q.data_ptr() + num_q_heads * head_dim * q.element_size()):
+        return None
+    return q.as_strided((q.shape[0], num_q_heads + k.shape[1], head_dim), q.stride())
 
 
 def rotary_store_kv_ref(
@@ -204,11 +208,22 @@ def rotary_store_kv_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q and k, writes rotated k and v into their cache slots, returns (q, k) rotated.
 
-    q and k are rotated as one [T, Hq + Hkv, D] tensor (the CPU engine's hot path: half the calls).
+    q and k are rotated as one [T, Hq + Hkv, D] tensor (the CPU engine's hot path: half the calls):
+    a view when they are adjacent columns of the fused qkv projection, a copy otherwise. Each half
+    of the result is written in place (`out=`), in HF's order: x1 * cos - x2 * sin and
+    x2 * cos + x1 * sin, each product rounded on its own (no fused multiply-add), so float32
+    results are HF's bits.
     """
-    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
     num_q_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
-    rotated = _rotate(torch.cat((q, k), dim=1).float(), cos.float(), sin.float())
+    joint = _joint_qk(q, k) if q.dtype == torch.float32 else None
+    x = torch.cat((q, k), dim=1).float() if joint is None else joint  # [T, Hq + Hkv, D]
+    cos, sin = cos.float(), sin.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    r1, r2 = rotated.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=r1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=r2).add_(x1 * sin)
     q_rot, k_rot = rotated[:, :num_q_heads].to(q.dtype), rotated[:, num_q_heads:].to(k.dtype)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k_rot.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

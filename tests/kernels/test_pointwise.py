@@ -110,6 +110,35 @@ def test_rotary_store_kv_matches_reference(device, block_size, hq, hkv, head_dim
         assert written[untouched].isnan().all(), "the kernel wrote cache slots outside slot_mapping"
 
 
+def _hf_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on one tensor: x * cos + rotate_half(x) * sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * torch.cat((cos, cos), dim=-1) + torch.cat((-x2, x1), dim=-1) * torch.cat((sin, sin), dim=-1)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "head_dim"), [(9, 3, 64), (8, 2, 80)])
+@pytest.mark.parametrize("fused", [True, False], ids=["qkv-views", "separate"])
+def test_rotary_store_kv_ref_is_bitwise_hf_in_float32(hq: int, hkv: int, head_dim: int, fused: bool) -> None:
+    """The CPU path rotates q and k in place of one view when they are adjacent columns of the
+    fused projection, else through a copy; either way float32 results are HF's bits."""
+    meta, positions, num_blocks = make_metadata([(3, 40), (1, 7), (5, 5)], 16, "cpu")
+    num_tokens = positions.shape[0]
+    qkv = 3 * _randn(num_tokens, (hq + 2 * hkv) * head_dim, dtype=torch.float32, device="cpu", seed=11)
+    q, k, v = (t.view(num_tokens, -1, head_dim)
+               for t in qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=1))
+    if not fused:
+        q, k, v = q.clone(), k.clone(), v.clone()
+    cos_sin = _randn(64, head_dim, dtype=torch.float32, device="cpu", seed=12)
+    caches = [torch.zeros(num_blocks, 16, hkv, head_dim) for _ in range(2)]
+    q_rot, k_rot = rotary_store_kv_ref(q, k, v, positions, cos_sin, *caches, meta.slot_mapping)
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    assert torch.equal(q_rot, _hf_rotate(q, cos, sin)) and torch.equal(k_rot, _hf_rotate(k, cos, sin))
+    slots = meta.slot_mapping
+    assert torch.equal(caches[0].view(-1, hkv, head_dim)[slots], k_rot)
+    assert torch.equal(caches[1].view(-1, hkv, head_dim)[slots], v)
+    assert torch.equal(qkv[:, :hq * head_dim].view(num_tokens, hq, head_dim), q) or not fused  # inputs kept
+
+
 def test_validation_errors_are_user_readable() -> None:
     x = torch.randn(3, 16)
     with pytest.raises(ValueError, match="weight must have shape"):

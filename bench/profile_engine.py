@@ -1,0 +1,92 @@
+"""Where an engine run's time goes: torch.profiler over `LLMEngine.generate` on the bench's requests.
+
+    python bench/profile_engine.py --model var/models/smollm2-135m-instruct --num-requests 32 \
+        [--threads 2] [--top 25] [--trace trace.json]
+
+Same seeded request set as `sluice bench engine` (its length distributions and seed), greedy,
+ignore_eos. One engine step in `--every` is profiled (aggregating every step's events of a long
+run takes longer than the run); the operators' self CPU time is summed over the profiled steps and
+printed as shares, with the wall time of the whole run, so a lever can be judged by the share of
+the step it removes. Not a test and not a benchmark of record: the profiler's own overhead
+inflates small ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from sluice.loadgen.prompts import LengthDist
+from sluice.protocol import SamplingParams
+from sluice.workers.bench_engine import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, make_requests
+from sluice.workers.config import EngineConfig
+from sluice.workers.engine import LLMEngine
+from sluice.workers.model.config import ModelConfig
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-len", default=DEFAULT_PROMPT_LEN)
+    parser.add_argument("--output-len", default=DEFAULT_OUTPUT_LEN)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--every", type=int, default=10, help="profile one engine step in this many")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--no-profile", action="store_true", help="time the run only")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = ModelConfig.from_dir(Path(args.model))
+    requests = make_requests(args.num_requests, args.seed, LengthDist.parse(args.prompt_len),
+                             LengthDist.parse(args.output_len), cfg.vocab_size)
+    engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks))
+    prompts = [p for p, _ in requests]
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in requests]
+    engine.generate(prompts[:2], params[:2])  # warm-up
+    steps = engine.scheduler.stats.num_steps
+    self_us: dict[str, float] = {}
+
+    def collect(prof: profile) -> None:
+        for event in prof.key_averages():
+            self_us[event.key] = self_us.get(event.key, 0.0) + event.self_cpu_time_total
+
+    produced = 0
+    start = time.perf_counter()
+    now = time.time()
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"prof-{i}", prompt, p, arrival_time=now)
+    limit = args.max_steps if args.max_steps is not None else float("inf")
+    taken = 0
+    if args.no_profile:
+        while engine.has_work and taken < limit:
+            produced += sum(len(d.token_ids) for d in engine.step())
+            taken += 1
+    else:
+        plan = schedule(wait=max(args.every - 2, 0), warmup=1, active=1)
+        with profile(activities=[ProfilerActivity.CPU], schedule=plan, on_trace_ready=collect) as prof:
+            while engine.has_work and taken < limit:
+                produced += sum(len(d.token_ids) for d in engine.step())
+                taken += 1
+                prof.step()
+    elapsed = time.perf_counter() - start
+    print(f"{produced} output tokens in {elapsed:.1f} s = {produced / elapsed:.1f} tok/s, "
+          f"{engine.scheduler.stats.num_steps - steps} steps, "
+          f"{engine.scheduler.stats.num_preemptions} preemptions", file=sys.stderr)
+    if self_us:
+        total = sum(self_us.values())
+        print(f"{'operator':<48} {'self ms':>10} {'share':>7}")
+        for key, us in sorted(self_us.items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"{key:<48} {us / 1e3:10.1f} {100 * us / total:6.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
