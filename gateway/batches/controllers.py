@@ -145,6 +145,7 @@ class BatchesController(Controller):
         tenant: NamedDependency[TenantContext],
         data: JSONBody[BatchCreate],
     ) -> dict[str, Any]:
+        request.app.state.drain.refuse_new()  # a draining replica starts no new work (gateway/drain.py)
         return await _service(request).create_batch(
             tenant, data.input_file_id, data.endpoint, data.completion_window, data.metadata
         )

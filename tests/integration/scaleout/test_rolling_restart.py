@@ -213,6 +213,10 @@ def test_sigterm_drains_a_replica_and_the_supervisor_starts_it_again(
     refused = httpx.post(base + "/v1/chat/completions", json=body(PROMPTS[0]),  # not streamed: the same
                          headers={"authorization": f"Bearer {api_key}"}, timeout=30)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "replica_draining"
+    refused = httpx.post(base + "/v1/batches", json={"input_file_id": "file-any", "endpoint": "/v1/chat/completions",
+                                                      "completion_window": "24h"},
+                         headers={"authorization": f"Bearer {api_key}"}, timeout=30)  # nor a batch
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "replica_draining"
     client.join(300)
     assert "error" not in result and result["text"] == reference, result  # the open stream ran to its end
     wait_for(lambda: not _alive(victim), "the drained replica to exit", timeout=180)
