@@ -272,8 +272,9 @@ class LLMEngine:
             text += detok.flush()
             finish = request.finish_reason
         logprobs = (logprob,) if (logprob is not None and new_ids) else ()
-        delta = self._delta(request, new_ids, text, logprobs, finish,
-                            tuple(request.token_times[start:start + len(new_ids)]))
+        # The times of the tokens made here (a resumed request has none for its resumed tokens).
+        times = tuple(request.token_times[-len(new_ids):]) if new_ids else ()
+        delta = self._delta(request, new_ids, text, logprobs, finish, times)
         if finish is not None:
             self._forget(rid)
         return delta

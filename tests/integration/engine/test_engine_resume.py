@@ -44,6 +44,8 @@ def check_resumes_as_undisturbed(engine: LLMEngine, sampling: SamplingParams, ks
         assert resumed[-1].num_output_tokens == undisturbed[-1].num_output_tokens == len(ids)
         assert resumed[-1].num_prompt_tokens == undisturbed[-1].num_prompt_tokens
         assert [d.num_output_tokens for d in resumed] == list(range(k + 1, len(ids) + 1))
+        assert all(len(d.token_times) == len(d.token_ids) == 1 for d in resumed)  # each token's time
+        assert resumed[0].first_token_time == resumed[0].token_times[0]
 
 
 def test_greedy_resume_continues_exactly(engine: LLMEngine) -> None:

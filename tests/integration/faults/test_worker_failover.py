@@ -1,6 +1,6 @@
-"""Worker failover (issue #16 (b)): a worker process SIGKILLed mid-stream; its stream continues on
-the other worker, recomputing prompt + the tokens already delivered, and the client sees a stall,
-not an error: the same text and token ids as an undisturbed greedy run, no error event, the same
+"""Worker failover (issue #16 (b)): a worker process SIGKILLed (or SIGSTOPped) mid-stream; its
+stream continues on the other worker, recomputing prompt + the tokens already delivered, and the
+client sees a stall, not an error: the same text and token ids as an undisturbed greedy run, no error event, the same
 finish_reason and usage. A request that keeps losing its workers fails after the bounded attempts.
 
 Two real worker processes on this module's worker port, the whole app (OpenAI HTTP API, quotas,
@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -43,6 +45,10 @@ class Fleet:
 
     def kill(self, worker_id: str) -> None:
         kill_group(self.processes[worker_id])
+
+    def freeze(self, worker_id: str) -> None:
+        """SIGSTOP: alive, connected, silent (no heartbeats, no tokens)."""
+        os.killpg(self.processes[worker_id].pid, signal.SIGSTOP)
 
     def restart(self, worker_id: str) -> None:
         self.processes[worker_id] = self._start(worker_id)
@@ -114,6 +120,14 @@ async def run_stream(gw: FaultGateway, jobs: list[Job], on_poll: Callable[[Job],
         watcher.join(10)
 
 
+def record_of(path: Path, request_id: str) -> telemetry.RequestRecord | None:
+    """The gateway's record of one request in the record log (written in the background)."""
+    if not path.is_file():
+        return None
+    found = [r for r in telemetry.decode_records(path.read_bytes().splitlines()) if r.request_id == request_id]
+    return found[0] if found else None
+
+
 def summary(events: list[dict[str, Any]]) -> tuple[str, str | None, dict[str, Any]]:
     text = "".join(c["text"] for e in events for c in e.get("choices", ()))
     finish = [c["finish_reason"] for e in events for c in e.get("choices", ()) if c.get("finish_reason")]
@@ -122,8 +136,11 @@ def summary(events: list[dict[str, Any]]) -> tuple[str, str | None, dict[str, An
     return text, finish[0], usage[0]
 
 
-async def test_a_killed_workers_stream_continues_on_the_other_worker(
-        gateway: FaultGateway, fleet: Fleet, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
+async def test_a_lost_workers_stream_continues_on_the_other_worker(
+        gateway: FaultGateway, fleet: Fleet, tmp_path: Path, fault: str) -> None:
+    """sigkill: the worker dies (its connection ends); sigstop: it stops answering (dropped after
+    the heartbeat timeout, 5 s here)."""
     gw = gateway
     jobs: list[Job] = []
     undisturbed = await run_stream(gw, jobs)
@@ -138,15 +155,19 @@ async def test_a_killed_workers_stream_continues_on_the_other_worker(
         worker, delivered = job.worker, len(job.output_token_ids)
         if not killed and delivered >= 40:
             killed.update(worker=worker, at=time.time(), delivered=delivered)
-            fleet.kill(worker)
+            if fault == "sigkill":
+                fleet.kill(worker)
+            else:
+                fleet.freeze(worker)
 
     try:
         disturbed = await run_stream(gw, jobs, kill_worker)
-        await wait_for(lambda: record_log.is_file() and record_log.read_text().strip() != "", 30,
-                       "the request record")
+        await wait_for(lambda: record_of(record_log, jobs[-1].request_id) is not None, 30, "the request record")
     finally:
         telemetry.configure("")
     assert killed, "the stream ended before the kill"
+    if fault == "sigstop":
+        fleet.kill(killed["worker"])  # SIGKILL ends a stopped process too
     fleet.restart(killed["worker"])  # for the next test
 
     assert not any("error" in e for e in disturbed), [e for e in disturbed if "error" in e]
@@ -160,12 +181,18 @@ async def test_a_killed_workers_stream_continues_on_the_other_worker(
     resumed = job.request.resume_token_ids
     assert len(resumed) >= killed["delivered"] >= 40 and resumed == tuple(reference.output_token_ids[:len(resumed)])
     assert job.num_output_tokens == 200
-    [record] = telemetry.decode_records(record_log.read_bytes().splitlines())
+    record = record_of(record_log, job.request_id)
+    assert record is not None
     assert record.completion_tokens == 200 and record.finish_reason == "length"
     assert record.worker == job.worker
     assert record.first_token_time is not None and record.first_token_time < killed["at"]  # the first token ever
     assert record.engine_first_token is not None and record.engine_first_token < killed["at"]
     assert record.dispatch_time is not None and record.dispatch_time < killed["at"]
+    assert record.itl_max_s is not None and record.itl_p50_s is not None and record.ttft_s is not None
+    if fault == "sigstop":  # the stall is in the ITL: at least the heartbeat timeout
+        assert record.itl_max_s >= gw.settings.dispatch.heartbeat_timeout_s
+    print(f"failover ({fault}) after {killed['delivered']} tokens: the stall (longest ITL) "
+          f"{record.itl_max_s:.2f} s, ITL p50 {record.itl_p50_s * 1000:.1f} ms, TTFT {record.ttft_s:.2f} s")
 
 
 async def test_a_request_that_loses_every_worker_it_lands_on_fails_after_bounded_attempts(
