@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from sluice.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from sluice.kernels.linear import linear
 from sluice.kernels.ops import Ops
 from sluice.kernels.rmsnorm import rms_norm_ref, rms_norm_torch, rms_norm_triton
 from sluice.kernels.rotary import rotary_store_kv_ref, rotary_store_kv_triton
@@ -137,6 +139,23 @@ def test_rotary_store_kv_ref_is_bitwise_hf_in_float32(hq: int, hkv: int, head_di
     assert torch.equal(caches[0].view(-1, hkv, head_dim)[slots], k_rot)
     assert torch.equal(caches[1].view(-1, hkv, head_dim)[slots], v)
     assert torch.equal(qkv[:, :hq * head_dim].view(num_tokens, hq, head_dim), q) or not fused  # inputs kept
+
+
+@pytest.mark.parametrize("rows", [1, 7, 130, 600])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 576), (64, 49)])
+def test_linear_matches_f_linear(rows: int, in_features: int, out_features: int) -> None:
+    """The CPU float32 projection (oneDNN) is F.linear up to float32 summation order; bf16 and
+    odd shapes take F.linear itself."""
+    x = _randn(rows, in_features, dtype=torch.float32, device="cpu", seed=rows)
+    weight = _randn(out_features, in_features, dtype=torch.float32, device="cpu", seed=1) / in_features ** 0.5
+    bias = _randn(out_features, dtype=torch.float32, device="cpu", seed=2)
+    for b in (bias, None):
+        out = linear(x, weight, b)
+        assert out.shape == (rows, out_features) and out.dtype == torch.float32
+        assert rel_error(out, F.linear(x, weight, b)) < 1e-5
+    assert rel_error(linear(x[:, ::2], weight[:, ::2]), F.linear(x[:, ::2], weight[:, ::2])) < 1e-5  # strided
+    xb, wb = x.bfloat16(), weight.bfloat16()
+    assert torch.equal(linear(xb, wb), F.linear(xb, wb))
 
 
 def test_validation_errors_are_user_readable() -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.kernels.attention import AttentionMetadata
+from sluice.kernels.linear import linear
 from sluice.kernels.ops import Ops
 from sluice.workers.model.config import ModelConfig, RopeConfig
 
@@ -32,7 +33,7 @@ class Linear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -162,4 +163,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] (only rows that sample) -> logits [N, V] in float32."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head).float()
