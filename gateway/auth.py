@@ -88,6 +88,7 @@ class TenantContext:
     enabled: bool
     limits: QuotaLimits
     key_id: str = ""
+    disconnect_grace_s: float | None = None  # None: the gateway's setting
 
     def allows_model(self, model: str) -> bool:
         return not self.allowed_models or model in self.allowed_models
@@ -104,6 +105,7 @@ def tenant_context(tenant: Tenant, quota: Quota | None, key_id: str = "") -> Ten
         enabled=tenant.enabled,
         limits=QuotaLimits.from_row(quota),
         key_id=key_id,
+        disconnect_grace_s=tenant.disconnect_grace_s,
     )
 
 

@@ -16,6 +16,8 @@ Limit = Annotated[int, msgspec.Meta(ge=0, le=2**53)] | None
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 Weight = Annotated[float, msgspec.Meta(gt=0, le=1e6)]
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+# A stream's disconnect grace for this tenant (docs/streams.md); null = the gateway's setting.
+Grace = Annotated[float, msgspec.Meta(ge=0, le=3600)] | None
 
 
 class Quotas(msgspec.Struct, kw_only=True):
@@ -52,6 +54,7 @@ class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     default_class: ClassName = "standard"
     weight: Weight = 1.0
     allowed_models: list[ModelName] = msgspec.field(default_factory=list)  # empty = every model
+    disconnect_grace_s: Grace = None
     quotas: Quotas = msgspec.field(default_factory=Quotas)
 
 
@@ -63,6 +66,7 @@ class TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weight: Weight | msgspec.UnsetType = msgspec.UNSET
     allowed_models: list[ModelName] | msgspec.UnsetType = msgspec.UNSET
     enabled: bool | msgspec.UnsetType = msgspec.UNSET
+    disconnect_grace_s: Grace | msgspec.UnsetType = msgspec.UNSET
     quotas: QuotasPatch | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -76,6 +80,7 @@ class TenantOut(msgspec.Struct, kw_only=True):
     allowed_models: list[str]
     enabled: bool
     created_at: dt.datetime
+    disconnect_grace_s: float | None  # null: the gateway's gateway.disconnect_grace_s
     quotas: Quotas
 
 

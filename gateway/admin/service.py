@@ -60,6 +60,7 @@ def tenant_out(tenant: Tenant, quota: Quota | None) -> TenantOut:
         allowed_models=list(tenant.allowed_models or []),
         enabled=tenant.enabled,
         created_at=tenant.created_at,
+        disconnect_grace_s=tenant.disconnect_grace_s,
         quotas=Quotas(**(quota.limits() if quota is not None else {})),
     )
 
@@ -117,6 +118,7 @@ class AdminService:
             allowed_models=list(body.allowed_models),
             enabled=True,
             created_at=utcnow(),
+            disconnect_grace_s=body.disconnect_grace_s,
         )
         quota = Quota(tenant_id=tenant.id, **{f: getattr(body.quotas, f) for f in QUOTA_FIELDS})
         try:
@@ -135,6 +137,7 @@ class AdminService:
                         "default_class": body.default_class,
                         "weight": body.weight,
                         "allowed_models": list(body.allowed_models),
+                        "disconnect_grace_s": body.disconnect_grace_s,
                         "quotas": quota.limits(),
                     },
                 )

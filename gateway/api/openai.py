@@ -121,7 +121,8 @@ async def _answer_stream(
     streams: StreamHub = request.app.state.streams
     headers = request.headers
     key = check_idempotency_key(headers.get("idempotency-key"))
-    grace_s = disconnect_grace(headers.get("x-sluice-disconnect"), streams.grace_s)
+    default_grace_s = streams.grace_s if tenant.disconnect_grace_s is None else tenant.disconnect_grace_s
+    grace_s = disconnect_grace(headers.get("x-sluice-disconnect"), default_grace_s)
     last_id, after = parse_last_event_id(headers.get("last-event-id"), None)
     response_id = prepared.request.request_id
     if last_id is not None and key is None:

@@ -43,6 +43,8 @@ class Tenant(Base):
     allowed_models: Mapped[list[str]] = mapped_column(JSON, default=list)  # empty = every model
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # How long a stream whose client went away waits for a re-attach; NULL = gateway.disconnect_grace_s.
+    disconnect_grace_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
 
 
 class ApiKey(Base):

@@ -76,7 +76,7 @@ def test_every_error_answer_is_documented_as_the_openai_error_object(served: Ser
     assert "status_code" not in str(document)  # Litestar's default error body is nowhere
     for path, method, op in operations(document):
         for status, response in op["responses"].items():
-            if int(status) < 400 or path == "/ready":
+            if int(status) < 400 or path in ("/ready", "/health"):  # probes: their 503 body is a status
                 continue
             assert response["content"]["application/json"]["schema"] == {"$ref": ERROR_REF}, (path, method, status)
         if path.startswith(("/v1", "/admin", "/tokenize", "/detokenize")):
@@ -88,6 +88,7 @@ def test_every_error_answer_is_documented_as_the_openai_error_object(served: Ser
         if "requestBody" in op:
             assert "413" in op["responses"], (path, method)
     assert document["paths"]["/ready"]["get"]["responses"]["503"]
+    assert document["paths"]["/health"]["get"]["responses"]["503"]  # draining (gateway/drain.py)
     metrics = document["paths"]["/metrics"]["get"]
     assert "401" in metrics["responses"] and metrics["security"] == [{"metricsToken": []}, {"adminToken": []}]
 

@@ -259,6 +259,24 @@ def test_no_reattach_within_the_grace_aborts_and_releases_the_quota(gateway, rec
         assert answer.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
 
+def test_a_tenant_grace_overrides_the_gateway_s_and_a_client_cannot_lengthen_it(gateway, record_log: Path) -> None:
+    tenant, key = gateway.tenant(disconnect_grace_s=None)
+    assert tenant["disconnect_grace_s"] is None  # the gateway's setting
+    with gateway.admin() as admin:
+        changed = admin.patch(f"/admin/tenants/{tenant['id']}", json={"disconnect_grace_s": 1})
+        assert changed.status_code == 200 and changed.json()["disconnect_grace_s"] == 1, changed.text
+        for bad in (-1, 3601, "soon"):
+            refused = admin.patch(f"/admin/tenants/{tenant['id']}", json={"disconnect_grace_s": bad})
+            assert refused.status_code == 400 and refused.json()["error"]["param"], refused.text
+    body = chat(max_tokens=3000, ignore_eos=True)
+    with gateway.client(key) as client:
+        for headers in ({}, {"x-sluice-disconnect": "grace=50"}):  # asking for more gets the tenant's 1 s
+            response_id = _start_and_drop(client, body, headers)
+            record = wait_for(lambda rid=response_id: records(record_log, rid), "the aborted request's record",
+                              GRACE_S / 2)[0]
+            assert record["finish_reason"] == "abort" and record["completion_tokens"] < 3000
+
+
 def test_during_the_grace_the_request_runs_and_holds_its_concurrency(gateway) -> None:
     _, key = gateway.tenant(quotas={"max_concurrent": 1})
     body = chat(max_tokens=400, ignore_eos=True)
