@@ -32,6 +32,9 @@ def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--tokenizer", help="model dir whose tokenizer calibrates synthetic prompt lengths")
     serve.add_argument("--request-timeout-s", type=float, default=600.0)
     serve.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
+    serve.add_argument("--reconnects", type=int, default=0,
+                       help="re-attach a broken stream up to this many times (Last-Event-ID; sluice's "
+                            "resumable streams, docs/streams.md); 0 = a broken stream is an error")
     serve.set_defaults(handler=_serve)
 
     from sluice.experiments import cli as experiments_cli
@@ -68,10 +71,13 @@ def _serve(args: argparse.Namespace) -> int:
         raise CLIError("--duration-s must be positive")
     if args.max_requests is not None and args.max_requests < 0:
         raise CLIError("--max-requests must be 0 (no cap) or positive")
+    if not 0 <= args.reconnects <= 100:
+        raise CLIError("--reconnects must be between 0 and 100")
     seed = scenario.seed if args.seed is None else args.seed
     run = asyncio.run(run_scenario(
         scenario, args.base_url, seed=seed, duration_s=args.duration_s, max_requests=args.max_requests,
-        request_timeout_s=args.request_timeout_s, progress=False if args.no_progress else None))
+        request_timeout_s=args.request_timeout_s, progress=False if args.no_progress else None,
+        reconnects=args.reconnects))
     report = build_report(run, scenario, slo, seed)
     print(format_table(report))
     if args.json_out:

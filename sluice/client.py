@@ -39,18 +39,38 @@ class StreamBroken(Exception):
     """Still broken after `max_attempts` connections."""
 
 
-def _events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
-    """(id, data) per SSE event; comments and unknown fields are skipped."""
-    event_id, data = "", list[str]()
-    for line in lines:
+class EventParser:
+    """SSE lines in, one (id, data) per complete event out; comments and unknown fields skipped.
+    Incremental, so sync and async readers (this module, the load generator) share it."""
+
+    def __init__(self) -> None:
+        self._id, self._data = "", list[str]()
+
+    def feed(self, line: str) -> tuple[str, str] | None:
         if not line:
-            if data:
-                yield event_id, "\n".join(data)
-            event_id, data = "", list[str]()
-        elif line.startswith("id:"):
-            event_id = line[3:].strip()
+            event = (self._id, "\n".join(self._data)) if self._data else None
+            self._id, self._data = "", []
+            return event
+        if line.startswith("id:"):
+            self._id = line[3:].strip()
         elif line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
+            self._data.append(line[5:].lstrip(" "))
+        return None
+
+
+def _events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
+    """(id, data) per SSE event of `lines`."""
+    parser = EventParser()
+    for line in lines:
+        if (event := parser.feed(line)) is not None:
+            yield event
+
+
+def attach_target(path: str, last_event_id: str) -> tuple[str, dict[str, str]]:
+    """Where a client that saw `last_event_id` re-attaches to the rest of the stream, and the header
+    that says from where: `GET {path}/{response id}/events` with `Last-Event-ID`."""
+    response_id = last_event_id.rpartition(":")[0]
+    return f"{path}/{response_id}/events", {"last-event-id": last_event_id}
 
 
 def stream_chat(
@@ -79,10 +99,8 @@ def stream_chat(
         for attempt in range(max_attempts):
             base = urls[attempt % len(urls)].rstrip("/")
             if last_id:
-                response_id = last_id.rpartition(":")[0]
-                request = http.build_request(
-                    "GET", f"{base}{path}/{response_id}/events", headers={**headers, "last-event-id": last_id}
-                )
+                url, resume = attach_target(path, last_id)
+                request = http.build_request("GET", base + url, headers={**headers, **resume})
             else:
                 request = http.build_request("POST", base + path, headers=headers, json=payload)
             try:

@@ -6,17 +6,28 @@ Works against any server that speaks the OpenAI streaming API (sluice, vLLM, ...
 carries text is one token event (servers stream one token per chunk; a chunk with several
 tokens counts as one event, which is what a user sees). `ignore_eos` is a vLLM extension that
 sluice also accepts; it is only sent when the scenario asks for it.
+
+With `reconnects` > 0 a broken connection is not an error yet: the request re-attaches to the
+rest of its stream as `sluice.client` does (`GET .../{id}/events` with `Last-Event-ID`, or the
+same POST with its `Idempotency-Key` when nothing had arrived), up to that many times, and its
+timings go on in the same result (the stall shows in its ITL). Off by default: a server without
+resumable streams (vLLM, ...) would answer the re-attach with a 404, or run a re-sent POST twice.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
 
+from sluice.client import EventParser, attach_target
 from sluice.telemetry import RequestRecord, make_record
+
+RECONNECT_BACKOFF_S = 0.2  # times the attempt number
 
 
 @dataclass(slots=True)
@@ -47,6 +58,7 @@ class ClientResult:
     service_tier: str = ""  # as echoed by the server
     error: str = ""  # "" = success; else a short type: http_429, http_500, timeout, connect, stream
     error_detail: str = ""
+    reconnects: int = 0  # broken connections it re-attached after (send_streaming's `reconnects`)
 
     @property
     def ok(self) -> bool:
@@ -115,39 +127,71 @@ def _apply_chunk(result: ClientResult, chunk: dict, endpoint: str, now: float) -
         result.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
+class _Cut(Exception):
+    """The stream ended without `[DONE]` or an error event: the connection was cut."""
+
+
 async def send_streaming(client: httpx.AsyncClient, spec: RequestSpec, *, model: str,
-                         endpoint: str) -> ClientResult:
-    """Send one request and time every chunk; never raises for server or network faults."""
+                         endpoint: str, reconnects: int = 0) -> ClientResult:
+    """Send one request and time every chunk; never raises for server or network faults.
+    `reconnects`: how many broken connections to re-attach after (module docstring)."""
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    if reconnects:
+        headers["Idempotency-Key"] = uuid.uuid4().hex
     body = build_body(spec, model, endpoint)
+    path = endpoint_path(endpoint)
     result = ClientResult(spec=spec, sent=time.time())
-    try:
-        async with client.stream("POST", endpoint_path(endpoint), json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
-                result.error = f"http_{resp.status_code}"
-                result.error_detail = text[:300]
-            else:
+    last_id = ""
+    while True:
+        if last_id:
+            url, resume = attach_target(path, last_id)
+            call = client.stream("GET", url, headers={**headers, **resume})
+        else:
+            call = client.stream("POST", path, json=body, headers=headers)
+        try:
+            async with call as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode("utf-8", "replace")
+                    result.error = f"http_{resp.status_code}"
+                    result.error_detail = text[:300]
+                    break
+                parser = EventParser()
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                    event = parser.feed(line.rstrip("\r"))
+                    if event is None:
                         continue
-                    payload = line[5:].strip()
+                    event_id, payload = event
+                    last_id = event_id or last_id
                     if payload == "[DONE]":
                         break
-                    now = time.time()
                     chunk = json.loads(payload)
                     if "error" in chunk:
                         result.error = "stream"
                         result.error_detail = str(chunk["error"])[:300]
                         break
-                    _apply_chunk(result, chunk, endpoint, now)
-    except httpx.TimeoutException as exc:
-        result.error, result.error_detail = "timeout", type(exc).__name__
-    except httpx.ConnectError as exc:
-        result.error, result.error_detail = "connect", str(exc)[:300]
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        result.error, result.error_detail = "stream", f"{type(exc).__name__}: {exc}"[:300]
+                    _apply_chunk(result, chunk, endpoint, time.time())
+                else:
+                    raise _Cut("the stream ended without [DONE]")
+            break
+        except (httpx.TransportError, httpx.StreamError, _Cut) as exc:
+            if result.reconnects >= reconnects:
+                result.error, result.error_detail = _fault(exc)
+                break
+            result.reconnects += 1
+            await asyncio.sleep(RECONNECT_BACKOFF_S * result.reconnects)
+        except json.JSONDecodeError as exc:
+            result.error, result.error_detail = "stream", f"{type(exc).__name__}: {exc}"[:300]
+            break
     result.finish = time.time()
     if not result.error and not result.completion_tokens:
         result.completion_tokens = len(result.token_times)  # server sent no usage chunk
     return result
+
+
+def _fault(exc: Exception) -> tuple[str, str]:
+    """The short error type and detail of a connection that broke for good."""
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout", type(exc).__name__
+    if isinstance(exc, httpx.ConnectError):
+        return "connect", str(exc)[:300]
+    return "stream", f"{type(exc).__name__}: {exc}"[:300]

@@ -57,6 +57,7 @@ def summarize(results: Sequence[ClientResult], wall_s: float, slo: Slo) -> dict[
         "requests": len(results),
         "succeeded": len(ok),
         "errors": dict(Counter(r.error for r in results if r.error)),
+        "reconnects": sum(r.reconnects for r in results),  # broken streams re-attached (--reconnects)
         **_pcts(ttfts, "ttft_s"),
         **_pcts(gaps, "itl_s"),
         **_pcts(e2es, "e2e_s"),
@@ -111,6 +112,7 @@ def request_row(result: ClientResult, model: str, started: float) -> dict[str, A
     row["workload"] = result.spec.workload
     row["error"] = result.error
     row["error_detail"] = result.error_detail
+    row["reconnects"] = result.reconnects
     row["sent_offset_s"] = result.sent - started
     row["token_times"] = list(result.token_times)
     return row

@@ -77,7 +77,8 @@ class _SpecMaker:
 
 async def run_scenario(scenario: Scenario, base_url: str, *, seed: int | None = None,
                        duration_s: float | None = None, max_requests: int | None = None,
-                       request_timeout_s: float = 600.0, progress: bool | None = None) -> RunResult:
+                       request_timeout_s: float = 600.0, progress: bool | None = None,
+                       reconnects: int = 0) -> RunResult:
     seed = scenario.seed if seed is None else seed
     duration = scenario.duration_s if duration_s is None else duration_s
     cap = scenario.max_requests if max_requests is None else max_requests
@@ -101,7 +102,8 @@ async def run_scenario(scenario: Scenario, base_url: str, *, seed: int | None = 
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, limits=limits) as client:
 
         async def one(spec: RequestSpec) -> None:
-            result = await send_streaming(client, spec, model=scenario.model, endpoint=scenario.endpoint)
+            result = await send_streaming(client, spec, model=scenario.model, endpoint=scenario.endpoint,
+                                          reconnects=reconnects)
             results.append(result)
             bar.update(1)
 

@@ -7,6 +7,7 @@ the helper's test is a real TCP proxy that cuts it mid-stream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -23,6 +24,7 @@ import uvicorn
 from sluice.client import _events, stream_chat
 from sluice.gateway.app import create_app
 from sluice.gateway.backend import LocalEngineBackend
+from sluice.loadgen.client import ClientResult, RequestSpec, send_streaming
 
 ENGINE_OPTIONS = {"max_num_seqs": 32, "kv_cache_bytes": 32 * 2**20, "max_num_batched_tokens": 512}
 
@@ -361,6 +363,32 @@ def test_the_reconnecting_client_yields_each_event_once_over_broken_connections(
     assert [e.id for e in got] == [f"{response_id}:{s}" for s in range(len(got))]
     text = "".join(c["delta"].get("content") or "" for e in got for c in e.data["choices"])
     assert text == want
+
+
+def test_the_load_generator_reattaches_broken_streams_and_times_them_as_one(gateway) -> None:
+    """`sluice bench serve --reconnects`: the load generator's request survives cut connections."""
+    _, key = gateway.tenant()
+    spec = RequestSpec(local_id="lg-1", workload="chat", tenant="t", api_key=key, prompt=CHAT[0]["content"],
+                       max_tokens=120, service_tier=None, ignore_eos=True, temperature=0.0)
+    proxy = CuttingProxy(gateway.base_url, cuts=3, after_bytes=1500)
+
+    async def send(url: str, reconnects: int) -> ClientResult:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await send_streaming(client, spec, model="demo", endpoint="chat", reconnects=reconnects)
+
+    undisturbed = asyncio.run(send(gateway.base_url, 0))
+    try:
+        cut = asyncio.run(send(proxy.url, 0))  # no re-attach: a cut stream is an error, not a short success
+        whole = asyncio.run(send(proxy.url, 5))
+    finally:
+        proxy.close()
+    assert undisturbed.ok and undisturbed.reconnects == 0 and undisturbed.completion_tokens == 120
+    assert cut.error == "stream" and cut.reconnects == 0
+    assert whole.ok, whole.error_detail
+    assert whole.reconnects == 2  # the other two of the proxy's three cuts
+    assert whole.completion_tokens == 120  # usage from the server's final chunk
+    assert len(whole.token_times) == len(undisturbed.token_times)  # every text chunk once
+    assert whole.finish_reason == "length" and whole.first_token is not None
 
 
 # ---- two replicas on one Redis -----------------------------------------------------------------
