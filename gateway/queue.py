@@ -80,6 +80,13 @@ def topic_name(settings: KafkaSettings, priority: Priority) -> str:
     return f"{settings.topic_prefix}.requests.{priority.label}"
 
 
+def group_base(settings: KafkaSettings) -> str:
+    """The gateways' consumer group (each class topic's group adds `.<class>`): the configured
+    `consumer_group`, else `<topic_prefix>-gateway`, so deployments with their own topics on one
+    Kafka cluster never share a group (a rebalance waits for every member of its group)."""
+    return settings.consumer_group or f"{settings.topic_prefix}-gateway"
+
+
 def encode_request(request: GenerateRequest) -> bytes:
     return _encoder.encode(request)
 
@@ -395,7 +402,7 @@ class ClassConsumer:
                                           request_timeout_ms=int(START_WAIT_S * 1000))
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=s.bootstrap_servers,
-            group_id=f"{s.consumer_group}.{self.priority.label}",
+            group_id=f"{group_base(s)}.{self.priority.label}",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_partition_fetch_bytes=s.max_request_bytes,

@@ -89,7 +89,10 @@ class KafkaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     partitions: int = 4
     replication_factor: int = 1
     retention_ms: int = 7 * 24 * 3600 * 1000
-    consumer_group: str = "sluice-gateway"
+    # The gateways' consumer group; empty: "<topic_prefix>-gateway", so deployments (or test
+    # clusters) with their own topics on one Kafka cluster never share a group: a group's
+    # rebalance waits for every member, whatever topics it reads.
+    consumer_group: str = ""
     max_request_bytes: int = 4 * 2**20
     produce_timeout_s: float = 5.0  # a request the broker has not acknowledged by then gets a 503
     # How long a fetch may wait at the broker for new records. Tansu parks a fetch for this long
@@ -103,7 +106,6 @@ class KafkaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # (measured: 1.5 s -> 3 s, 6 s -> 10 s). The heartbeat must be well below it (a third, usually).
     session_timeout_ms: int = 6000
     heartbeat_interval_ms: int = 1000
-
 
 class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"

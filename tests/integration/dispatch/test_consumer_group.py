@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from sluice.gateway.queue import ClassConsumer, RecordRef, RequestLog, ensure_topics, topic_name
+from sluice.gateway.queue import ClassConsumer, RecordRef, RequestLog, ensure_topics, group_base, topic_name
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 from sluice.settings import KafkaSettings
 
@@ -58,7 +58,7 @@ async def append_all(settings: KafkaSettings, requests: list[GenerateRequest]) -
 async def committed(settings: KafkaSettings) -> dict[int, int | None]:
     """The group's committed offsets, read by a client that does not join the group."""
     reader = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers,
-                              group_id=f"{settings.consumer_group}.{Priority.BATCH.label}", enable_auto_commit=False)
+                              group_id=f"{group_base(settings)}.{Priority.BATCH.label}", enable_auto_commit=False)
     await reader.start()
     try:
         topic = topic_name(settings, Priority.BATCH)

@@ -170,27 +170,32 @@ async def test_two_replicas_keep_one_bound_and_interactive_work_overtakes_the_ot
                        "the worker to register with both replicas")
         seen_a, seen_b = watch_waiting(a), watch_waiting(b)
         first_token: dict[str, float] = {}
+        produced: dict[str, int] = {}
         finished: set[str] = set()
 
         async def follow(sub) -> None:
             async for delta in sub:
+                produced[sub.request_id] = produced.get(sub.request_id, 0) + len(delta.token_ids)
                 if delta.token_ids and sub.request_id not in first_token:
                     first_token[sub.request_id] = time.time()
                 if delta.finish_reason is not None:
                     finished.add(sub.request_id)
 
         from_a = [await a.submit(request("alpha", Priority.BATCH, 40)) for _ in range(3)]
-        # B's jobs run long, so one of them waits unstarted for a good while (a loaded machine's
-        # Kafka append of the interactive request must not outlast the window).
+        # B's jobs run long, so one of them waits unstarted for a good while behind the one
+        # running (the interactive request goes out while that one has most of its tokens to go).
         from_b = [await b.submit(request(f"bulk{i % 2}", Priority.BATCH, 160)) for i in range(8)]
         followers = [asyncio.create_task(follow(s)) for s in from_a + from_b]
         await wait_for(lambda: all(s.request_id in finished for s in from_a), 180, "replica A's batch work")
         assert seen_a and seen_b and max(seen_a + seen_b) <= 1  # batch work of two replicas: one bound
 
         def b_job_waiting() -> bool:
-            return any(s.dispatch_time is not None and s.request_id not in first_token for s in from_b)
+            running_early = any(0 < produced.get(s.request_id, 0) < 40 and s.request_id not in finished
+                                for s in from_b)  # >= 120 of its 160 tokens to go
+            return running_early and any(s.dispatch_time is not None and s.request_id not in first_token
+                                         for s in from_b)
 
-        await wait_for(b_job_waiting, 60, "a batch job of B's sent and not started")
+        await wait_for(b_job_waiting, 120, "a batch job of B's sent and not started behind one just started")
         interactive = await a.submit(request("chat", Priority.INTERACTIVE, 4))
         await follow(interactive)
         sent = interactive.dispatch_time
