@@ -122,3 +122,15 @@ def test_bench_serve_rejects_a_broken_scenario_in_one_line(tmp_path: Path) -> No
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("sluice: error:") and "broken.toml" in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "101", "many"])
+def test_bench_serve_rejects_a_bad_reconnects_count_in_one_line(tmp_path: Path, value: str) -> None:
+    scenario = tmp_path / "ok.toml"
+    scenario.write_text(SCENARIO.format(endpoint="chat", max_requests=1, key="k"), encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "bench", "serve", "--base-url",
+                           "http://127.0.0.1:9", "--scenario", str(scenario), "--reconnects", value],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]  # argparse's own type error has the usage above it
+    assert last.startswith("sluice: error:") and "--reconnects" in last
