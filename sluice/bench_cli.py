@@ -1,4 +1,4 @@
-"""`sluice bench serve|policies|chunk-sweep|isolation|gateway-overhead|scale-out`: argument parsing only.
+"""`sluice bench serve|policies|chunk-sweep|isolation|gateway-overhead|scale-out|chaos`: argument parsing only.
 
 Each handler imports its implementation lazily, so `sluice --help` stays fast and an area's
 heavy imports (torch, matplotlib) load only for the command that needs them.

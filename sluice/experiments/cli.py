@@ -97,6 +97,27 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     scale.set_defaults(handler=_scale_out)
 
+    chaos = bench_subparsers.add_parser(
+        "chaos", help="mixed streaming and batch load while replicas and workers are SIGKILLed (issue #16)")
+    chaos.add_argument("--replicas", type=int, default=3, help="gateway replica processes")
+    chaos.add_argument("--workers", type=int, default=2, help="worker processes, linked to every replica")
+    chaos.add_argument("--duration-s", type=float, default=300.0, help="length of the chaos")
+    chaos.add_argument("--kill-every-s", type=float, default=8.0, help="a SIGKILL every this many seconds")
+    chaos.add_argument("--kill", default="replicas,workers",
+                       help="what is killed, in turns: replicas, workers or both (comma-separated)")
+    chaos.add_argument("--streams", type=int, default=8, help="concurrent streaming clients")
+    chaos.add_argument("--batches", type=int, default=1, help="Batch API batches, submitted at even times")
+    chaos.add_argument("--batch-lines", type=int, default=200, help="lines per batch")
+    chaos.add_argument("--prompts", type=int, default=8, help="distinct prompts (one greedy reference each)")
+    chaos.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (ignore_eos)")
+    chaos.add_argument("--seed", type=int, default=0, help="the kills' and the prompts' random choices")
+    chaos.add_argument("--model", help="model directory (default: the demo model)")
+    chaos.add_argument("--postgres-url", default="", help="PostgreSQL server URL; a fresh database is made")
+    chaos.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                       help="Redis URL; a fresh key prefix is used and dropped")
+    chaos.add_argument("--out", "--json", dest="json_out", default="chaos.json", help="JSON summary path")
+    chaos.set_defaults(handler=_chaos)
+
 
 def _policies(args: argparse.Namespace) -> int:
     from sluice.experiments.policies import run_policies_command
@@ -120,6 +141,12 @@ def _scale_out(args: argparse.Namespace) -> int:
     from sluice.experiments.scale_out import run_scale_out_command
 
     return run_scale_out_command(args)
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from sluice.experiments.chaos_report import run_chaos_command
+
+    return run_chaos_command(args)
 
 
 def _gateway_overhead(args: argparse.Namespace) -> int:
