@@ -22,8 +22,9 @@ from typing import cast
 
 from redis.asyncio import Redis
 
-from sluice.gateway.dispatch import Job, WorkerConn
+from sluice.gateway.dispatch import Job
 from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
+from sluice.gateway.links import WorkerConn
 from sluice.gateway.shared_fair import RedisFairness
 from sluice.gateway.slots import LocalSlots, RedisSlots
 from sluice.protocol import GenerateRequest, Priority, SamplingParams, ServedModelInfo, WorkerCapacity, WorkerRegister

@@ -118,7 +118,7 @@ def _replica_args(args: argparse.Namespace, settings: Settings, port: int, worke
 
 def run_cluster(args: argparse.Namespace, replicas: int) -> int:
     from sluice.broker import EmbeddedBroker
-    from sluice.gateway.dispatch import worker_secret_for
+    from sluice.gateway.worker_port import worker_secret_for
 
     settings = resolve_settings(args)
     if not settings.shared.url:

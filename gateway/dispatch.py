@@ -1,13 +1,14 @@
-"""Workers and dispatch: the worker port, the registry, the dispatch loop, and deltas routed to each job's sink.
+"""Dispatch: the worker registry, the dispatch loop, and deltas routed to each job's sink.
 
-A worker is anything behind the `WorkerLink` interface (send, abort, room and load, close, view):
-a worker process connected to the worker port (`WorkerConn`, below) or an OpenAI-compatible HTTP
-server configured under [[upstreams]] (`gateway/upstream.py`, docs/upstreams.md). The dispatcher
-treats both alike: same queue, room rule, deltas, and loss.
+A worker is anything behind the `WorkerLink` interface (`gateway/links.py`): a worker process
+connected to the worker port (`gateway/worker_port.py`), an engine in this process
+(`gateway/local_link.py`), or an OpenAI-compatible HTTP server configured under [[upstreams]]
+(`gateway/upstream.py`, docs/upstreams.md). The dispatcher treats them alike: same queue, room
+rule, deltas, and loss; links report back through its `LinkHost` side (attach, deliver, report,
+lose, lose_job, wake).
 
-Workers connect to the gateway's worker port (msgspec frames, `sluice.protocol`), register, and
-report `WorkerCapacity` on every change and as a heartbeat. Queued jobs wait in the fair
-scheduler (`gateway/fair.py`) until a worker has room; a worker's own waiting queue is kept at
+Engine hosts report `WorkerCapacity` on every change and as a heartbeat. Queued jobs wait in the
+fair scheduler (`gateway/fair.py`) until a worker has room; a worker's own waiting queue is kept at
 most `max_worker_waiting` long so that priority and fairness are decided here, at the last moment.
 
 The room rule: a worker's waiting estimate is `num_waiting + sent - num_received` (what it reported
@@ -27,67 +28,39 @@ Draining: `drain(worker_id)` stops sending new jobs to a worker; what it already
 end (so it can be stopped or upgraded without failing a request). The mark is kept by worker id, so
 a draining worker that reconnects stays drained until `undrain`.
 
-Registration: the gateway opens every connection with a `WorkerChallenge` (a random nonce) and
-sends nothing else until the peer answers with a `WorkerRegister` whose proof is the HMAC of that
-nonce under the shared worker secret (compared in constant time). A peer that fails, stalls or
-sends anything else is logged (never the secret) and disconnected with a `WorkerRejected`; it
-never sees a request or a tenant id. A worker id that is already connected is refused: a live
-worker is never evicted by a newcomer (a restarted worker's old connection ends at its EOF, or at
-the heartbeat timeout, and its retry then succeeds). The worker port speaks TLS when a certificate
-is configured.
-
 Deltas from a worker go straight to the job's sink (a client stream or a batch collector); there
 is no per-token round trip through Kafka. A worker that disconnects or misses heartbeats is
 dropped (worker failover, docs/streams.md): each of its unfinished jobs, streams and batch lines
 alike, goes back into line ahead of its tenant's newer work with `resume_token_ids` = the tokens
-already delivered to its sink, so another worker process recomputes prompt + those and goes on; the
+already delivered to its sink, so another engine recomputes prompt + those and goes on; the
 client sees a stall, not an error. A job gets at most `MAX_DISPATCH_ATTEMPTS` workers (a request
 that kills every worker it lands on fails instead of taking the fleet down one worker at a time).
-A resumed job goes to worker processes only. Jobs an upstream held are not resumed (an upstream
-cannot resume, and may send no token ids): its streams end with an error, its batch lines are
-re-queued from scratch.
+A resumed job goes to links that resume (engines) only. Jobs an upstream held are not resumed (an
+upstream cannot resume, and may send no token ids): its streams end with an error, its batch
+lines are re-queued from scratch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
-import secrets
-import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from redis.exceptions import RedisError
 
 from sluice import telemetry
 from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
+from sluice.gateway.links import EngineLink, WorkerLink
 from sluice.gateway.shared import SharedState
-from sluice.gateway.slots import LocalSlots, RedisSlots, WorkerSlots, has_room
+from sluice.gateway.slots import LocalSlots, RedisSlots, WorkerSlots
 from sluice.gateway.upstream import UpstreamLink
-from sluice.protocol import (
-    MAX_FRAME_BYTES,
-    READ_CHUNK_BYTES,
-    AbortRequest,
-    FinishReason,
-    FrameDecoder,
-    GenerateRequest,
-    Message,
-    Priority,
-    RequestDelta,
-    ServedModelInfo,
-    WorkerCapacity,
-    WorkerChallenge,
-    WorkerRegister,
-    WorkerRejected,
-    encode_frame,
-    proof_matches,
-    read_opening,
-)
+from sluice.gateway.worker_port import WorkerPort
+from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, ServedModelInfo, WorkerCapacity
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -97,49 +70,10 @@ _Target = TypeVar("_Target")
 # A job whose worker died this many times fails instead of being re-queued again (a request that
 # crashes workers must not crash them forever).
 MAX_DISPATCH_ATTEMPTS = 3
-REGISTER_TIMEOUT_S = 10.0  # a peer must register this soon after connecting
-REGISTER_MAX_FRAME_BYTES = 64 * 1024  # an unauthenticated peer's frames are small or refused
 # Shared slots: a round that another replica's jobs refused is tried again this soon (the
 # fallback: their releases are announced and wake the loop at once, gateway/slots.py).
 SLOT_RETRY_S = 0.05
 SLOT_ERROR_RETRY_S = 0.5  # Redis unreachable: jobs stay queued, tried again this often
-
-
-class WorkerRefused(Exception):
-    """A connection that is not accepted as a worker; the message is safe to log and to send."""
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def worker_secret_for(settings: Settings) -> str:
-    """The configured worker secret, or a fresh random one when the worker port is loopback-only."""
-    gw = settings.gateway
-    if gw.worker_secret:
-        return gw.worker_secret
-    if not _is_loopback(gw.worker_host):
-        raise ValueError(
-            f"gateway.worker_secret (SLUICE_GATEWAY_WORKER_SECRET) must be set when workers may connect "
-            f"from other hosts (worker_host {gw.worker_host!r}); give the same value to every worker")
-    return secrets.token_urlsafe(32)
-
-
-def server_ssl_context(settings: Settings) -> ssl.SSLContext | None:
-    gw = settings.gateway
-    if not gw.worker_tls_cert:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(gw.worker_tls_cert, gw.worker_tls_key)
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"gateway.worker_tls_cert/worker_tls_key cannot be loaded: {exc}") from None
-    return context
 
 
 @dataclass(slots=True, eq=False)
@@ -154,12 +88,14 @@ class Job:
     worker: str = ""
     dispatch_time: float | None = None
     started: bool = False  # the worker produced something for it (it left the waiting queue)
-    num_output_tokens: int = 0  # charged to the tenant's fair-share counter so far
     attempts: int = 0
     slot: str = ""  # its worker slot in the shared store while it holds one (gateway/slots.py)
-    token_times: list[float] = field(default_factory=list)  # kept for batch lines' records only
-    # Token ids delivered to the sink so far: where a re-queued job resumes (worker failover).
+    # Its output so far, owned here and changed only by `take_output` / `reset_output`:
+    # token ids delivered to the sink (where a re-queued job resumes, worker failover) ...
     output_token_ids: list[int] = field(default_factory=list)
+    # ... and tokens counted without ids (an upstream that sends none, or whose usage says more).
+    num_tokens_without_ids: int = 0
+    token_times: list[float] = field(default_factory=list)  # kept for batch lines' records only
     # The first delta that carried output: after a resume, its engine times and cached-token count
     # stand for the request (TTFT is the first token ever, whichever worker made it).
     first_output: RequestDelta | None = None
@@ -168,100 +104,44 @@ class Job:
     def request_id(self) -> str:
         return self.request.request_id
 
+    @property
+    def num_output_tokens(self) -> int:
+        """Delivered to its sink, and charged to its tenant's fair-share counter, so far."""
+        return len(self.output_token_ids) + self.num_tokens_without_ids
+
+    @property
+    def resumable(self) -> bool:
+        """Every token delivered is known by id, so another engine can go on after them."""
+        return self.num_tokens_without_ids == 0
+
+    def take_output(self, delta: RequestDelta) -> tuple[RequestDelta, int]:
+        """Folds one delta from its worker into the output; returns the delta for the sink (a
+        resumed attempt's with the first attempt's timing) and how many tokens it added."""
+        before = self.num_output_tokens
+        if self.request.batch_id is not None:
+            self.token_times.extend(delta.token_times)
+        self.output_token_ids.extend(delta.token_ids)
+        self.num_tokens_without_ids = max(self.num_tokens_without_ids,
+                                          delta.num_output_tokens - len(self.output_token_ids))
+        if self.first_output is None:
+            if delta.token_ids or delta.text:
+                self.first_output = delta
+        elif self.request.resume_token_ids:  # a resumed attempt: its timing starts at the first one
+            first = self.first_output
+            delta = msgspec.structs.replace(delta, first_scheduled_time=first.first_scheduled_time,
+                                            first_token_time=first.first_token_time,
+                                            num_cached_tokens=first.num_cached_tokens)
+        return delta, max(0, self.num_output_tokens - before)
+
+    def reset_output(self) -> None:
+        """It runs again from scratch: nothing of it was delivered."""
+        self.output_token_ids.clear()
+        self.num_tokens_without_ids = 0
+        self.token_times.clear()
+        self.first_output = None
+
 
 OnFinished = Callable[[Job, RequestDelta], None]
-
-
-class WorkerLink(Protocol):
-    """What the dispatcher needs of a worker, whatever carries its requests (module docstring).
-
-    A link reports back through the dispatcher: each delta of a job it holds goes to
-    `Dispatcher.deliver`, and a link that can no longer reach its worker calls `Dispatcher.lose`
-    (its jobs: batch work re-queued, the rest ended with an error)."""
-
-    worker_id: str
-    models: frozenset[str]
-    inflight: dict[str, Job]  # sent and not finished, by request id (the dispatcher keeps it)
-    last_seen: float  # monotonic: when it last showed its worker alive (heartbeat monitor)
-
-    @property
-    def est_waiting(self) -> int: ...
-
-    @property
-    def load(self) -> float: ...
-
-    @property
-    def accepting(self) -> bool:
-        """Under its own cap (a worker process: always; an upstream: its max_concurrency)."""
-        ...
-
-    def has_room_for(self, priority: Priority, max_waiting: int) -> bool: ...
-
-    def send(self, request: GenerateRequest) -> None: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def close(self) -> None:
-        """The worker is lost: stop its transport (the dispatcher has taken its jobs)."""
-        ...
-
-    def view(self, draining: bool = False) -> dict[str, Any]: ...
-
-
-class WorkerConn:
-    """One connected worker process as the gateway sees it (a `WorkerLink` over the worker port)."""
-
-    def __init__(self, register: WorkerRegister, writer: asyncio.StreamWriter) -> None:
-        self.worker_id = register.worker_id
-        self.models = frozenset(m.name for m in register.models)
-        self.device = register.device
-        self.pid = register.pid
-        self.capacity = register.capacity
-        self.writer = writer
-        self.sent = 0  # GenerateRequests sent on this connection
-        self.inflight: dict[str, Job] = {}
-        self.last_seen = time.monotonic()
-        self.connected_at = time.time()
-
-    @property
-    def est_waiting(self) -> int:
-        on_the_wire = self.sent - self.capacity.num_received
-        return max(0, self.capacity.num_waiting + on_the_wire)
-
-    def has_room_for(self, priority: Priority, max_waiting: int) -> bool:
-        unstarted = [job.request.priority for job in self.inflight.values() if not job.started]
-        return has_room(self.est_waiting, unstarted, priority, max_waiting)
-
-    @property
-    def load(self) -> float:
-        return (self.capacity.num_running + self.est_waiting) / max(1, self.capacity.max_num_seqs)
-
-    @property
-    def accepting(self) -> bool:
-        return True  # its engine queues what it cannot run yet; the room rule bounds that queue
-
-    def send(self, request: GenerateRequest) -> None:
-        self.sent += 1
-        self.writer.write(encode_frame(request))
-
-    def abort(self, request_id: str) -> None:
-        self.writer.write(encode_frame(AbortRequest(request_id)))
-
-    def close(self) -> None:
-        self.writer.close()
-
-    def view(self, draining: bool = False) -> dict[str, Any]:
-        cap = self.capacity
-        return {
-            "worker_id": self.worker_id, "models": sorted(self.models), "device": self.device,
-            "pid": self.pid, "alive": True, "num_running": cap.num_running, "num_waiting": cap.num_waiting,
-            "est_waiting": self.est_waiting, "free_kv_blocks": cap.free_kv_blocks,
-            "total_kv_blocks": cap.total_kv_blocks, "max_num_seqs": cap.max_num_seqs,
-            "inflight": len(self.inflight), "load": round(self.load, 3),
-            "num_preemptions": cap.num_preemptions,
-            "last_heartbeat_age_s": round(time.monotonic() - self.last_seen, 3),
-            "draining": draining, "kind": "worker",
-        }
 
 
 class Dispatcher:
@@ -290,16 +170,12 @@ class Dispatcher:
         self._on_finished = on_finished
         self._jobs: dict[str, Job] = {}  # every job queued or on a worker, by request id
         self._wake = asyncio.Event()
-        self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._conn_tasks: set[asyncio.Task[None]] = set()
-        self.port = 0
-        self.worker_secret = ""  # set by start(): configured, or generated for local workers
+        self.worker_port = WorkerPort(self, settings)  # where worker processes connect (gateway/worker_port.py)
         # What the gateway serves, by name: a worker must announce the same tokenizer and at least
         # this context length (set by the backend from models.toml before start()).
         self.expected_models: dict[str, ServedModelInfo] = {}
         self.announced_models: set[str] = set()  # served by some worker since this process started
-        self.rejected_connections = 0
         self._started_at = time.monotonic()
         self._grace_s = settings.dispatch.announce_grace_s
 
@@ -309,16 +185,10 @@ class Dispatcher:
         gw = self.settings.gateway
         host = gw.worker_host if host is None else host
         port = gw.worker_port if port is None else port
-        self.worker_secret = worker_secret_for(self.settings)
         # First: a missing API key variable is a start error before anything listens.
         self.upstreams = [UpstreamLink(spec, self, self.settings) for spec in self.settings.upstreams]
         self._started_at = time.monotonic()
-        context = server_ssl_context(self.settings)
-        try:
-            self._server = await asyncio.start_server(self._serve_worker, host, port, ssl=context)
-        except OSError as exc:
-            raise ValueError(f"cannot listen for workers on {host}:{port}: {exc.strerror}") from None
-        self.port = self._server.sockets[0].getsockname()[1]
+        await self.worker_port.start(host, port)
         self._tasks = [asyncio.create_task(self._dispatch_loop(), name="dispatch"),
                        asyncio.create_task(self._monitor_loop(), name="worker-monitor")]
         for link in self.upstreams:
@@ -327,23 +197,16 @@ class Dispatcher:
             await self.slots.start()
         if self.fairness is not None:
             await self.fairness.start()
-        log.info("worker port listening on %s:%d (%s)", host, self.port, "TLS" if context else "plain TCP")
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        self.worker_port.close()
         for task in self._tasks:
             task.cancel()
-        # Closing a worker's socket ends its connection task (EOF) without cancelling it: asyncio
-        # logs cancelled connection callbacks as errors.
         for worker in list(self.workers.values()):
             self._lose_worker(worker, "gateway stopping")
         for link in self.upstreams:
             await link.shutdown()
-        if self._conn_tasks:
-            _, pending = await asyncio.wait(list(self._conn_tasks), timeout=2.0)
-            for task in pending:
-                task.cancel()
+        await self.worker_port.wait_closed()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
@@ -354,6 +217,11 @@ class Dispatcher:
                 await self.slots.stop()
             if self.fairness is not None:
                 await asyncio.wait_for(self.fairness.stop(), 5.0)
+
+    @property
+    def port(self) -> int:
+        """The worker port's (its own when configured as 0)."""
+        return self.worker_port.port
 
     # ---- jobs ----------------------------------------------------------------------------------
 
@@ -435,7 +303,7 @@ class Dispatcher:
         resumed = bool(job.request.resume_token_ids)
         serving = [w for w in self.workers.values()
                    if model in w.models and w.worker_id not in self.draining and w.accepting
-                   and not (resumed and not isinstance(w, WorkerConn))]
+                   and (w.resumes or not resumed)]
         return sorted(serving, key=lambda w: w.load)
 
     def _pick_worker(self, job: Job) -> WorkerLink | None:
@@ -559,104 +427,6 @@ class Dispatcher:
 
     # ---- worker connections --------------------------------------------------------------------
 
-    async def _serve_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._conn_tasks.add(task)
-        decoder = FrameDecoder(max_frame_bytes=REGISTER_MAX_FRAME_BYTES)
-        worker: WorkerConn | None = None
-        reason = "closed the connection"
-        try:
-            nonce = secrets.token_bytes(32)
-            writer.write(encode_frame(WorkerChallenge(nonce)))
-            try:
-                register, rest = await asyncio.wait_for(self._read_register(reader, decoder), REGISTER_TIMEOUT_S)
-                self._check_register(register, nonce)
-            except (WorkerRefused, TimeoutError, ValueError, msgspec.DecodeError) as exc:
-                self._refuse(writer, exc)
-                return
-            worker = self._register(register, writer)
-            decoder.max_frame_bytes = MAX_FRAME_BYTES
-            for message in rest:
-                self._on_message(worker, message)
-            while True:
-                data = await reader.read(READ_CHUNK_BYTES)
-                if not data:
-                    break
-                if worker.worker_id not in self.workers:
-                    return  # dropped by the monitor meanwhile
-                for message in decoder.feed(data):
-                    self._on_message(worker, message)
-        except (OSError, ValueError, msgspec.DecodeError) as exc:
-            reason = f"connection error ({exc!r})"
-        except asyncio.CancelledError:
-            reason = "gateway stopping"
-            raise
-        finally:
-            if task is not None:
-                self._conn_tasks.discard(task)
-            if worker is not None and self.workers.get(worker.worker_id) is worker:
-                self._lose_worker(worker, reason)
-            writer.close()
-
-    @staticmethod
-    async def _read_register(reader: asyncio.StreamReader,
-                             decoder: FrameDecoder) -> tuple[WorkerRegister, list[Message]]:
-        """The peer's first message, which must be a WorkerRegister, and whatever came with it."""
-        messages = await read_opening(reader, decoder)
-        if not messages:
-            raise WorkerRefused("closed the connection before registering")
-        first = messages[0]
-        if not isinstance(first, WorkerRegister):
-            raise WorkerRefused(f"sent {type(first).__name__} instead of registering")
-        return first, messages[1:]
-
-    def _check_register(self, message: WorkerRegister, nonce: bytes) -> None:
-        if not message.proof or not proof_matches(self.worker_secret, nonce, message.worker_id, message.proof):
-            raise WorkerRefused(f"worker {message.worker_id!r} did not prove the worker secret "
-                                "(missing or wrong SLUICE_GATEWAY_WORKER_SECRET)")
-        if message.worker_id in self.workers:
-            raise WorkerRefused(f"worker id {message.worker_id!r} is already connected; "
-                                "a live worker is never replaced (give each worker its own id)")
-        if not message.models:
-            raise WorkerRefused(f"worker {message.worker_id!r} announced no model")
-        for model in message.models:
-            expected = self.expected_models.get(model.name)
-            if expected is None:
-                if self.expected_models:
-                    known = ", ".join(sorted(self.expected_models))
-                    raise WorkerRefused(f"worker {message.worker_id!r} serves {model.name!r}, which this "
-                                        f"gateway does not list (models.toml has {known})")
-                continue
-            if expected.tokenizer and model.tokenizer and expected.tokenizer != model.tokenizer:
-                raise WorkerRefused(f"worker {message.worker_id!r} serves {model.name!r} with a different "
-                                    "tokenizer than the gateway's copy of that model")
-            if model.max_model_len < expected.max_model_len:
-                raise WorkerRefused(
-                    f"worker {message.worker_id!r} serves {model.name!r} with max_model_len "
-                    f"{model.max_model_len}, shorter than the gateway's {expected.max_model_len}")
-
-    def _refuse(self, writer: asyncio.StreamWriter, exc: BaseException) -> None:
-        peer = writer.get_extra_info("peername")
-        if isinstance(exc, TimeoutError):
-            reason = f"did not register within {REGISTER_TIMEOUT_S:.0f}s"
-        elif isinstance(exc, WorkerRefused):
-            reason = str(exc)
-        else:
-            reason = f"sent an unreadable registration ({type(exc).__name__})"
-        self.rejected_connections += 1
-        log.warning("worker connection from %s refused: %s", peer, reason)
-        with contextlib.suppress(Exception):
-            writer.write(encode_frame(WorkerRejected(reason)))
-
-    def _register(self, message: WorkerRegister, writer: asyncio.StreamWriter) -> WorkerConn:
-        worker = WorkerConn(message, writer)
-        self.attach(worker)
-        telemetry.observe_worker(message.capacity)
-        log.info("worker %s registered (models %s, device %s, pid %d)",
-                 worker.worker_id, ", ".join(sorted(worker.models)), worker.device, worker.pid)
-        return worker
-
     def attach(self, link: WorkerLink) -> bool:
         """A worker ready for jobs; False when its id is taken by another live one (never replaced)."""
         if self.workers.get(link.worker_id, link) is not link:
@@ -666,22 +436,20 @@ class Dispatcher:
         self._wake.set()
         return True
 
-    def _on_message(self, worker: WorkerConn, message: object) -> None:
-        worker.last_seen = time.monotonic()
-        if isinstance(message, RequestDelta):
-            self._on_delta(worker, message)
-        elif isinstance(message, WorkerCapacity):
-            preempted = message.num_preemptions - worker.capacity.num_preemptions
-            worker.capacity = message
-            telemetry.observe_worker(message)
-            if preempted > 0:
-                telemetry.count_preemptions(worker.worker_id, preempted)
-            self._wake.set()
-
     def deliver(self, worker: WorkerLink, delta: RequestDelta) -> None:
-        """A delta from a link: routed as the worker port routes its frames."""
+        """A delta of a job `worker` holds, from whichever kind of link."""
         worker.last_seen = time.monotonic()
         self._on_delta(worker, delta)
+
+    def report(self, worker: EngineLink, capacity: WorkerCapacity) -> None:
+        """An engine host's capacity report (on every change and as a heartbeat)."""
+        worker.last_seen = time.monotonic()
+        preempted = capacity.num_preemptions - worker.capacity.num_preemptions
+        worker.capacity = capacity
+        telemetry.observe_worker(capacity)
+        if preempted > 0:
+            telemetry.count_preemptions(worker.worker_id, preempted)
+        self._wake.set()
 
     def wake(self) -> None:
         """Room may have come back at some worker: run a dispatch round."""
@@ -706,20 +474,8 @@ class Dispatcher:
         if not job.started:
             job.started = True
             self.slots.release(job)  # it left the worker's waiting queue
-        if job.request.batch_id is not None:
-            job.token_times.extend(delta.token_times)
-        job.output_token_ids.extend(delta.token_ids)
-        if job.first_output is None:
-            if delta.token_ids or delta.text:
-                job.first_output = delta
-        elif job.request.resume_token_ids:  # a resumed attempt: its timing starts at the first one
-            first = job.first_output
-            delta = msgspec.structs.replace(delta, first_scheduled_time=first.first_scheduled_time,
-                                            first_token_time=first.first_token_time,
-                                            num_cached_tokens=first.num_cached_tokens)
-        new_tokens = delta.num_output_tokens - job.num_output_tokens
+        delta, new_tokens = job.take_output(delta)
         if new_tokens > 0:
-            job.num_output_tokens = delta.num_output_tokens
             self.scheduler.charge(job.request.tenant_id, job.request.priority, new_tokens)
             telemetry.count_worker_tokens(worker.worker_id, new_tokens)
         if delta.finish_reason is None:
@@ -745,14 +501,12 @@ class Dispatcher:
         if job.attempts >= MAX_DISPATCH_ATTEMPTS:
             error = (f"{job.attempts} workers serving this request were lost (the last, {worker.worker_id}, "
                      f"{reason}); it is not tried again")
-        elif isinstance(worker, WorkerConn) and len(job.output_token_ids) == job.num_output_tokens:
+        elif worker.resumes and job.resumable:
             # Resumed after what its sink already has; its timing and its tenant's charge so far stay.
             self._requeue(job, tuple(job.output_token_ids))
             return True
         elif job.request.batch_id is not None:  # an upstream's batch line: run again from scratch
-            job.num_output_tokens, job.first_output = 0, None
-            job.token_times.clear()
-            job.output_token_ids.clear()
+            job.reset_output()
             self._requeue(job, ())
             return True
         else:

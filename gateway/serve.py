@@ -372,7 +372,7 @@ def run_gateway(settings: Settings, role: GatewayRole) -> int:
             print(f"sluice gateway replica {shared.replica} on http://{gw.host}:{gw.port} "
                   f"(workers connect to {gw.worker_host}:{backend.worker_port})", flush=True)
             return
-        workers.spawn_all([backend.worker_port], backend.dispatcher.worker_secret)
+        workers.spawn_all([backend.worker_port], backend.dispatcher.worker_port.worker_secret)
         tasks.append(asyncio.create_task(workers.supervise()))
         print(
             f"sluice gateway on http://{gw.host}:{gw.port} (workers connect to "

@@ -2,7 +2,7 @@
 
 Organisations already run inference servers; sluice puts its tenants, quotas, durable queues and
 fair scheduling in front of them without replacing them. The queue stays at the gateway: an
-`UpstreamLink` is one more kind of `WorkerLink` (gateway/dispatch.py), so the dispatcher sends it
+`UpstreamLink` is one more kind of `WorkerLink` (gateway/links.py), so the dispatcher sends it
 jobs by the same scheduler and room rule as a worker process, and its deltas feed the same
 quotas, usage, records and metrics. docs/upstreams.md is the operator's view.
 
@@ -38,12 +38,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from sluice.gateway.links import LinkHost
 from sluice.gateway.slots import has_room
 from sluice.gateway.upstream_http import StreamedResponse, TransportError, UpstreamHTTP
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
@@ -60,20 +61,6 @@ MAX_ERROR_DETAIL = 300  # characters of an upstream's own error message passed o
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode  # msgspec.DecodeError (a ValueError) on garbage
-
-
-class LinkHost(Protocol):
-    """The dispatcher, as a link sees it."""
-
-    def attach(self, link: Any) -> bool: ...
-
-    def deliver(self, worker: Any, delta: RequestDelta) -> None: ...
-
-    def lose(self, worker: Any, reason: str) -> None: ...
-
-    def lose_job(self, worker: Any, request_id: str, reason: str) -> None: ...
-
-    def wake(self) -> None: ...
 
 
 class UpstreamError(Exception):
@@ -145,6 +132,8 @@ class _Stream:
 
 class UpstreamLink:
     """One [[upstreams]] server as a worker (a `WorkerLink`); one httpx client, probed in the background."""
+
+    resumes = False  # it would start a resumed job over, and may send no token ids
 
     def __init__(self, spec: UpstreamSpec, host: LinkHost, settings: Settings) -> None:
         self.spec = spec

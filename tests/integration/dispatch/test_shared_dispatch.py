@@ -72,14 +72,13 @@ def watch_waiting(backend: KafkaBackend) -> list[int]:
     """Every num_waiting the worker reports to this backend, in order (observed, not changed)."""
     seen: list[int] = []
     dispatcher = backend.dispatcher
-    original = dispatcher._on_message
+    original = dispatcher.report
 
-    def on_message(worker, message: object) -> None:
-        if isinstance(message, WorkerCapacity):
-            seen.append(message.num_waiting)
-        original(worker, message)
+    def report(worker, capacity: WorkerCapacity) -> None:
+        seen.append(capacity.num_waiting)
+        original(worker, capacity)
 
-    dispatcher._on_message = on_message  # type: ignore[method-assign]
+    dispatcher.report = report  # type: ignore[method-assign]
     return seen
 
 

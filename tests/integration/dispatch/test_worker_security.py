@@ -96,7 +96,7 @@ async def test_only_a_peer_with_the_secret_is_a_worker_and_a_live_worker_is_neve
             kinds = [type(m).__name__ for m in received]
             assert kinds == ["WorkerChallenge", "WorkerRejected"], (what, kinds)
             assert not backend.dispatcher.workers, what
-        assert backend.dispatcher.rejected_connections == len(attempts)
+        assert backend.dispatcher.worker_port.rejected_connections == len(attempts)
         refused = [r for r in caplog.records if "refused" in r.getMessage()]
         assert len(refused) == len(attempts)
         assert all(WORKER_SECRET not in r.getMessage() for r in caplog.records)

@@ -17,8 +17,9 @@ from typing import cast
 import pytest
 from redis.asyncio import Redis
 
-from sluice.gateway.dispatch import Job, WorkerConn
+from sluice.gateway.dispatch import Job
 from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
+from sluice.gateway.links import WorkerConn
 from sluice.gateway.redis_ledger import RedisLedger
 from sluice.gateway.shared_fair import RedisFairness
 from sluice.gateway.slots import RedisSlots
