@@ -51,6 +51,10 @@ class ChaosConfig:
     prompts: int = 8  # distinct prompts (each has one reference)
     max_tokens: int = 32
     seed: int = 0
+    # Streams go to the first this many replicas only (0: to all), and replica kills spare those:
+    # a cluster without replica takeover ends a SIGKILLed replica's streams (docs/streams.md), but
+    # its batch lines move to the survivors, so this still kills replicas under load.
+    stream_replicas: int = 0
     restart_delay_s: float = 1.0
     read_timeout_s: float = 30.0  # a connection silent this long counts as broken (stream_chat retries)
     max_attempts: int = 8  # connections per stream before it counts as failed
@@ -71,6 +75,8 @@ class ChaosConfig:
         for name in ("batches", "batch_lines"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
+        if self.stream_replicas < 0:
+            raise ValueError(f"--stream-replicas must be 0 (all) or more, got {self.stream_replicas}")
         if self.batches and not self.batch_lines:
             raise ValueError("--batch-lines must be positive when --batches is")
 
@@ -81,6 +87,10 @@ def check_cluster_fits(config: ChaosConfig, replicas: int, workers: int) -> None
         if kind in config.kinds and count < 2:
             raise ValueError(f"killing {kind}s needs --{kind}s 2 or more (one stays up while another restarts), "
                              f"got {count}")
+    if config.stream_replicas > replicas:
+        raise ValueError(f"--stream-replicas {config.stream_replicas} is more than --replicas {replicas}")
+    if "replica" in config.kinds and config.stream_replicas == replicas:
+        raise ValueError("killing replicas with --stream-replicas equal to --replicas: no replica may be killed")
 
 
 def prompts(config: ChaosConfig) -> list[str]:
@@ -146,7 +156,7 @@ def stream_once(bases: list[str], key: str, prompt_index: int, prompt: str, conf
 def stream_client(index: int, cluster: Cluster, key: str, texts: list[str], config: ChaosConfig, t0: float,
                   stop: threading.Event, out: list[StreamResult], lock: threading.Lock) -> None:
     """One client: a stream after another until `stop`; its first try goes to replica index % N."""
-    urls = [r.base_url for r in cluster.replicas]
+    urls = [r.base_url for r in cluster.replicas][:config.stream_replicas or None]
     bases = urls[index % len(urls):] + urls[:index % len(urls)]
     rng = random.Random(config.seed * 1000 + index)
     while not stop.is_set():
@@ -189,6 +199,10 @@ class Killer:
         count = len(self.cluster.replicas) if kind == "replica" else len(self.cluster.workers)
         return [i for i in range(count) if (kind, i) not in self._down and self.process(kind, i).alive]
 
+    def killable(self, kind: str) -> list[int]:
+        spared = self.config.stream_replicas if kind == "replica" else 0
+        return [i for i in self.up(kind) if i >= spared]
+
     def up_replica_urls(self) -> list[str]:
         return [self.cluster.replicas[i].base_url for i in self.up("replica")]
 
@@ -212,7 +226,7 @@ class Killer:
             with self._lock:
                 # One of each kind stays up: when the turn's kind has a single one up, the other goes.
                 for kind in [first, *(k for k in self.config.kinds if k != first)]:
-                    if len(candidates := self.up(kind)) >= 2:
+                    if len(self.up(kind)) >= 2 and (candidates := self.killable(kind)):
                         break
                 else:
                     self.skipped += 1

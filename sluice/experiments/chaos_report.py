@@ -68,7 +68,9 @@ def summarise(outcome: ChaosOutcome) -> dict[str, Any]:
         "config": {"replicas": outcome.replicas, "workers": outcome.workers, "duration_s": config.duration_s,
                    "kill_every_s": config.kill_every_s, "kill": list(config.kinds), "streams": config.streams,
                    "batches": config.batches, "batch_lines": config.batch_lines, "prompts": config.prompts,
-                   "max_tokens": config.max_tokens, "seed": config.seed, "restart_delay_s": config.restart_delay_s},
+                   "max_tokens": config.max_tokens, "seed": config.seed,
+                   "stream_replicas": config.stream_replicas or outcome.replicas,
+                   "restart_delay_s": config.restart_delay_s},
         "chaos_s": outcome.chaos_s,
         "load_average_1m": {"start": outcome.load_average[0], "end": outcome.load_average[1]},
         "requests": {"started": started, "completed": done,
@@ -144,7 +146,8 @@ def parse_kinds(text: str) -> tuple[str, ...]:
 def config_from_args(args: argparse.Namespace) -> ChaosConfig:
     config = ChaosConfig(duration_s=args.duration_s, kill_every_s=args.kill_every_s, kinds=parse_kinds(args.kill),
                          streams=args.streams, batches=args.batches, batch_lines=args.batch_lines,
-                         prompts=args.prompts, max_tokens=args.max_tokens, seed=args.seed)
+                         prompts=args.prompts, max_tokens=args.max_tokens, seed=args.seed,
+                         stream_replicas=args.stream_replicas)
     for flag in ("replicas", "workers"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be positive, got {getattr(args, flag)}")

@@ -111,6 +111,8 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     chaos.add_argument("--prompts", type=int, default=8, help="distinct prompts (one greedy reference each)")
     chaos.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (ignore_eos)")
     chaos.add_argument("--seed", type=int, default=0, help="the kills' and the prompts' random choices")
+    chaos.add_argument("--stream-replicas", type=int, default=0,
+                       help="streams go to the first N replicas only, which are never killed (0: all replicas)")
     chaos.add_argument("--model", help="model directory (default: the demo model)")
     chaos.add_argument("--postgres-url", default="", help="PostgreSQL server URL; a fresh database is made")
     chaos.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
