@@ -12,8 +12,9 @@ On a running `sluice.experiments.cluster.Cluster` (the scale-out tests' and benc
    retried without perhaps making a second batch), polled, and downloaded at the end;
 4. every `kill_every_s` a SIGKILL of a random replica or worker (the kinds take turns, the target
    is random; a kill only takes one of a kind while another of that kind is up, so the cluster
-   always has a replica and a worker), started again after `restart_delay_s` (the first backoff
-   of `sluice serve`'s supervisor) and waited for until it serves.
+   always has a replica and a worker), started again after `sluice serve`'s supervisor backoff
+   (`restart_delay`: 1 s, then 2, 5, 10 s for a child killed again within a minute of its start)
+   and waited for until it serves.
 
 `run_chaos` returns the raw outcome; `chaos_report` turns it into figures and a table.
 """
@@ -35,6 +36,7 @@ import httpx
 
 from sluice.client import StreamBroken, stream_chat
 from sluice.experiments.cluster import STARTUP_TIMEOUT_S, Cluster, Process
+from sluice.gateway.local_processes import restart_delay
 
 KINDS = ("replica", "worker")
 _TERMINAL = {"completed", "failed", "expired", "cancelled"}
@@ -55,7 +57,6 @@ class ChaosConfig:
     # a cluster without replica takeover ends a SIGKILLed replica's streams (docs/streams.md), but
     # its batch lines move to the survivors, so this still kills replicas under load.
     stream_replicas: int = 0
-    restart_delay_s: float = 1.0
     read_timeout_s: float = 30.0  # a connection silent this long counts as broken (stream_chat retries)
     max_attempts: int = 8  # connections per stream before it counts as failed
     batch_timeout_s: float = 600.0  # after the chaos, for the batches to finish
@@ -190,7 +191,10 @@ class Killer:
     skipped: int = 0  # kill times with no kind having two up (the last victim still restarting)
     _down: set[tuple[str, int]] = field(default_factory=set)  # killed, not serving again yet
     _lock: threading.Lock = field(default_factory=threading.Lock)  # held: no kill now (a batch is created)
-    _restarts: list[threading.Thread] = field(default_factory=list)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    # The supervisor's backoff state per child: restarts so far, and when it was last started.
+    _restarts: dict[tuple[str, int], int] = field(default_factory=dict)
+    _started_at: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def process(self, kind: str, index: int) -> Process:
         return self.cluster.replicas[index].process if kind == "replica" else self.cluster.workers[index]
@@ -237,12 +241,16 @@ class Killer:
                 self._down.add((kind, index))
                 process.kill()
                 self.kills.append(kill)
-            thread = threading.Thread(target=self._restart, args=(kill,), name=f"restart-{kind}-{index}")
+                # Started before the chaos: healthy, as a child up for a minute is to the supervisor.
+                uptime = time.monotonic() - self._started_at.get((kind, index), -math.inf)
+                delay, self._restarts[kind, index] = restart_delay(self._restarts.get((kind, index), 0), uptime)
+            thread = threading.Thread(target=self._restart, args=(kill, delay), name=f"restart-{kind}-{index}")
             thread.start()
-            self._restarts.append(thread)
+            self._threads.append(thread)
 
-    def _restart(self, kill: Kill) -> None:
-        time.sleep(self.config.restart_delay_s)
+    def _restart(self, kill: Kill, delay_s: float) -> None:
+        time.sleep(delay_s)
+        self._started_at[kill.kind, kill.index] = time.monotonic()
         try:
             if kill.kind == "replica":
                 kill.restarted_at_s = time.monotonic() - self.t0
@@ -278,7 +286,7 @@ class Killer:
 
     def join_restarts(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        for thread in self._restarts:
+        for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
