@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.kernels.attention import AttentionMetadata
-from sluice.kernels.linear import linear
+from sluice.kernels.linear import linear, pack_weight
 from sluice.kernels.ops import Ops
 from sluice.workers.model.config import ModelConfig, RopeConfig
 
@@ -31,9 +31,15 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        # The backend's pre-packed copy of `weight` (kernels/linear.py), made by `pack()` once the
+        # weight is loaded; None: the plain weight is used.
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -145,10 +151,19 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(
                 torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self._packed_head: torch.Tensor | None = None
         # Rope tables stay float32 whatever the weight dtype, as HF computes them.
         self.register_buffer("cos_sin_cache",
                              build_cos_sin_cache(cfg.rope, cfg.head_dim, max_position, device),
                              persistent=False)
+
+    def pack_weights(self) -> None:
+        """Pre-pack every projection and the head for the backend's matmul (a no-op where it has
+        no packed form). Call after the weights are loaded and again if they are ever changed."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self._packed_head = pack_weight(self.embed_tokens if self.lm_head is None else self.lm_head)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -163,4 +178,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] (only rows that sample) -> logits [N, V] in float32."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, head).float()
+        return linear(hidden, head, None, self._packed_head).float()

@@ -119,6 +119,7 @@ def load_model(model_dir: Path, ops: Ops, dtype: torch.dtype, device: torch.devi
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"{model_dir}: checkpoint is missing weights for {shown}")
     model.eval()
+    model.pack_weights()
     return model, cfg
 
 
