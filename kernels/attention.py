@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from sluice.kernels import cpu_decode
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
@@ -133,6 +135,10 @@ def paged_attention_torch(
     are never repeated. The plan (grouping, block indices, masks) depends only on the metadata:
     the first layer of a step builds it and the others reuse it.
     """
+    if meta.is_decode_only and q.is_cpu and q.dtype == torch.float32 and k_cache.dtype == torch.float32 \
+            and cpu_decode.ready():
+        # Gather-free: the native kernel reads each sequence's K/V blocks where they lie.
+        return cpu_decode.paged_decode_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     key = (num_q_heads, num_kv_heads, head_dim, block_size, q.device)

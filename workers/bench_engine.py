@@ -245,6 +245,11 @@ def run_bench(args: argparse.Namespace) -> int:
         "sluice": {},
     }
     if config.device == "cpu":
+        from sluice.kernels import cpu_decode
+
+        # Built here, outside every timing, so the engines' decode steps use it (it is a C++
+        # compile the first time on a machine; engines never compile it themselves).
+        report["config"]["cpu_decode_kernel"] = cpu_decode.build()
         report["matmul_peak"] = bench_peer.matmul_peak(model_cfg)
         print(f"fp32 matmul peak {report['matmul_peak']['gflops']:.1f} GFLOP/s (best of the model's GEMM shapes)")
     peer = None

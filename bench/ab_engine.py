@@ -1,0 +1,117 @@
+"""A/B one engine lever inside one process: rounds alternate lever off / on on the same requests.
+
+    python bench/ab_engine.py --model var/models/smollm2-135m-instruct --lever pack \
+        --num-requests 16 --rounds 3 [--threads 1] [--num-kv-blocks 4096]
+
+On a shared machine two processes run minutes apart see different loads; alternating the lever
+within one engine (same weights, same KV pool, same requests) puts both sides in the same
+minutes. Each round runs the whole seeded request set (the engine bench's lengths, greedy,
+ignore_eos) once with the lever off and once on, in alternating order, and prints both
+throughputs; the summary is the median of each side and the median per-round ratio (on / off).
+The tokens of both sides are compared too: a lever that changes them is reported.
+
+Levers:
+  pack           pre-packed oneDNN weights (kernels/linear.py pack_weight) vs the plain weights
+  decode-kernel  the gather-free CPU decode kernel (kernels/cpu_decode.py) vs the torch path
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from sluice.kernels import cpu_decode
+from sluice.loadgen.prompts import LengthDist
+from sluice.protocol import SamplingParams
+from sluice.workers.bench_engine import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, make_requests
+from sluice.workers.config import EngineConfig
+from sluice.workers.engine import LLMEngine
+from sluice.workers.model.config import ModelConfig
+from sluice.workers.model.llama import Linear
+
+
+def _pack_lever(engine: LLMEngine) -> Callable[[bool], None]:
+    model = engine.runner.model
+
+    def set_on(on: bool) -> None:
+        if on:
+            model.pack_weights()
+            return
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.packed = None
+        model._packed_head = None
+
+    return set_on
+
+
+def _decode_kernel_lever(engine: LLMEngine) -> Callable[[bool], None]:
+    if not cpu_decode.build():
+        raise SystemExit("the CPU decode kernel cannot be built here")
+    module = cpu_decode._loaded
+
+    def set_on(on: bool) -> None:
+        cpu_decode._loaded = module if on else None
+
+    return set_on
+
+
+LEVERS: dict[str, Callable[[LLMEngine], Callable[[bool], None]]] = {
+    "pack": _pack_lever, "decode-kernel": _decode_kernel_lever}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--lever", choices=sorted(LEVERS), required=True)
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-len", default=DEFAULT_PROMPT_LEN)
+    parser.add_argument("--output-len", default=DEFAULT_OUTPUT_LEN)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = ModelConfig.from_dir(Path(args.model))
+    requests = make_requests(args.num_requests, args.seed, LengthDist.parse(args.prompt_len),
+                             LengthDist.parse(args.output_len), cfg.vocab_size)
+    extra = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks, **extra))
+    set_on = LEVERS[args.lever](engine)
+    prompts = [p for p, _ in requests]
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in requests]
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    tokens: dict[bool, list[list[int]]] = {}
+    for on in (False, True):  # warm-up each side outside the timing
+        set_on(on)
+        engine.generate(prompts[:2], params[:2])
+    for r in range(args.rounds):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):
+            set_on(on)
+            start = time.perf_counter()
+            results = engine.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            produced = sum(len(x.token_ids) for x in results)
+            rates[on].append(produced / elapsed)
+            tokens.setdefault(on, [list(x.token_ids) for x in results])
+            print(f"round {r + 1} lever {'on ' if on else 'off'} {produced / elapsed:8.1f} tok/s "
+                  f"({elapsed:.1f} s, load {Path('/proc/loadavg').read_text().split()[0]})", flush=True)
+    ratios = [b / a for a, b in zip(rates[False], rates[True], strict=True)]
+    off, on_ = statistics.median(rates[False]), statistics.median(rates[True])
+    same = sum(a == b for a, b in zip(tokens[False], tokens[True], strict=True))
+    print(f"lever {args.lever}: median off {off:.1f} tok/s, on {on_:.1f} tok/s, ratio of medians "
+          f"{on_ / off:.3f}, median per-round ratio {statistics.median(ratios):.3f}; "
+          f"{same}/{len(requests)} requests' tokens identical between the sides")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
