@@ -81,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency-output-len", type=int, default=128, help="output tokens of a latency point")
     parser.add_argument("--latency-streams", type=positive_int_list, default=[1, 16],
                         help="concurrent streams of each latency point")
+    parser.add_argument("--no-kernel-build", action="store_true",
+                        help="use the CPU decode kernel only if it is already built (no C++ compile)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved rounds of sluice and the peer; each reports its median run")
 
@@ -249,7 +251,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
         # Built here, outside every timing, so the engines' decode steps use it (it is a C++
         # compile the first time on a machine; engines never compile it themselves).
-        report["config"]["cpu_decode_kernel"] = cpu_decode.build()
+        report["config"]["cpu_decode_kernel"] = (cpu_decode.ready() if args.no_kernel_build
+                                                 else cpu_decode.build())
         report["matmul_peak"] = bench_peer.matmul_peak(model_cfg)
         print(f"fp32 matmul peak {report['matmul_peak']['gflops']:.1f} GFLOP/s (best of the model's GEMM shapes)")
     peer = None

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.integration
 
 def test_bench_engine_writes_report(tmp_path: Path, demo_model_dir: Path) -> None:
     out = tmp_path / "bench.json"
-    code = main(["bench", "engine", "--model", str(demo_model_dir), "--json", str(out), "--num-requests", "4",
+    code = main(["bench", "engine", "--model", str(demo_model_dir), "--json", str(out), "--no-kernel-build",
+                 "--num-requests", "4",
                  "--prompt-len", "uniform:4:20", "--output-len", "fixed:3", "--hf-batch-sizes", "2,4",
                  "--policies", "chunked,static", "--scheduler-sizes", "4", "--max-model-len", "128",
                  "--num-kv-blocks", "32", "--latency-prompt-len", "20",
