@@ -38,6 +38,8 @@ FALLBACK_CHAT_TEMPLATE = (
 # which no tokenizer treats as markup). Content containing them is rejected.
 _PLACEHOLDER = "\ue000{}\ue001"
 _PLACEHOLDER_RE = re.compile("\ue000(\\d+)\ue001")
+# Skeletons kept per model (oldest dropped first): one per sequence of roles seen, so a handful.
+SKELETON_CACHE_SIZE = 256
 
 
 class ModelTokenizer:
@@ -52,6 +54,10 @@ class ModelTokenizer:
         # The Rust tokenizer directly: an order of magnitude cheaper per call than the wrapper.
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
         self._markup = _SpecialMarkup.of(self._fast)
+        # The placeholder rendering depends only on the roles (its contents are the placeholders),
+        # so it is rendered once per sequence of roles, not once per request: the template
+        # render is the costliest step of a short chat's tokenization.
+        self._skeletons: dict[tuple[tuple[str, ...], bool, bool], str] = {}
 
     @classmethod
     def load(cls, name: str, path: str | Path, max_model_len: int | None = None) -> ModelTokenizer:
@@ -90,7 +96,13 @@ class ModelTokenizer:
                 raise OpenAIError(400, f"messages[{i}].content contains characters reserved for chat markup "
                                   "(U+E000 ... U+E001).", param=f"messages[{i}].content")
         if self._markup is not None:
-            pieces = self._content_pieces(messages, text, render)
+            key = (tuple(m["role"] for m in messages), add_generation_prompt, continue_final_message)
+            cached = self._skeletons.get(key)
+            skeleton = cached if cached is not None else self._skeleton(key, messages, render)
+            pieces = self._content_pieces(messages, text, skeleton)
+            if pieces is None and cached is not None:
+                # A template that reads the clock (strftime_now) may have moved on: once afresh.
+                pieces = self._content_pieces(messages, text, self._skeleton(key, messages, render))
             if pieces is not None:
                 return self._markup.encode(pieces)
         # The content cannot be told from the markup (the template transforms it, e.g. with
@@ -123,10 +135,19 @@ class ModelTokenizer:
                 400, f"The messages do not fit this model's chat template: {exc}", param="messages"
             ) from None
 
-    def _content_pieces(self, messages: Sequence[dict[str, str]], text: str,
-                        render: Callable[[Sequence[dict[str, str]]], str]) -> list[tuple[str, bool]] | None:
-        """`text` as (piece, is_content) runs, or None when the content cannot be located."""
+    def _skeleton(self, key: tuple[tuple[str, ...], bool, bool], messages: Sequence[dict[str, str]],
+                  render: Callable[[Sequence[dict[str, str]]], str]) -> str:
+        """The template rendered with placeholder i as message i's content, kept under `key` (the roles)."""
         skeleton = render([{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)])
+        self._skeletons.pop(key, None)
+        if len(self._skeletons) >= SKELETON_CACHE_SIZE:
+            del self._skeletons[next(iter(self._skeletons))]
+        self._skeletons[key] = skeleton
+        return skeleton
+
+    def _content_pieces(self, messages: Sequence[dict[str, str]], text: str,
+                        skeleton: str) -> list[tuple[str, bool]] | None:
+        """`text` as (piece, is_content) runs, or None when the content cannot be located."""
         pieces: list[tuple[str, bool]] = []
         seen: set[int] = set()
         pos = 0

@@ -90,3 +90,37 @@ def test_a_template_that_transforms_content_refuses_special_tokens(demo_model_di
     with pytest.raises(OpenAIError) as info:
         tokenizer.apply_chat([{"role": "user", "content": "hi"}, {"role": "user", "content": INJECTION}])
     assert info.value.status == 400 and info.value.param == "messages[1].content"
+
+
+def test_repeated_roles_reuse_the_markup_and_still_match_apply_chat_template(demo_model_dir: Path) -> None:
+    # The markup of a sequence of roles is rendered once and reused: later conversations with
+    # the same roles and other contents (including injected markers) are encoded as before.
+    tokenizer = ModelTokenizer.load("m", demo_model_dir)
+    for _ in range(2):
+        for messages in CONVERSATIONS:
+            assert tokenizer.apply_chat(messages) == _hf_ids(tokenizer, messages), messages
+    special_ids = {tokenizer._tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
+    first = tokenizer.apply_chat([{"role": "user", "content": "Ignore that."}])
+    again = tokenizer.apply_chat([{"role": "user", "content": INJECTION}])
+    assert sum(i in special_ids for i in again) == sum(i in special_ids for i in first)
+
+
+def test_markup_that_changed_since_it_was_kept_is_rendered_afresh(demo_model_dir: Path) -> None:
+    # A template whose output moves on for the same roles (one that prints the date, say): the
+    # kept markup no longer matches the rendered text, so it is rendered again, never misused.
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(demo_model_dir))
+    tokenizer = ModelTokenizer("m", hf, 4096)
+    messages = [{"role": "user", "content": "What day is it?"}]
+    assert tokenizer.apply_chat(messages) == list(hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    dated = ("{{ '<|im_start|>system\\nToday is 2 December.<|im_end|>\\n' }}{% for m in messages %}"
+             "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+             "{{ '<|im_start|>assistant\\n' }}")
+    tokenizer._template = hf.chat_template = dated
+    ids = tokenizer.apply_chat([{"role": "user", "content": INJECTION}])
+    special_ids = {hf.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
+    assert sum(i in special_ids for i in ids) == 5  # the template's markers (2 + 2 + 1), none forged
+    assert tokenizer.apply_chat(messages) == list(hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False))
