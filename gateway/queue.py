@@ -182,21 +182,31 @@ class RequestLog:
     async def append(self, request: GenerateRequest) -> None:
         if self._producer is None:
             raise QueueUnavailable("the request queue is not started")
+        producer = self._producer
         topic = topic_name(self._settings, request.priority)
+        # Yield once first: a stream's job was handed to the dispatcher just before this append
+        # (KafkaBackend.submit), so its worker or upstream gets the request before the producer
+        # spends its CPU on this one; the client hears nothing until the ack either way.
+        await asyncio.sleep(0)
         value, key = encode_request(request), request.tenant_id.encode()
         try:
-            # Bounded: with the broker gone, aiokafka would otherwise retry for a long time.
-            await asyncio.wait_for(self._topic_exists(topic), self._timeout)
+            # Bounded: with the broker gone, aiokafka would otherwise retry for a long time. A
+            # timeout scope, not wait_for: wait_for runs each call in a task of its own, two
+            # tasks and loop hops per request (Python 3.11).
+            async with asyncio.timeout(self._timeout):
+                await self._topic_exists(topic)
             before = self._live_connections()
-            await asyncio.wait_for(self._producer.send_and_wait(topic, value, key=key, headers=self._headers),
-                                   self._timeout)
+            async with asyncio.timeout(self._timeout):
+                await producer.send_and_wait(topic, value, key=key, headers=self._headers)
             # The producer reconnected while writing (aiokafka retries a broken send on a new
             # connection, silently): the broker that acknowledged may be a restarted one that lost
             # the topic and kept nothing. Look again; write again into a recreated topic.
-            if (before is not None and self._live_connections() != before
-                    and await asyncio.wait_for(self._topic_exists(topic), self._timeout)):
-                await asyncio.wait_for(self._producer.send_and_wait(topic, value, key=key, headers=self._headers),
-                                       self._timeout)
+            if before is not None and self._live_connections() != before:
+                async with asyncio.timeout(self._timeout):
+                    recreated = await self._topic_exists(topic)
+                if recreated:
+                    async with asyncio.timeout(self._timeout):
+                        await producer.send_and_wait(topic, value, key=key, headers=self._headers)
         except TimeoutError:
             raise QueueUnavailable(
                 f"the request queue (Kafka at {self._settings.bootstrap_servers}) did not acknowledge "
