@@ -2,22 +2,26 @@
 
 `GenerationBackend` is what the OpenAI routes talk to: `submit()` returns once a request is
 accepted (durably, for the Kafka backend) and yields its `RequestDelta`s. `LocalEngineBackend`
-runs one in-process `LLMEngine` per model, stepped in a background thread: for tests and a
-no-Kafka development mode. It has no durability; a restart loses in-flight work.
+is the dispatcher without Kafka: one in-process engine host per model (gateway/local_link.py),
+attached as a worker link like any other, so requests are scheduled, dispatched, streamed and
+failed as they are in production; for tests and a no-Kafka development mode. It has no
+durability; a restart loses in-flight work.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from sluice.protocol import FinishReason, GenerateRequest, RequestDelta
+from sluice.gateway.dispatch import Dispatcher, Job
+from sluice.gateway.local_link import InProcessLink
+from sluice.protocol import GenerateRequest, RequestDelta
+from sluice.settings import Settings
+from sluice.workers.engine_host import EngineHost
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +75,7 @@ class GenerationBackend(Protocol):
 class QueuedSubmission:
     """A Submission fed on the event loop through `deliver`; `abort` calls `on_abort` once.
 
-    Both backends stream this way: the local one from its engine thread, the Kafka one from the
-    dispatcher's worker connections.
+    Both backends stream this way, from the dispatcher's sinks.
     """
 
     def __init__(self, request_id: str, on_abort: Callable[[str], None]) -> None:
@@ -103,134 +106,8 @@ class QueuedSubmission:
         self._on_abort(self.request_id)
 
 
-class _EngineThread:
-    """Owns one LLMEngine; every engine call happens on this thread.
-
-    The event loop hands it adds and aborts through a locked deque; it hands back each step's
-    deltas in ONE `call_soon_threadsafe` (not one per request), so 200 streams cost one wakeup.
-    """
-
-    def __init__(self, name: str, engine: Any, worker_id: str) -> None:
-        self.name = name
-        self.engine = engine
-        self.worker_id = worker_id
-        self._commands: deque[tuple[str, Any]] = deque()
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._subs: dict[str, QueuedSubmission] = {}  # touched on the event loop only
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self.steps = 0
-        self.last_capacity = engine.capacity(worker_id)
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def live_requests(self) -> int:
-        return len(self._subs)
-
-    def submit(self, request: GenerateRequest) -> QueuedSubmission:
-        if request.request_id in self._subs:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        sub = QueuedSubmission(request.request_id, self.abort)
-        self._subs[request.request_id] = sub
-        self._push(("add", request))
-        return sub
-
-    def abort(self, request_id: str) -> None:
-        self._push(("abort", request_id))
-
-    def _push(self, command: tuple[str, Any]) -> None:
-        with self._wake:
-            self._commands.append(command)
-            self._wake.notify()
-
-    def _dispatch(self, deltas: list[RequestDelta]) -> None:  # on the event loop
-        for delta in deltas:
-            sub = self._subs.get(delta.request_id)
-            if sub is None:
-                continue
-            if delta.finish_reason is not None:
-                del self._subs[delta.request_id]
-            sub.deliver(delta)
-
-    def _apply(self, command: tuple[str, Any], out: list[RequestDelta]) -> None:
-        kind, arg = command
-        if kind == "abort":
-            self.engine.abort(arg)
-            return
-        request: GenerateRequest = arg
-        try:
-            self.engine.add_request(
-                request.request_id,
-                list(request.prompt_token_ids),
-                request.sampling,
-                priority=int(request.priority),
-                cache_salt=request.cache_salt,
-                arrival_time=request.arrival_time,
-            )
-        except ValueError as exc:  # the gateway validates first; this is a last line of defence
-            out.append(
-                RequestDelta(
-                    request_id=request.request_id,
-                    finish_reason=FinishReason.ERROR,
-                    error=str(exc),
-                    num_prompt_tokens=len(request.prompt_token_ids),
-                )
-            )
-
-    def _run(self) -> None:
-        assert self._loop is not None
-        while True:
-            with self._wake:
-                while not self._commands and not self._stopping and not self.engine.has_work:
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                commands = list(self._commands)
-                self._commands.clear()
-            out: list[RequestDelta] = []
-            for command in commands:
-                self._apply(command, out)
-            try:
-                if self.engine.has_work:
-                    out.extend(self.engine.step())
-                    self.steps += 1
-                self.last_capacity = self.engine.capacity(self.worker_id)
-            except Exception as exc:  # a broken engine must end streams, not hang them
-                log.exception("engine %s failed a step", self.name)
-                out.extend(self._fail_all(str(exc) or type(exc).__name__))
-            if out:
-                self._loop.call_soon_threadsafe(self._dispatch, out)
-
-    def _fail_all(self, message: str) -> list[RequestDelta]:
-        failed = []
-        for request_id in list(self._subs):
-            self.engine.abort(request_id)
-            failed.append(
-                RequestDelta(
-                    request_id=request_id, finish_reason=FinishReason.ERROR, error=f"engine error: {message}"
-                )
-            )
-        return failed
-
-
 class LocalEngineBackend:
-    """In-process engines, one per model, each stepped by its own thread. No durability."""
+    """The dispatcher with one in-process engine host per model and no Kafka. No durability."""
 
     def __init__(
         self,
@@ -238,77 +115,86 @@ class LocalEngineBackend:
         engine_options: Mapping[str, Any] | None = None,
         *,
         worker_id: str = "local",
+        settings: Settings | None = None,
     ) -> None:
         if not models:
             raise ValueError("LocalEngineBackend needs at least one model (name -> directory)")
         self._paths = {name: str(path) for name, path in models.items()}
         self._options = dict(engine_options or {})
         self._worker_id = worker_id
-        self._runners: dict[str, _EngineThread] = {}
-        self._started = False
+        self._settings = settings if settings is not None else Settings()
+        self.dispatcher: Dispatcher | None = None
+        self._hosts: dict[str, EngineHost] = {}
+        self._stopping = False
 
     async def start(self) -> None:
-        if self._started:
+        if self.dispatcher is not None:
             return
         from sluice.workers.config import EngineConfig
         from sluice.workers.engine import LLMEngine
 
-        loop = asyncio.get_running_loop()
-        for name, path in self._paths.items():
-            config = EngineConfig(model=path, **self._options)
-            # Loading weights takes seconds: keep the event loop free meanwhile.
-            engine = await asyncio.to_thread(LLMEngine, config)
-            runner = _EngineThread(name, engine, f"{self._worker_id}-{name}")
-            runner.start(loop)
-            self._runners[name] = runner
-        self._started = True
+        self._stopping = False
+        self.dispatcher = Dispatcher(self._settings, lambda job, final: None)  # nothing to commit
+        try:
+            await self.dispatcher.start(worker_port=False)
+            for name, path in self._paths.items():
+                config = EngineConfig(model=path, **self._options)
+                # Loading weights takes seconds: keep the event loop free meanwhile.
+                engine = await asyncio.to_thread(LLMEngine, config)
+                host = EngineHost(engine, f"{self._worker_id}-{name}",
+                                  heartbeat_interval_s=self._settings.dispatch.heartbeat_interval_s)
+                host.start_thread(f"engine-{name}")
+                self._hosts[name] = host
+                self._link(name)
+        except BaseException:
+            await self.stop()
+            raise
+
+    def _link(self, model: str) -> None:
+        """Attaches a link to `model`'s host; again after the dispatcher lost one (missed
+        heartbeats), as a worker process reconnects, while the host runs."""
+        host = self._hosts.get(model)
+        if self._stopping or self.dispatcher is None or host is None or not host.alive:
+            return
+        InProcessLink(host, model, self.dispatcher, on_lost=lambda _: self._link(model)).connect()
 
     async def stop(self) -> None:
-        runners, self._runners = list(self._runners.values()), {}
-        for runner in runners:
-            await asyncio.to_thread(runner.stop)
-        self._started = False
+        self._stopping = True
+        dispatcher, self.dispatcher = self.dispatcher, None
+        if dispatcher is not None:
+            await dispatcher.stop()
+        hosts, self._hosts = list(self._hosts.values()), {}
+        for host in hosts:
+            host.stop()
+            await asyncio.to_thread(host.join, 10)
 
     def served_models(self) -> list[ServedModel]:
         return [
-            ServedModel(name=name, path=self._paths[name], max_model_len=runner.engine.max_model_len)
-            for name, runner in self._runners.items()
+            ServedModel(name=name, path=self._paths[name], max_model_len=host.engine.max_model_len)
+            for name, host in self._hosts.items()
         ]
 
     def could_serve(self, model: str) -> bool:
-        return model in self._runners
+        return model in self._hosts
 
     def tokenizer(self, model: str) -> Any:
         """The loaded engine's tokenizer (saves the gateway loading it a second time)."""
-        return self._runners[model].engine.tokenizer
+        return self._hosts[model].engine.tokenizer
 
     async def ready(self) -> dict[str, bool]:
-        return {"workers": bool(self._runners) and all(r.alive for r in self._runners.values())}
+        return {"workers": bool(self._hosts) and all(h.alive for h in self._hosts.values())}
 
     async def submit(self, request: GenerateRequest) -> Submission:
-        runner = self._runners.get(request.model)
-        if runner is None or not runner.alive:
+        dispatcher = self.dispatcher
+        host = self._hosts.get(request.model)
+        if dispatcher is None or host is None or not host.alive:
             raise BackendUnavailable(f"no worker is serving model {request.model!r}")
-        return runner.submit(request)
+        submission = QueuedSubmission(request.request_id, dispatcher.cancel)
+        dispatcher.enqueue(Job(request=request, sink=submission.deliver))
+        return submission
 
     def snapshot(self) -> dict[str, Any]:
-        workers = []
-        for name, runner in self._runners.items():
-            cap = runner.last_capacity
-            workers.append(
-                {
-                    "worker_id": runner.worker_id,
-                    "models": [name],
-                    "alive": runner.alive,
-                    "num_running": cap.num_running,
-                    "num_waiting": cap.num_waiting,
-                    "free_kv_blocks": cap.free_kv_blocks,
-                    "total_kv_blocks": cap.total_kv_blocks,
-                    "max_num_seqs": cap.max_num_seqs,
-                    "steps": runner.steps,
-                }
-            )
-        return {
-            "queues": {"backend": "local", "in_flight": sum(r.live_requests for r in self._runners.values())},
-            "workers": workers,
-        }
+        dispatcher = self.dispatcher
+        if dispatcher is None:
+            return {"queues": {"backend": "local", "in_flight": 0}, "workers": []}
+        return {"queues": {"backend": "local", "in_flight": dispatcher.num_jobs}, "workers": dispatcher.workers_view()}

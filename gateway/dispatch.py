@@ -181,14 +181,17 @@ class Dispatcher:
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
-    async def start(self, host: str | None = None, port: int | None = None) -> None:
+    async def start(self, host: str | None = None, port: int | None = None, *, worker_port: bool = True) -> None:
+        """Starts dispatching; `worker_port=False`: no worker process may connect (only links
+        attached in this process serve, gateway/backend.py's LocalEngineBackend)."""
         gw = self.settings.gateway
         host = gw.worker_host if host is None else host
         port = gw.worker_port if port is None else port
         # First: a missing API key variable is a start error before anything listens.
         self.upstreams = [UpstreamLink(spec, self, self.settings) for spec in self.settings.upstreams]
         self._started_at = time.monotonic()
-        await self.worker_port.start(host, port)
+        if worker_port:
+            await self.worker_port.start(host, port)
         self._tasks = [asyncio.create_task(self._dispatch_loop(), name="dispatch"),
                        asyncio.create_task(self._monitor_loop(), name="worker-monitor")]
         for link in self.upstreams:

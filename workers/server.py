@@ -1,26 +1,25 @@
-"""The worker process: one engine in a busy loop, connected to one or more gateways over TCP.
+"""The worker process: one engine host connected to one or more gateways over TCP.
 
-Two threads. The main thread owns the engine and only steps it; an IO thread runs an asyncio
+Two threads. The main thread runs the engine host (workers/engine_host.py: the one loop that
+steps the engine, the same as the gateway's in-process kind runs); an IO thread runs an asyncio
 loop with one link per gateway replica (`--gateway a:p,b:p,...`). Each link connects to its
 gateway's worker port (TLS when a CA file is configured), answers the gateway's challenge with a
 WorkerRegister carrying the HMAC proof of the shared worker secret (the secret itself never
 crosses the wire) and what it serves (name, max length, tokenizer identity), then forwards frames:
-GenerateRequest / AbortRequest in (through `inbox`, tagged with the link and its connection),
-RequestDelta / WorkerCapacity out. Socket IO never blocks a step, and a step never delays reading
-an abort by more than one step.
+GenerateRequest / AbortRequest in (to the host, from this connection), RequestDelta /
+WorkerCapacity out. Socket IO never blocks a step.
 
-Many gateways, one engine: the engine thread records, for every request in the engine, the link
-and connection it came on (`_owners`). A request's deltas go back only on that connection, so a
-stream never crosses replicas; `WorkerCapacity` (on every change and as a heartbeat) goes to every
-connected link, each with its own `num_received`: the requests received on that link's current
-connection, which its gateway uses to know how many it sent are not yet in the engine. A request
-id already in the engine that arrives on another link (or again on the same one) is answered there
-with an error final delta; the running request is not touched.
+Many gateways, one engine: each connection is a client of the host (`_Connection`), so a
+request's deltas go back only on the connection it came on (a stream never crosses replicas),
+capacity goes to every connection with its own `num_received` (which its gateway uses to know how
+many it sent are not yet in the engine), and a request id already in the engine that arrives on
+another connection is answered there with an error final delta.
 
 If a link's connection drops, only the requests of that connection are aborted in the engine (its
 gateway has already failed or re-queued them); the other links' requests run on. Each link
 reconnects with backoff by itself, and a gateway that refused this worker is asked again after
-`rejected_retry_s`, so workers outlive any gateway's restart.
+`rejected_retry_s`, so workers outlive any gateway's restart. An engine that fails ends every
+request with an error and the process exits (`sluice serve` restarts it).
 """
 
 from __future__ import annotations
@@ -29,22 +28,20 @@ import asyncio
 import contextlib
 import logging
 import os
-import queue
 import signal
 import ssl
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from sluice.protocol import (
     READ_CHUNK_BYTES,
     AbortRequest,
-    FinishReason,
     FrameDecoder,
     GenerateRequest,
-    Message,
     RequestDelta,
     ServedModelInfo,
     WorkerCapacity,
@@ -56,6 +53,11 @@ from sluice.protocol import (
     tokenizer_identity,
     worker_proof,
 )
+from sluice.workers.engine_host import EngineHost
+
+if TYPE_CHECKING:
+    from sluice.workers.config import EngineConfig
+    from sluice.workers.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -79,37 +81,6 @@ class WorkerOptions:
             raise ValueError("a worker needs at least one gateway address")
         if len(set(self.gateways)) != len(self.gateways):
             raise ValueError("the same gateway address is listed twice")
-
-
-@dataclass(frozen=True, slots=True)
-class _Connected:
-    """IO thread → engine thread: link `link` has a new connection (its sequence number)."""
-
-    link: int
-    generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Disconnected:
-    link: int
-    generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Received:
-    """A request or an abort that arrived on connection `generation` of link `link`."""
-
-    link: int
-    generation: int
-    message: GenerateRequest | AbortRequest
-
-
-@dataclass(frozen=True, slots=True)
-class _Wake:
-    """Wakes the engine thread (stop)."""
-
-
-_Inbox = _Received | _Connected | _Disconnected | _Wake
 
 
 class _Refused(Exception):
@@ -152,20 +123,20 @@ def parse_gateways(value: str) -> tuple[Address, ...]:
 class _GatewayLink:
     """One gateway: keeps a connection to it up (a task on the IO loop) and moves frames both ways."""
 
-    def __init__(self, index: int, address: Address, options: WorkerOptions, inbox: queue.Queue[_Inbox],
+    def __init__(self, address: Address, options: WorkerOptions, host: EngineHost,
                  context: ssl.SSLContext | None) -> None:
-        self.index = index
         self.host, self.port = address
         self._options = options
-        self._inbox = inbox
+        self._engine_host = host
         self._ssl = context
         self._outbox: asyncio.Queue[bytes] | None = None
         self._generation = 0
 
-    def enqueue(self, generation: int, frame: bytes) -> None:
-        """On the IO loop: a frame for a connection that is gone is dropped."""
+    def enqueue(self, generation: int, frames: list[bytes]) -> None:
+        """On the IO loop: frames for a connection that is gone are dropped."""
         if self._outbox is not None and generation == self._generation:
-            self._outbox.put_nowait(frame)
+            for frame in frames:
+                self._outbox.put_nowait(frame)
 
     async def connect_forever(self, register: WorkerRegister) -> None:
         opts = self._options
@@ -186,14 +157,15 @@ class _GatewayLink:
             self._generation += 1
             generation = self._generation
             self._outbox = asyncio.Queue()
-            self._inbox.put(_Connected(self.index, generation))
+            connection = _Connection(self, generation, asyncio.get_running_loop())
+            self._engine_host.connect(connection)
             log.info("connected to the gateway at %s:%d", self.host, self.port)
             try:
                 decoder = FrameDecoder()
                 nonce = await asyncio.wait_for(self._challenge(reader, decoder), 30.0)
                 proof = worker_proof(opts.secret, nonce, register.worker_id)
                 writer.write(encode_frame(msgspec.structs.replace(register, proof=proof)))
-                await self._pump(reader, writer, self._outbox, decoder, generation)
+                await self._pump(reader, writer, self._outbox, decoder, connection)
             except _Refused as exc:
                 log.error("the gateway at %s:%d refused this worker: %s; retrying in %.0fs",
                           self.host, self.port, exc, opts.rejected_retry_s)
@@ -203,7 +175,7 @@ class _GatewayLink:
             finally:
                 self._outbox = None
                 self._generation += 1  # drop late sends for the old connection
-                self._inbox.put(_Disconnected(self.index, generation))
+                self._engine_host.disconnect(connection)
                 writer.close()
                 with contextlib.suppress(Exception):
                     await writer.wait_closed()
@@ -221,7 +193,7 @@ class _GatewayLink:
         raise ValueError("the gateway did not open with a challenge")
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    outbox: asyncio.Queue[bytes], decoder: FrameDecoder, generation: int) -> None:
+                    outbox: asyncio.Queue[bytes], decoder: FrameDecoder, connection: _Connection) -> None:
         async def write() -> None:
             while True:
                 frame = await outbox.get()
@@ -237,8 +209,10 @@ class _GatewayLink:
                 if not data:
                     return
                 for message in decoder.feed(data):
-                    if isinstance(message, GenerateRequest | AbortRequest):
-                        self._inbox.put(_Received(self.index, generation, message))
+                    if isinstance(message, GenerateRequest):
+                        self._engine_host.add(connection, message)
+                    elif isinstance(message, AbortRequest):
+                        self._engine_host.abort(connection, message.request_id)
                     elif isinstance(message, WorkerRejected):
                         raise _Refused(message.reason)
                 if writer_task.done():
@@ -249,13 +223,36 @@ class _GatewayLink:
                 await writer_task
 
 
+class _Connection:
+    """One connection to a gateway, as a client of the engine host: what the host sends it is
+    framed on the engine thread and queued on the IO loop (dropped once the connection is gone)."""
+
+    def __init__(self, link: _GatewayLink, generation: int, loop: asyncio.AbstractEventLoop) -> None:
+        self._link = link
+        self._generation = generation
+        self._loop = loop
+
+    def on_deltas(self, deltas: list[RequestDelta]) -> None:
+        self._post([encode_frame(delta) for delta in deltas])
+
+    def on_capacity(self, capacity: WorkerCapacity) -> None:
+        self._post([encode_frame(capacity)])
+
+    def on_closed(self, reason: str) -> None:
+        pass  # the process exits next; its sockets close with it
+
+    def _post(self, frames: list[bytes]) -> None:
+        with contextlib.suppress(RuntimeError):  # loop closed at shutdown
+            self._loop.call_soon_threadsafe(self._link.enqueue, self._generation, frames)
+
+
 class _LinkIO:
     """The IO thread: one asyncio loop running every gateway link."""
 
-    def __init__(self, options: WorkerOptions, inbox: queue.Queue[_Inbox]) -> None:
+    def __init__(self, options: WorkerOptions, host: EngineHost) -> None:
         self._loop = asyncio.new_event_loop()
         context = client_ssl_context(options.tls_ca)
-        self.links = [_GatewayLink(i, address, options, inbox, context) for i, address in enumerate(options.gateways)]
+        self.links = [_GatewayLink(address, options, host, context) for address in options.gateways]
         self._main: asyncio.Task[None] | None = None
         self.thread = threading.Thread(target=self._run, name="gateway-io", daemon=True)
 
@@ -272,12 +269,6 @@ class _LinkIO:
                 self._loop.call_soon_threadsafe(self._main.cancel)
         self.thread.join(timeout=5)
 
-    def send(self, link: int, generation: int, message: Message) -> None:
-        """Thread-safe; a message for a connection that is gone is dropped."""
-        frame = encode_frame(message)
-        with contextlib.suppress(RuntimeError):  # loop closed at shutdown
-            self._loop.call_soon_threadsafe(self.links[link].enqueue, generation, frame)
-
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
@@ -288,175 +279,44 @@ class _LinkIO:
             self._loop.close()
 
 
-@dataclass(slots=True)
-class _LinkState:
-    """The engine thread's view of one link."""
-
-    generation: int = 0  # its current connection; 0 = none
-    received: int = 0  # requests received on that connection (WorkerCapacity.num_received)
-    last_capacity: tuple[int, ...] | None = None
-    last_sent: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Owner:
-    """Where a request in the engine came from: its deltas go back there only."""
-
-    link: int
-    generation: int
-
-
 class WorkerServer:
-    """Runs an LLMEngine and serves it to every gateway link until `stop()` (or SIGTERM/SIGINT)."""
+    """Runs an LLMEngine's host and serves it to every gateway link until `stop()` (or SIGTERM/SIGINT)."""
 
-    def __init__(self, engine, options: WorkerOptions) -> None:  # engine: LLMEngine
+    def __init__(self, engine: LLMEngine, options: WorkerOptions) -> None:
         self.engine = engine
         self.options = options
-        self._inbox: queue.Queue[_Inbox] = queue.Queue()
-        self._io = _LinkIO(options, self._inbox)
-        self._stop = threading.Event()
-        self._links = [_LinkState() for _ in options.gateways]
-        self._owners: dict[str, _Owner] = {}  # every request in the engine, by id
+        self.host = EngineHost(engine, options.worker_id, heartbeat_interval_s=options.heartbeat_interval_s)
+        self._io = _LinkIO(options, self.host)
 
     def stop(self) -> None:
-        self._stop.set()
-        self._inbox.put(_Wake())
-
-    def capacity(self, num_received: int = 0) -> WorkerCapacity:
-        return msgspec.structs.replace(self.engine.capacity(self.options.worker_id),
-                                       num_received=num_received,
-                                       num_preemptions=self.engine.scheduler.stats.num_preemptions)
+        self.host.stop()
 
     def serve_forever(self) -> None:
         served = ServedModelInfo(name=self.options.model_name, max_model_len=self.engine.max_model_len,
                                  tokenizer=tokenizer_identity(self.engine.config.model))
         register = WorkerRegister(worker_id=self.options.worker_id, models=(served,),
                                   device=str(self.engine.config.device), pid=os.getpid(),
-                                  capacity=self.capacity())
+                                  capacity=self.host.capacity())
         self._io.start(register)
         try:
-            while not self._stop.is_set():
-                if self.options.parent_pid is not None and os.getppid() != self.options.parent_pid:
-                    log.warning("the parent process %d is gone; worker exiting", self.options.parent_pid)
-                    return
-                self._drain(block=not self.engine.has_work)
-                if self.engine.has_work:
-                    self._step()
-                self._maybe_send_capacity()
+            self.host.run(keep_going=self._parent_alive)
+        except Exception:
+            # The host failed every request: let the IO thread flush those error deltas, then exit
+            # (`sluice serve` restarts the worker) rather than serve from a broken engine.
+            time.sleep(0.2)
+            raise
         finally:
             self._io.stop()
 
-    def _step(self) -> None:
-        try:
-            deltas = self.engine.step()
-        except Exception:
-            # The engine already failed a request that raises alone (see LLMEngine.step); this is
-            # the engine itself failing: end every stream, then exit (`sluice serve` restarts the
-            # worker) rather than serve from a broken engine.
-            log.exception("engine step failed; worker exiting")
-            self._fail_all(f"the worker serving this request ({self.options.worker_id}) failed; please retry")
-            raise
-        self._send_deltas(deltas)
-
-    def _drain(self, *, block: bool) -> None:
-        timeout = self.options.heartbeat_interval_s
-        try:
-            message = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(message)
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _handle(self, message: _Inbox) -> None:
-        if isinstance(message, _Received):
-            state = self._links[message.link]
-            if message.generation != state.generation:
-                return  # from a connection already gone: its gateway has failed or re-queued it
-            owner = _Owner(message.link, message.generation)
-            if isinstance(message.message, GenerateRequest):
-                state.received += 1
-                self._add(owner, message.message)
-            elif self._owners.get(message.message.request_id) == owner:  # only the sender may abort
-                self.engine.abort(message.message.request_id)
-        elif isinstance(message, _Connected):
-            self._drop_link(message.link)  # leftovers of an older connection (should be none)
-            self._links[message.link] = _LinkState(generation=message.generation)
-        elif isinstance(message, _Disconnected) and message.generation == self._links[message.link].generation:
-            self._links[message.link].generation = 0
-            self._drop_link(message.link)
-
-    def _add(self, owner: _Owner, request: GenerateRequest) -> None:
-        rid = request.request_id
-        if rid in self._owners:  # from another gateway (ids are unique per gateway), or a resend
-            self._reply_error(owner, request, f"request id {rid!r} is already running on this worker")
-            return
-        try:
-            self.engine.add_request(rid, list(request.prompt_token_ids), request.sampling,
-                                    priority=int(request.priority), cache_salt=request.cache_salt,
-                                    arrival_time=request.arrival_time,
-                                    resume_token_ids=request.resume_token_ids)
-        except Exception as exc:  # bad prompt for this model, values the engine refuses
-            if isinstance(exc, ValueError):  # written for users (SamplingParams.validate, add_request)
-                text = str(exc)
-            else:
-                log.warning("request %s refused by the engine", rid, exc_info=True)
-                text = "the worker could not accept this request's parameters"
-            self._reply_error(owner, request, text)
-            return
-        self._owners[rid] = owner
-
-    def _reply_error(self, owner: _Owner, request: GenerateRequest, text: str) -> None:
-        self._io.send(owner.link, owner.generation, RequestDelta(
-            request_id=request.request_id, finish_reason=FinishReason.ERROR, error=text,
-            num_prompt_tokens=len(request.prompt_token_ids)))
-
-    def _drop_link(self, link: int) -> None:
-        """Aborts the requests that came on `link` (nobody listens for them any more). Their abort
-        deltas are collected at once, before a resend under the same id (the gateway re-queues
-        batch work) could be mistaken for them; the other links' deltas of that step go out."""
-        dropped = [rid for rid, owner in self._owners.items() if owner.link == link]
-        for rid in dropped:
-            del self._owners[rid]
-            self.engine.abort(rid)
-        if dropped:
-            self._step()
-
-    def _fail_all(self, text: str) -> None:
-        for rid, owner in self._owners.items():
-            self._io.send(owner.link, owner.generation, RequestDelta(
-                request_id=rid, finish_reason=FinishReason.ERROR, error=text))
-        self._owners.clear()
-        time.sleep(0.2)  # let the IO thread flush the error deltas before the process exits
-
-    def _send_deltas(self, deltas: list[RequestDelta]) -> None:
-        for delta in deltas:
-            owner = self._owners.get(delta.request_id)
-            if owner is None:
-                continue  # an aborted request of a dropped link
-            if delta.finish_reason is not None:
-                del self._owners[delta.request_id]
-            if self._links[owner.link].generation == owner.generation:
-                self._io.send(owner.link, owner.generation, delta)
-
-    def _maybe_send_capacity(self) -> None:
-        now = time.monotonic()
-        base: WorkerCapacity | None = None
-        for index, state in enumerate(self._links):
-            if not state.generation:
-                continue
-            if base is None:
-                base = self.capacity()
-            key = (base.num_running, base.num_waiting, base.free_kv_blocks, state.received, base.num_preemptions)
-            if key != state.last_capacity or now - state.last_sent >= self.options.heartbeat_interval_s:
-                self._io.send(index, state.generation, msgspec.structs.replace(base, num_received=state.received))
-                state.last_capacity, state.last_sent = key, now
+    def _parent_alive(self) -> bool:
+        parent = self.options.parent_pid
+        if parent is not None and os.getppid() != parent:
+            log.warning("the parent process %d is gone; worker exiting", parent)
+            return False
+        return True
 
 
-def run_worker(engine_config, options: WorkerOptions) -> None:
+def run_worker(engine_config: EngineConfig, options: WorkerOptions) -> None:
     """Builds the engine and serves until SIGTERM/SIGINT."""
     from sluice.workers.engine import LLMEngine
 

@@ -1,0 +1,146 @@
+"""One worker seam: the in-process link and a TCP worker go through the same engine host.
+
+Both kinds are driven by a real Dispatcher, with a real engine (the demo model): the in-process
+kind as `LocalEngineBackend` attaches it, the TCP kind as a `WorkerServer` (the worker process's
+code, run on a thread here) connected to the dispatcher's worker port. Each must stream a request,
+answer a request the engine refuses with an error delta, abort on cancel, report capacity with
+what it received, and, when its engine fails, end every request with the same error and be lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from sluice.gateway.dispatch import Dispatcher, Job
+from sluice.gateway.links import EngineLink
+from sluice.gateway.local_link import InProcessLink
+from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
+from sluice.settings import DispatchSettings, Settings
+from sluice.workers.config import EngineConfig
+from sluice.workers.engine import LLMEngine
+from sluice.workers.engine_host import EngineHost
+from sluice.workers.server import WorkerOptions, WorkerServer
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+KINDS = ["in-process", "tcp"]
+
+
+def request(rid: str, prompt: tuple[int, ...], max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid, tenant_id="t", model="demo", priority=Priority.STANDARD, prompt_token_ids=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), cache_salt="t",
+        arrival_time=time.time())
+
+
+class Stream:
+    """A job's sink: every delta, and an event set by the final one."""
+
+    def __init__(self) -> None:
+        self.deltas: list[RequestDelta] = []
+        self.done = asyncio.Event()
+
+    def __call__(self, delta: RequestDelta) -> None:
+        self.deltas.append(delta)
+        if delta.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def final(self) -> RequestDelta:
+        return self.deltas[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(d.token_ids) for d in self.deltas)
+
+
+@pytest.fixture(params=KINDS)
+async def hosted(request: pytest.FixtureRequest, demo_model_dir: Path) -> AsyncIterator[tuple[Dispatcher, EngineHost]]:
+    """A started dispatcher with one worker of the given kind, and that worker's engine host."""
+    settings = Settings(dispatch=DispatchSettings(heartbeat_interval_s=0.5, heartbeat_timeout_s=30.0))
+    dispatcher = Dispatcher(settings, lambda job, final: None)
+    await dispatcher.start(host="127.0.0.1", port=0)
+    config = EngineConfig(model=str(demo_model_dir), max_num_seqs=4, kv_cache_bytes=8 * 2**20)
+    engine = await asyncio.to_thread(LLMEngine, config)
+    thread: threading.Thread | None = None
+    if request.param == "in-process":
+        host = EngineHost(engine, "w", heartbeat_interval_s=0.5)
+        host.start_thread("engine-test")
+        InProcessLink(host, "demo", dispatcher).connect()
+    else:
+        server = WorkerServer(engine, WorkerOptions(
+            gateways=(("127.0.0.1", dispatcher.port),), worker_id="w", model_name="demo",
+            heartbeat_interval_s=0.5, secret=dispatcher.worker_port.worker_secret))
+        host = server.host
+        thread = threading.Thread(target=lambda: _serve(server), name="worker-test", daemon=True)
+        thread.start()
+    try:
+        await wait_for(lambda: "w" in dispatcher.workers, 120, "the worker to attach")
+        yield dispatcher, host
+    finally:
+        await dispatcher.stop()
+        host.stop()
+        host.join(10)
+        if thread is not None:
+            thread.join(10)
+
+
+def _serve(server: WorkerServer) -> None:
+    with contextlib.suppress(RuntimeError):  # the engine failure the test provokes
+        server.serve_forever()
+
+
+def submit(dispatcher: Dispatcher, req: GenerateRequest) -> Stream:
+    stream = Stream()
+    dispatcher.enqueue(Job(request=req, sink=stream))
+    return stream
+
+
+async def test_both_kinds_stream_refuse_abort_and_report(hosted: tuple[Dispatcher, EngineHost]) -> None:
+    dispatcher, _ = hosted
+    ok = submit(dispatcher, request("ok", (5, 6, 7), 5))
+    refused = submit(dispatcher, request("bad", (10**6,), 5))  # out of the vocabulary: the engine refuses
+    await asyncio.wait_for(asyncio.gather(ok.done.wait(), refused.done.wait()), 120)
+    assert ok.final.finish_reason is FinishReason.LENGTH and ok.num_tokens == 5
+    assert refused.final.finish_reason is FinishReason.ERROR
+    assert refused.final.error is not None and "prompt token ids must be between" in refused.final.error
+
+    long = submit(dispatcher, request("long", (5, 6, 7), 2000))
+    await wait_for(lambda: long.num_tokens >= 2, 60, "the long request to stream")
+    dispatcher.cancel("long")
+    await asyncio.wait_for(long.done.wait(), 60)
+    assert long.final.finish_reason is FinishReason.ABORT and long.final.num_output_tokens < 2000
+
+    # The host counts what it received from this link: the dispatcher's waiting estimate settles at 0.
+    worker = dispatcher.workers["w"]
+    assert isinstance(worker, EngineLink)
+    await wait_for(lambda: worker.capacity.num_received == 3, 60, "a capacity report of 3 received")
+    assert worker.est_waiting == 0 and dispatcher.num_jobs == 0
+
+
+async def test_both_kinds_fail_every_request_when_the_engine_fails(hosted: tuple[Dispatcher, EngineHost]) -> None:
+    dispatcher, host = hosted
+    streams = [submit(dispatcher, request(f"r{i}", (5, 6, 7 + i), 2000)) for i in range(2)]
+    await wait_for(lambda: all(s.num_tokens >= 1 for s in streams), 60, "both requests to stream")
+
+    def broken_step() -> list[RequestDelta]:
+        raise RuntimeError("device lost")
+
+    # Fault injection: the engine itself failing (a lost device) cannot be provoked from a request
+    # (a request that raises alone is failed alone, tests/integration/dispatch/test_poison.py).
+    host.engine.step = broken_step
+    await asyncio.wait_for(asyncio.gather(*(s.done.wait() for s in streams)), 60)
+    for stream in streams:
+        assert stream.final.finish_reason is FinishReason.ERROR
+        assert stream.final.error == "the worker serving this request (w) failed; please retry"
+    await wait_for(lambda: "w" not in dispatcher.workers, 60, "the failed worker to be lost")
+    assert dispatcher.num_jobs == 0

@@ -1,0 +1,241 @@
+"""The engine host: the one loop that steps an LLMEngine and serves it to its clients.
+
+Every way of reaching an engine goes through an `EngineHost` (the way vLLM v1 has one EngineCore
+and several clients): a worker process's TCP connections to its gateways (workers/server.py) and
+the gateway's in-process link (gateway/local_link.py) are both `EngineClient`s of it. What a host
+does, it does once for every kind:
+- `add` / `abort` from any thread, through one locked inbox, applied on the engine thread between
+  steps (a step never delays reading an abort by more than one step);
+- every request in the engine has one owner, the client it came from (`_owners`): its deltas go
+  back to that client only, only that client may abort it, and a request id already in the
+  engine that arrives again (from any client) is answered with an error final delta there, the
+  running request untouched;
+- a request the engine refuses (`add_request` raises) gets an error final delta;
+- a client that disconnects has its requests aborted in the engine (nobody listens for them);
+- capacity (`WorkerCapacity`, with the requests received from that client as `num_received`)
+  goes to every client on every change and as a heartbeat;
+- an engine whose step raises (the engine itself failing: it already fails a request that raises
+  alone) fails every request with an error delta, tells every client it is closed, and `run()`
+  raises: a broken engine is not served from.
+Each step's deltas reach a client in one call (`EngineClient.on_deltas`), so 200 streams cost a
+client one hand-off per step, not 200.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+
+from sluice.protocol import FinishReason, GenerateRequest, RequestDelta, WorkerCapacity
+
+log = logging.getLogger(__name__)
+
+
+class EngineClient(Protocol):
+    """One connection to a host. Called on the engine thread: hand off, never block."""
+
+    def on_deltas(self, deltas: list[RequestDelta]) -> None:
+        """One step's deltas of this client's requests, in order."""
+        ...
+
+    def on_capacity(self, capacity: WorkerCapacity) -> None: ...
+
+    def on_closed(self, reason: str) -> None:
+        """The host stopped (its engine failed, or `stop()`): nothing more comes."""
+        ...
+
+
+@dataclass(slots=True)
+class _ClientState:
+    received: int = 0  # requests received from it (WorkerCapacity.num_received)
+    last_capacity: tuple[int, ...] | None = None
+    last_sent: float = 0.0
+
+
+_Command = tuple[str, Any, Any]  # (kind, client, argument)
+
+
+class EngineHost:
+    """Steps one LLMEngine for its clients until `stop()` (module docstring)."""
+
+    def __init__(self, engine: Any, worker_id: str, *, heartbeat_interval_s: float = 1.0) -> None:
+        self.engine = engine  # an LLMEngine: touched on the engine thread only, once running
+        self.worker_id = worker_id
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._inbox: queue.Queue[_Command] = queue.Queue()
+        self._stopping = threading.Event()
+        self._clients: dict[EngineClient, _ClientState] = {}
+        self._owners: dict[str, EngineClient] = {}  # every request in the engine, by id
+        self._thread: threading.Thread | None = None
+
+    # ---- from any thread -----------------------------------------------------------------------
+
+    def connect(self, client: EngineClient) -> None:
+        self._inbox.put(("connect", client, None))
+
+    def disconnect(self, client: EngineClient) -> None:
+        self._inbox.put(("disconnect", client, None))
+
+    def add(self, client: EngineClient, request: GenerateRequest) -> None:
+        self._inbox.put(("add", client, request))
+
+    def abort(self, client: EngineClient, request_id: str) -> None:
+        self._inbox.put(("abort", client, request_id))
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake", None, None))
+
+    def start_thread(self, name: str) -> None:
+        """Runs the loop on a thread of its own (the in-process kind); a failure is logged."""
+        def run() -> None:
+            with contextlib.suppress(Exception):  # logged by run(); its clients were told
+                self.run()
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def capacity(self, num_received: int = 0) -> WorkerCapacity:
+        return msgspec.structs.replace(self.engine.capacity(self.worker_id), num_received=num_received,
+                                       num_preemptions=self.engine.scheduler.stats.num_preemptions)
+
+    # ---- the loop (the engine thread) ----------------------------------------------------------
+
+    def run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
+        """Steps until `stop()` or `keep_going()` is false; raises what the engine raised."""
+        reason = "the engine host stopped"
+        try:
+            while not self._stopping.is_set() and keep_going():
+                self._drain(block=not self.engine.has_work)
+                if self.engine.has_work:
+                    self._step()
+                self._send_capacity()
+        except Exception:
+            reason = "its engine failed"
+            raise
+        finally:
+            for client in list(self._clients):
+                client.on_closed(reason)
+            self._clients.clear()
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception:
+            log.exception("engine %s failed a step; failing its requests", self.worker_id)
+            self._fail_all(f"the worker serving this request ({self.worker_id}) failed; please retry")
+            raise
+        self._route(deltas)
+
+    def _drain(self, *, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=self.heartbeat_interval_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*command)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, client: Any, arg: Any) -> None:
+        if kind == "connect":
+            self._clients[client] = _ClientState()
+            return
+        state = self._clients.get(client)
+        if state is None:
+            return  # from a client already gone (or a wake): its requests were dropped
+        if kind == "disconnect":
+            del self._clients[client]
+            self._drop(client)
+        elif kind == "add":
+            state.received += 1
+            self._add(client, arg)
+        elif kind == "abort" and self._owners.get(arg) is client:  # only the sender may abort
+            self.engine.abort(arg)
+
+    def _add(self, client: EngineClient, request: GenerateRequest) -> None:
+        rid = request.request_id
+        if rid in self._owners:  # from another gateway (ids are unique per gateway), or a resend
+            self._reply_error(client, request, f"request id {rid!r} is already running on this worker")
+            return
+        try:
+            self.engine.add_request(rid, list(request.prompt_token_ids), request.sampling,
+                                    priority=int(request.priority), cache_salt=request.cache_salt,
+                                    arrival_time=request.arrival_time,
+                                    resume_token_ids=request.resume_token_ids)
+        except Exception as exc:  # bad prompt for this model, values the engine refuses
+            if isinstance(exc, ValueError):  # written for users (SamplingParams.validate, add_request)
+                text = str(exc)
+            else:
+                log.warning("request %s refused by the engine", rid, exc_info=True)
+                text = "the worker could not accept this request's parameters"
+            self._reply_error(client, request, text)
+            return
+        self._owners[rid] = client
+
+    @staticmethod
+    def _reply_error(client: EngineClient, request: GenerateRequest, text: str) -> None:
+        client.on_deltas([RequestDelta(request_id=request.request_id, finish_reason=FinishReason.ERROR, error=text,
+                                    num_prompt_tokens=len(request.prompt_token_ids))])
+
+    def _drop(self, client: EngineClient) -> None:
+        """Aborts the requests of a client that is gone. Their abort deltas are collected at once,
+        before a resend under the same id (a gateway re-queues batch work) could be mistaken for
+        them; the other clients' deltas of that step go out."""
+        dropped = [rid for rid, owner in self._owners.items() if owner is client]
+        for rid in dropped:
+            del self._owners[rid]
+            self.engine.abort(rid)
+        if dropped:
+            self._step()
+
+    def _fail_all(self, text: str) -> None:
+        failed: dict[EngineClient, list[RequestDelta]] = {}
+        for rid, client in self._owners.items():
+            failed.setdefault(client, []).append(
+                RequestDelta(request_id=rid, finish_reason=FinishReason.ERROR, error=text))
+        self._owners.clear()
+        for client, deltas in failed.items():
+            client.on_deltas(deltas)
+
+    def _route(self, deltas: list[RequestDelta]) -> None:
+        out: dict[EngineClient, list[RequestDelta]] = {}
+        for delta in deltas:
+            client = self._owners.get(delta.request_id)
+            if client is None:
+                continue  # an aborted request of a client that is gone
+            if delta.finish_reason is not None:
+                del self._owners[delta.request_id]
+            if client in self._clients:
+                out.setdefault(client, []).append(delta)
+        for client, batch in out.items():
+            client.on_deltas(batch)
+
+    def _send_capacity(self) -> None:
+        now = time.monotonic()
+        base: WorkerCapacity | None = None
+        for client, state in self._clients.items():
+            if base is None:
+                base = self.capacity()
+            key = (base.num_running, base.num_waiting, base.free_kv_blocks, state.received, base.num_preemptions)
+            if key != state.last_capacity or now - state.last_sent >= self.heartbeat_interval_s:
+                client.on_capacity(msgspec.structs.replace(base, num_received=state.received))
+                state.last_capacity, state.last_sent = key, now
