@@ -100,6 +100,11 @@ def create_app(
                                    max_prompt_chars=settings.gateway.max_prompt_chars,
                                    max_messages=settings.gateway.max_messages)
     streams = StreamHub(shared.stream_log, generation.spawn, grace_s=settings.gateway.disconnect_grace_s)
+    holder = getattr(backend, "holder", None)
+    if holder is not None:  # the Kafka backend with shared state: streams of lost replicas go on here
+        from sluice.gateway.api.takeover import StreamResumer
+
+        holder.resumer = StreamResumer(streams, generation, auth, backend, holder)  # type: ignore[arg-type]
     admin = AdminService(session_factory, auth, usage.flush)
     body_judge = BodyJudge()
     state = State(

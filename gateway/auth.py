@@ -201,6 +201,17 @@ class AuthService:
         while len(self._unknown) > UNKNOWN_KEY_CACHE_SIZE:
             self._unknown.popitem(last=False)
 
+    async def tenant_by_id(self, tenant_id: str) -> TenantContext | None:
+        """A tenant's context read from the database (no key: for a stream taken over from a lost
+        replica, gateway/api/takeover.py); None when it no longer exists."""
+        async with self._sessions() as session:
+            row = (
+                await session.execute(
+                    select(Tenant, Quota).outerjoin(Quota, Quota.tenant_id == Tenant.id).where(Tenant.id == tenant_id)
+                )
+            ).first()
+        return None if row is None else tenant_context(row[0], row[1])
+
     def key_created(self, digest: str) -> None:
         """A key with this hash now exists: it is no longer an unknown key here."""
         self._unknown.pop(digest, None)

@@ -11,10 +11,13 @@ heard "accepted", so nothing it was promised is lost by a crash before the ack. 
 process always dispatches a streaming request itself: it is only ever served to the client
 waiting on this process, so its record is there for durability of the acceptance, not to be
 run from. Whichever replica's consumer reads a streaming record (under the consumer group another
-replica may own its partition) just finishes its offset: it was dispatched by its acceptor, or its
-acceptor died and its client went with it. Streams held in memory are therefore bounded by the
-quotas' per-tenant `max_queued` (admission refuses beyond it), not by `max_backlog_per_class`;
-they count toward their class's backlog all the same, so a full class pauses its consumer.
+replica may own its partition) does not run it: without shared state it just finishes its offset
+(it was dispatched by its acceptor, or its acceptor died and its client went with it); with
+shared state it holds the record until the stream's log has ended, and takes the generation over
+when its replica dies (`StreamHolder`, gateway/takeover.py; `resume`). Streams held in memory
+are therefore bounded by the quotas' per-tenant `max_queued` (admission refuses beyond it), not by
+`max_backlog_per_class`; held records do not count toward a class's backlog, the streams themselves
+count toward their class's backlog all the same, so a full class pauses its consumer.
 
 Batch lines are run from Kafka: each replica runs the lines of the partitions the consumer group
 gave it (all of them for a lone gateway), through the `BatchLineHandler` (de-duplication by
@@ -43,6 +46,8 @@ from sluice.gateway.backend import BackendUnavailable, QueuedSubmission, ServedM
 from sluice.gateway.dispatch import DeltaSink, Dispatcher, Job
 from sluice.gateway.queue import ClassConsumer, QueueUnavailable, RecordRef, RequestLog, ensure_topics
 from sluice.gateway.shared import SharedState, open_shared
+from sluice.gateway.stream_log import RedisStreamLog
+from sluice.gateway.takeover import StreamHolder
 from sluice.protocol import (
     FinishReason,
     GenerateRequest,
@@ -171,7 +176,14 @@ class KafkaBackend:
         self._models: list[ServedModel] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
-        self.replayed_orphans = 0  # replayed streaming requests finished without generation
+        self.replayed_orphans = 0  # records of requests accepted by another replica, not run here
+        # With shared state: the records of streamed requests, held until their logs end.
+        self.holder: StreamHolder | None = None
+        stream_log = self.shared.stream_log
+        if settings.shared.url and self.shared.clients and isinstance(stream_log, RedisStreamLog):
+            self.holder = StreamHolder(self.shared.clients[0], stream_log, prefix=settings.shared.prefix,
+                                       replica=self.shared.replica, finish=self._finish_ref,
+                                       current=self._current_ref)
         self.deferred = 0  # batch lines waiting out a rate limit now
         self.deferrals_total = 0
 
@@ -205,6 +217,8 @@ class KafkaBackend:
             self._consumers[priority] = consumer
         self._started = True
         self._spawn(self._keep_queue())
+        if self.holder is not None:
+            await self.holder.start()
 
     async def stop_consuming(self) -> None:
         """Leaves the consumer group now (each consumer commits its finished offsets, then leaves):
@@ -221,6 +235,8 @@ class KafkaBackend:
         return len(self._streams)
 
     async def stop(self) -> None:
+        if self.holder is not None:
+            await self.holder.stop()
         await self.stop_consuming()
         for task in list(self._tasks):
             task.cancel()
@@ -272,6 +288,27 @@ class KafkaBackend:
             raise
         return stream
 
+    def resume(self, request: GenerateRequest) -> StreamSubmission:
+        """Continues a stream another replica accepted and lost (gateway/takeover.py): dispatched
+        with its `resume_token_ids`, ahead of its tenant's newer work; its held record is
+        already in Kafka (nothing is written)."""
+        if not self._started:
+            raise BackendUnavailable("the gateway is starting or stopping")
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        stream = StreamSubmission(request.request_id, self)
+        self._streams[request.request_id] = stream
+        try:
+            self._enqueue(request, stream.deliver, ref=None)
+        except BaseException:
+            self._streams.pop(request.request_id, None)
+            raise
+        job = stream.job
+        if job is not None:  # what it resumes after counts as delivered (worker failover goes on from it)
+            job.output_token_ids = list(request.resume_token_ids)
+            job.num_output_tokens = len(request.resume_token_ids)
+        return stream
+
     async def enqueue_batch_line(self, request: GenerateRequest) -> None:
         """Durably queue one batch line (the Batch API calls this before answering)."""
         try:
@@ -298,7 +335,10 @@ class KafkaBackend:
             # Dispatched at acceptance by the replica that accepted it (or its client is gone).
             if ref.acceptor != self.shared.replica:
                 self.replayed_orphans += 1
-            self._finish_ref(ref)
+            if self.holder is not None:
+                self.holder.hold(request, ref)  # until its log ends; taken over if its replica dies
+            else:
+                self._finish_ref(ref)
             return
         if not claimed and self._holds(request.request_id):
             self._rebind(request.request_id, ref)
@@ -412,6 +452,10 @@ class KafkaBackend:
         consumer = self._consumers.get(ref.priority)
         if consumer is not None:
             consumer.finish(ref)
+
+    def _current_ref(self, ref: RecordRef) -> bool:
+        consumer = self._consumers.get(ref.priority)
+        return consumer is not None and consumer.current(ref)
 
     def _finish_line(self, request_id: str, ref: RecordRef | None) -> None:
         """A batch line is done here: its record's offset, and a second record's, may be committed."""

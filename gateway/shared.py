@@ -96,5 +96,5 @@ def open_shared(
         RedisSlots(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica,
                    subscription=subscription),
         RedisFairness(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
-        RedisStreamLog(commands, prefix=settings.prefix, retention_s=stream_retention_s),
+        RedisStreamLog(commands, prefix=settings.prefix, retention_s=stream_retention_s, replica=replica),
     )

@@ -18,8 +18,10 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import struct
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -63,8 +65,10 @@ class StreamLog(Protocol):
         """Undoes `create` (the request was not accepted)."""
         ...
 
-    def append(self, response_id: str, frame: bytes) -> None:
-        """The next event of a response pumped in this process. Never waits."""
+    def append(self, response_id: str, frame: bytes, token_ids: Sequence[int] = ()) -> None:
+        """The next event of a response pumped in this process. Never waits. `token_ids`: the
+        output token ids first sent with this event (Redis keeps them in the event's entry, for a
+        replica that takes the generation over: gateway/takeover.py)."""
         ...
 
     def end(self, response_id: str) -> None:
@@ -172,7 +176,11 @@ class LocalStreamLog:
         if idempotency_key is not None and self._keys.get((tenant, idempotency_key), ("",))[0] == response_id:
             del self._keys[(tenant, idempotency_key)]
 
-    def append(self, response_id: str, frame: bytes) -> None:
+    def adopt(self, response_id: str, tenant: str, first: int) -> None:
+        """Files a response whose events before seq `first` were logged elsewhere (a takeover)."""
+        self._entries[response_id] = _Entry(tenant, None, first=first)
+
+    def append(self, response_id: str, frame: bytes, token_ids: Sequence[int] = ()) -> None:
         entry = self._entries.get(response_id)
         if entry is None or entry.ended:
             return
@@ -235,11 +243,21 @@ def _seq(entry_id: bytes) -> int:
     return int(entry_id.split(b"-", 1)[1]) - 1
 
 
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as an event entry's `t` field (4 bytes each, little-endian)."""
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(data) // 4}I", data))
+
+
 class RedisStreamLog:
-    """P:sl:ID a Redis Stream of the events (field f; the end marker has field e only), P:sm:ID
-    its owner (a hash: tenant, key), P:sk:TENANT:HASH the Idempotency-Key mapping, P:sf:ID set
-    while a follower on another replica is attached. Each expires `retention_s` after the last
-    write to it."""
+    """P:sl:ID a Redis Stream of the events (field f, and t: the token ids first sent with it; the
+    end marker has field e only), P:sm:ID its owner (a hash: tenant; gen, the replica generating
+    it; key, the Redis key of its Idempotency-Key; takeovers, gateway/takeover.py),
+    P:sk:TENANT:HASH the Idempotency-Key mapping, P:sf:ID set while a follower on another replica
+    is attached. Each expires `retention_s` after the last write to it."""
 
     FOLLOWER_TTL_S = 3
 
@@ -250,9 +268,11 @@ class RedisStreamLog:
         prefix: str,
         retention_s: float = DEFAULT_RETENTION_S,
         max_events: int = DEFAULT_MAX_EVENTS,
+        replica: str = "",
     ) -> None:
         if not retention_s > 0:
             raise ValueError(f"gateway.stream_retention_s must be positive, got {retention_s}")
+        self.replica = replica  # filed as the generator of the responses created here
         self._redis: Any = client  # redis-py's async stubs type replies as Awaitable | value
         self._prefix = prefix
         self.retention_s = retention_s
@@ -262,7 +282,8 @@ class RedisStreamLog:
         self._next: dict[str, int] = {}  # next seq of each response pumped here
         self._keys: dict[str, str] = {}  # response id -> its Idempotency-Key's Redis key
         self._expired_at: dict[str, float] = {}  # response id -> when its TTLs were last renewed
-        self._pending: list[tuple[str, int, bytes | None, float]] = []  # id, seq, frame (None: end), when
+        # id, seq, frame (None: the end), packed token ids, when
+        self._pending: list[tuple[str, int, bytes | None, bytes, float]] = []
         self._wake = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self._stopping = False
@@ -297,9 +318,12 @@ class RedisStreamLog:
                 await self._redis.set(name, response_id, ex=self._ttl)
             self._keys[response_id] = name
         meta = self._k("sm", response_id)
+        fields = {"tenant": tenant, "gen": self.replica}
+        if response_id in self._keys:
+            fields["key"] = self._keys[response_id]
         await (
             self._redis.pipeline(transaction=False)
-            .hset(meta, mapping={"tenant": tenant})
+            .hset(meta, mapping=fields)
             .expire(meta, self._ttl)
             .execute()
         )
@@ -316,13 +340,23 @@ class RedisStreamLog:
             names.append(key)
         await self._redis.delete(*names)
 
-    def append(self, response_id: str, frame: bytes) -> None:
+    def adopt(self, response_id: str, tenant: str, first: int, key: str | None) -> None:
+        """Continues a response another replica generated up to seq `first - 1` (a takeover,
+        gateway/takeover.py, which claimed it in P:sm): appends and `end` go on from `first`;
+        reads before it go to Redis."""
+        self._mirror.adopt(response_id, tenant, first)
+        self._next[response_id] = first
+        if key:
+            self._keys[response_id] = key
+
+    def append(self, response_id: str, frame: bytes, token_ids: Sequence[int] = ()) -> None:
         seq = self._next.get(response_id)
         if seq is None:
             return
         self._next[response_id] = seq + 1
         self._mirror.append(response_id, frame)
-        self._pending.append((response_id, seq, frame, time.perf_counter()))
+        self._pending.append((response_id, seq, frame, pack_tokens(token_ids) if token_ids else b"",
+                              time.perf_counter()))
         self._wake.set()
 
     def end(self, response_id: str) -> None:
@@ -330,7 +364,7 @@ class RedisStreamLog:
         if seq is None:
             return
         self._mirror.end(response_id)
-        self._pending.append((response_id, seq, None, time.perf_counter()))
+        self._pending.append((response_id, seq, None, b"", time.perf_counter()))
         self._wake.set()
 
     async def _flush_loop(self) -> None:
@@ -343,13 +377,15 @@ class RedisStreamLog:
             elif self._stopping:
                 return
 
-    async def _write(self, batch: list[tuple[str, int, bytes | None, float]]) -> None:
+    async def _write(self, batch: list[tuple[str, int, bytes | None, bytes, float]]) -> None:
         """One pipelined round trip for the whole batch; a failed one is retried once, then its
         events are missing in Redis (the live client of this process still has them)."""
         pipe = self._redis.pipeline(transaction=False)
         touched: dict[str, bool] = {}
-        for rid, seq, frame, _ in batch:
-            fields: dict[str, bytes] = {"f": frame} if frame is not None else {"e": b"1"}
+        for rid, seq, frame, tokens, _ in batch:
+            fields: dict[str, bytes] = {"e": b"1"} if frame is None else {"f": frame}
+            if tokens:
+                fields["t"] = tokens
             pipe.xadd(self._k("sl", rid), fields, id=_entry_id(seq), maxlen=self.max_events, approximate=True)  # type: ignore[arg-type]
             touched[rid] = touched.get(rid, False) or frame is None
         now = time.monotonic()
@@ -414,7 +450,10 @@ class RedisStreamLog:
 
     async def read(self, response_id: str, after: int, *, wait_s: float) -> Page | None:
         if self._mirror.has(response_id):
-            return await self._mirror.read(response_id, after, wait_s=wait_s)
+            try:
+                return await self._mirror.read(response_id, after, wait_s=wait_s)
+            except LogTrimmed:  # taken over here (`adopt`): its earlier events are in Redis only
+                pass
         key = self._k("sl", response_id)
         entries = await self._redis.xrange(key, min=f"({_entry_id(after)}", count=READ_BATCH)
         if entries or not await self._redis.exists(self._k("sm", response_id)):

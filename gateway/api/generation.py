@@ -157,6 +157,9 @@ class Flight:
     finished: bool = False
     deadline: float = math.inf  # event-loop time by which it must have ended (request_timeout_s)
     timed_out: bool = False
+    # Output token ids observed and not yet logged with an event (the stream pump takes them: a
+    # replica taking the generation over resumes after the tokens of the events logged).
+    unlogged_tokens: list[int] = field(default_factory=list)
     _first: RequestDelta | None = None  # read ahead by `first_delta`, not yet yielded
     _iterator: AsyncIterator[RequestDelta] | None = None  # the one iterator over the submission
 
@@ -204,6 +207,8 @@ class Flight:
             self.service.quotas.mark_running(self.reservation)
         if delta.token_times:
             self.token_times.extend(delta.token_times)
+        if delta.token_ids and self.prepared.stream:
+            self.unlogged_tokens.extend(delta.token_ids)
         self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, delta.num_output_tokens)
         self.cached_tokens = delta.num_cached_tokens or self.cached_tokens

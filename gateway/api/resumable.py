@@ -132,8 +132,15 @@ class _Pump:
         stream_log = self.hub.log
         cancelled = False
         try:
+            flight = self.flight
             async for frame in frames:
-                stream_log.append(self.response_id, frame)
+                # A delta's tokens go with its first event (those of a delta that made no event,
+                # e.g. half a character, with the next one): the log's tokens match its text.
+                if flight.unlogged_tokens:
+                    tokens, flight.unlogged_tokens = flight.unlogged_tokens, []
+                    stream_log.append(self.response_id, frame, tokens)
+                else:
+                    stream_log.append(self.response_id, frame)
         except asyncio.CancelledError:
             cancelled = True
         finally:

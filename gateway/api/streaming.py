@@ -77,7 +77,8 @@ def _usage(flight: Flight) -> Usage:
         prompt_tokens=prompt,
         completion_tokens=flight.completion_tokens,
         total_tokens=prompt + flight.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=flight.cached_tokens),
+        # At most the prompt: a resumed request's engine counts the resumed output it found cached too.
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=min(flight.cached_tokens, prompt)),
     )
 
 
@@ -187,7 +188,8 @@ async def _stream(
         flight.finish(aborted=aborted and flight.finish_reason is None)
 
 
-def stream_chat(flight: Flight) -> AsyncIterator[bytes]:
+def stream_chat(flight: Flight, *, resumed: bool = False) -> AsyncIterator[bytes]:
+    """`resumed`: continuing a stream another replica started (gateway/takeover.py): no role chunk."""
     prepared = flight.prepared
     sampling = prepared.request.sampling
     template = _template(flight, ChatCompletionChunk)
@@ -205,15 +207,17 @@ def stream_chat(flight: Flight) -> AsyncIterator[bytes]:
         if delta.finish_reason is not None:
             yield chunk(ChunkDelta(), _finish(delta.finish_reason))
 
-    opening = chunk(ChunkDelta(role="assistant", content=""))  # OpenAI's first chunk names the role
+    # OpenAI's first chunk names the role (a resumed stream sent it already).
+    opening = None if resumed else chunk(ChunkDelta(role="assistant", content=""))
     return _stream(flight, template, frames, opening)
 
 
-def stream_completion(flight: Flight) -> AsyncIterator[bytes]:
+def stream_completion(flight: Flight, *, offset: int = 0) -> AsyncIterator[bytes]:
+    """`offset`: characters already sent (a stream continued by a takeover, gateway/takeover.py)."""
     prepared = flight.prepared
     sampling = prepared.request.sampling
     template = _template(flight, CompletionChunk)
-    offset = 0  # of the next delta's text in the whole completion
+    # offset: of the next delta's text in the whole completion
 
     def frames(delta: RequestDelta) -> Iterator[bytes]:
         nonlocal offset

@@ -1,0 +1,198 @@
+"""Issue #16 (a), replica takeover: SIGKILL the replica serving a stream mid-generation; the client
+resumes on another replica and its concatenated text equals the undisturbed greedy run.
+
+The stream's record is held (uncommitted) by its partition's owner until the stream's log ends;
+when the generating replica's lease runs out, the holder (after a rebalance, if the dead replica
+was the owner) claims the stream and continues it with `resume_token_ids` (gateway/takeover.py).
+`sluice.client.stream_chat` reconnects to the next replica with Last-Event-ID. Each test compares
+the disturbed run with the same request run undisturbed first: every event (ids contiguous, none
+twice), the text, finish_reason and usage, and one request record and one usage row. The stall
+(the longest gap between two events the client received) is printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from typing import Any
+
+import asyncpg
+import pytest
+
+from sluice.client import Event, stream_chat
+from sluice.experiments.cluster import Cluster
+
+from .helpers import records_for, until, wait_records
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.postgres]
+
+MAX_TOKENS = 320
+KILL_AFTER = 40  # events the client has when the replica serving it is killed
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+        "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+COMPLETION = {"model": "demo", "prompt": "The history of the lighthouse keeper begins", "max_tokens": MAX_TOKENS,
+              "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+class Reader:
+    """Runs `stream_chat` in a thread; keeps each event and when it arrived."""
+
+    def __init__(self, urls: list[str], key: str, body: dict[str, Any], path: str) -> None:
+        self.events: list[Event] = []
+        self.times: list[float] = []
+        self.error: BaseException | None = None
+        self._args = (urls, key, body, path)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        urls, key, body, path = self._args
+        try:
+            for event in stream_chat(urls, key, body, path=path, timeout_s=120, max_attempts=8, backoff_s=0.1):
+                self.events.append(event)
+                self.times.append(time.monotonic())
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+    async def until_events(self, count: int, timeout_s: float = 120) -> None:
+        async def enough() -> bool:
+            assert self.error is None, self.error
+            assert self.thread.is_alive() or len(self.events) >= count, "the stream ended early"
+            return len(self.events) >= count
+
+        await until(enough, timeout_s, f"{count} events")
+
+    async def done(self, timeout_s: float = 180) -> None:
+        async def ended() -> bool:
+            return not self.thread.is_alive()
+
+        await until(ended, timeout_s, "the stream to end", interval_s=0.1)
+        assert self.error is None, self.error
+
+
+def text_of(events: list[Event]) -> str:
+    parts = []
+    for event in events:
+        for choice in event.data.get("choices") or ():
+            parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+def summary(events: list[Event]) -> tuple[str, str | None, dict[str, Any] | None, int]:
+    finish = next((c["finish_reason"] for e in events for c in e.data.get("choices") or () if c.get("finish_reason")),
+                  None)
+    usage = next((e.data["usage"] for e in events if e.data.get("usage")), None)
+    if usage is not None:  # the cached count is the resumed attempt's (the prompt, cached on its worker)
+        usage = {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+    return text_of(events), finish, usage, len(events)
+
+
+def assert_contiguous(events: list[Event]) -> str:
+    """Every id is <response id>:<seq> of one response, seq 0, 1, 2, ... (none missing, none twice)."""
+    ids = [e.id.rpartition(":") for e in events]
+    assert len({rid for rid, _, _ in ids}) == 1, ids[:3]
+    assert [int(seq) for _, _, seq in ids] == list(range(len(events)))
+    roles = [e for e in events for c in e.data.get("choices") or () if (c.get("delta") or {}).get("role")]
+    assert len(roles) <= 1  # a chat stream's role chunk once, never again after the takeover
+    return ids[0][0]
+
+
+def takers(cluster: Cluster, response_id: str) -> list[int]:
+    """The replicas whose log says they took this stream over."""
+    pattern = re.compile(rf"stream {re.escape(response_id)}: its replica was lost; taking it over")
+    return [r.index for r in cluster.replicas
+            if r.process.log_path.is_file() and pattern.search(r.process.log_path.read_text(errors="replace"))]
+
+
+async def usage_rows(database_url: str, tenant_id: str) -> list[tuple[int, int, int]]:
+    conn = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        rows = await conn.fetch("SELECT prompt_tokens, completion_tokens, requests FROM usage_daily "
+                                "WHERE tenant_id = $1", tenant_id)
+    finally:
+        await conn.close()
+    return [(r["prompt_tokens"], r["completion_tokens"], r["requests"]) for r in rows]
+
+
+def restart(cluster: Cluster, index: int) -> None:
+    cluster.start_replica(index)
+    cluster.wait_linked([index])
+
+
+@pytest.fixture
+def whole(cluster: Cluster) -> Cluster:
+    """Every replica up (a test before may have killed some), each linked to every worker."""
+    dead = [r.index for r in cluster.replicas if not r.process.alive]
+    for index in dead:
+        cluster.start_replica(index)
+    if dead:
+        cluster.wait_linked(dead)
+    return cluster
+
+
+async def run_killed(cluster: Cluster, name: str, body: dict[str, Any], path: str, kills: list[int]) -> None:
+    """The request undisturbed through replica 0, then through replica `kills[0]` (with the others
+    listed for reconnecting), SIGKILLing the replica serving it after KILL_AFTER events and, when
+    `kills` says so (-1: whichever took it over), the taker too, 120 events later."""
+    _, _, reference_key = cluster.new_tenant(f"{name}-reference")
+    tenant_id, _, key = cluster.new_tenant(name)
+    urls = [r.base_url for r in cluster.replicas]
+    reference = Reader([urls[0]], reference_key, body, path)
+    await reference.done()
+    expected = summary(reference.events)
+    assert expected[1] == "length" and expected[2] is not None and expected[2]["completion_tokens"] == MAX_TOKENS
+
+    first = kills[0]
+    order = [first] + [i for i in range(len(urls)) if i != first]
+    reader = Reader([urls[i] for i in order], key, body, path)
+    await reader.until_events(KILL_AFTER)
+    cluster.replicas[first].process.kill()
+    killed_at, seen_at_kill = time.monotonic(), len(reader.events)
+    response_id = reader.events[0].id.rpartition(":")[0]
+    taker: int | None = None
+    if len(kills) > 1:
+        await reader.until_events(seen_at_kill + 120)
+
+        async def taken() -> bool:
+            return bool(takers(cluster, response_id))
+
+        await until(taken, 30, "a replica to say it took the stream over")
+        taker = takers(cluster, response_id)[0]
+        cluster.replicas[taker].process.kill()
+    await reader.done()
+
+    got = summary(reader.events)
+    assert_contiguous(reader.events)
+    assert seen_at_kill < expected[3] - 20, "the stream was nearly over at the kill: make it longer"
+    assert got == expected  # text, finish_reason, usage and the number of events
+    gaps = [b - a for a, b in zip(reader.times, reader.times[1:], strict=False)]
+    stall = max(gaps)
+    print(f"\ntakeover ({path}): replica {first} SIGKILLed after {seen_at_kill} of {expected[3]} events"
+          f"{f', then the taker, replica {taker}' if taker is not None else ''}; taken over by "
+          f"{takers(cluster, response_id)}; longest stall {stall:.2f} s (kill -> next event "
+          f"{next((t for t in reader.times if t > killed_at), killed_at) - killed_at:.2f} s)")
+    # One record and one usage row for the whole completion: the lost replica wrote neither.
+    records = await wait_records(cluster, name, 1)
+    await asyncio.sleep(1.0)
+    records = records_for(cluster, name)
+    assert len(records) == 1 and records[0].completion_tokens == MAX_TOKENS, records
+    usage = expected[2]
+
+    async def recorded() -> bool:
+        return bool(await usage_rows(cluster.spec.database_url, tenant_id))
+
+    await until(recorded, 30, "the usage row", interval_s=0.2)
+    assert await usage_rows(cluster.spec.database_url, tenant_id) == [
+        (usage["prompt_tokens"], usage["completion_tokens"], 1)]
+
+
+@pytest.mark.timeout(400)
+async def test_a_chat_stream_survives_its_replica_sigkilled(whole: Cluster) -> None:
+    await run_killed(whole, "takeover-chat", CHAT, "/v1/chat/completions", [2])
+
+
+@pytest.mark.timeout(400)
+async def test_a_completion_stream_survives_its_replica_and_then_its_taker_sigkilled(whole: Cluster) -> None:
+    await run_killed(whole, "takeover-completion", COMPLETION, "/v1/completions", [2, -1])

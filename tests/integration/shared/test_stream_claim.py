@@ -1,0 +1,135 @@
+"""Replica takeover's claim (gateway/takeover.py) on the real Redis: of replicas racing for a
+stream whose generator's lease ran out, exactly one claims it; a stream whose generator is alive,
+one that ended, and one whose log is gone are never claimed; the claimer reads back the token ids
+logged with the events; held records are finished once their streams end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka import TopicPartition
+from redis.asyncio import Redis
+
+from sluice.gateway.queue import RecordRef
+from sluice.gateway.redis_ledger import RedisLedger
+from sluice.gateway.stream_log import RedisStreamLog
+from sluice.gateway.takeover import ALIVE, CLAIMED, ENDED, GONE, Claimed, StreamHolder
+from sluice.protocol import GenerateRequest, Priority, SamplingParams
+
+pytestmark = [pytest.mark.integration]
+
+LEASE_S = 30.0  # leases are given up explicitly here, never left to run out
+
+
+def _request(rid: str) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, tenant_id="t", model="demo", priority=Priority.STANDARD,
+                           prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=50), cache_salt="t",
+                           arrival_time=0.0)
+
+
+async def _replica(redis: Redis, prefix: str, name: str) -> tuple[RedisLedger, RedisStreamLog]:
+    lease = RedisLedger(redis, prefix=prefix, lease_s=LEASE_S, replica=name)
+    await lease.refresh()  # its lease in P:replicas
+    stream_log = RedisStreamLog(redis, prefix=prefix, replica=name)
+    await stream_log.start()
+    return lease, stream_log
+
+
+def _holder(redis: Redis, stream_log: RedisStreamLog, prefix: str, finished: list[RecordRef]) -> StreamHolder:
+    return StreamHolder(redis, stream_log, prefix=prefix, replica=stream_log.replica, finish=finished.append,
+                        current=lambda ref: True)
+
+
+async def test_exactly_one_replica_claims_an_orphaned_stream_and_never_an_ended_one(redis: Redis, prefix: str) -> None:
+    acceptor, accepted = await _replica(redis, prefix, "acceptor")
+    takers = [await _replica(redis, prefix, f"taker-{i}") for i in range(4)]
+    finished: list[RecordRef] = []
+    holders = [_holder(redis, stream_log, prefix, finished) for _, stream_log in takers]
+    try:
+        for rid in ("chatcmpl-open", "chatcmpl-ended"):
+            assert await accepted.create(rid, "t", "key-" + rid) is None
+            accepted.append(rid, b"data: {\"n\":0}\n\n")
+            accepted.append(rid, b"data: {\"n\":1}\n\n", [11, 12])
+            accepted.append(rid, b"data: {\"n\":2}\n\n")
+            accepted.append(rid, b"data: {\"n\":3}\n\n", [13])
+        accepted.end("chatcmpl-ended")
+        await accepted.flushed()
+
+        # Its generator's lease is live: nobody may claim it.
+        assert {await h.claim("chatcmpl-open") for h in holders} == {(ALIVE, 0)}
+        await acceptor.stop()  # gives the lease up now, as a SIGKILL lets it run out
+        answers = await asyncio.gather(*(h.claim("chatcmpl-open") for h in holders))
+        winners = [h for h, (state, _) in zip(holders, answers, strict=True) if state == CLAIMED]
+        assert len(winners) == 1, answers
+        assert sorted(answers) == sorted([(CLAIMED, 1)] + [(ALIVE, 0)] * 3)  # the others see the claimer alive
+        claimed = await winners[0].read("chatcmpl-open", 1)
+        assert (claimed.tenant, claimed.next_seq, claimed.token_ids, claimed.whole, claimed.ended) == (
+            "t", 4, [11, 12, 13], True, False)
+        assert claimed.key is not None and claimed.key.startswith(f"{prefix}:sk:t:")
+        assert len(claimed.frames) == 4
+
+        # Ended (its generator lost too): never claimed. Unknown: gone.
+        assert {await h.claim("chatcmpl-ended") for h in holders} == {(ENDED, 0)}
+        assert {await h.claim("chatcmpl-unknown") for h in holders} == {(GONE, 0)}
+
+        # The winner's lease runs out in turn: the next claim is the second takeover.
+        winner_lease = takers[holders.index(winners[0])][0]
+        await winner_lease.stop()
+        others = [h for h in holders if h is not winners[0]]
+        answers = await asyncio.gather(*(h.claim("chatcmpl-open") for h in others))
+        assert sorted(state for state, _ in answers) == [ALIVE, ALIVE, CLAIMED]
+        assert max(n for _, n in answers) == 2
+    finally:
+        await accepted.stop()
+        for lease, stream_log in takers:
+            await stream_log.stop()
+            await lease.stop()
+
+
+async def test_held_records_are_finished_at_the_end_and_an_orphan_is_resumed_once(redis: Redis, prefix: str) -> None:
+    acceptor, accepted = await _replica(redis, prefix, "acceptor")
+    takers = [await _replica(redis, prefix, f"taker-{i}") for i in range(2)]
+    finished: list[RecordRef] = []
+    holders = [_holder(redis, stream_log, prefix, finished) for _, stream_log in takers]
+    resumed: list[tuple[str, Claimed]] = []
+
+    async def resumer(request: GenerateRequest, claimed: Claimed) -> None:
+        resumed.append((request.request_id, claimed))
+
+    for holder in holders:
+        holder.resumer = resumer
+    refs = {rid: RecordRef(Priority.STANDARD, TopicPartition("t", 0), offset)
+            for offset, rid in enumerate(("chatcmpl-a", "chatcmpl-b", "cmpl-not-a-stream"))}
+    try:
+        for rid in ("chatcmpl-a", "chatcmpl-b"):
+            await accepted.create(rid, "t", None)
+            accepted.append(rid, b"data: {}\n\n", [7])
+        await accepted.flushed()
+        for holder in holders:  # both hold every record (a rebalance moved the partition meanwhile)
+            for rid, ref in refs.items():
+                holder.hold(_request(rid), ref)
+        await asyncio.gather(*(h.check() for h in holders))
+        assert all(f is refs["cmpl-not-a-stream"] for f in finished) and len(finished) == 2  # no log: not a stream
+        assert resumed == [] and all(h.held == 2 for h in holders)  # their generator is alive
+
+        accepted.end("chatcmpl-a")
+        await accepted.flushed()
+        await acceptor.stop()
+        await asyncio.gather(*(h.check() for h in holders))
+        for _ in range(100):  # the claims run in tasks of their own
+            if resumed:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        assert [rid for rid, _ in resumed] == ["chatcmpl-b"]  # one claim of the orphan, none of the ended one
+        assert resumed[0][1].token_ids == [7] and resumed[0][1].next_seq == 1
+        assert sum(f is refs["chatcmpl-a"] for f in finished) == 2  # ended: released by both
+        assert all(h.held == 1 for h in holders)  # the orphan's record stays held until its log ends
+    finally:
+        for holder in holders:
+            await holder.stop()
+        await accepted.stop()
+        for lease, stream_log in takers:
+            await stream_log.stop()
+            await lease.stop()
