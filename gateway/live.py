@@ -39,6 +39,9 @@ def backend_snapshot(backend: KafkaBackend) -> dict[str, Any]:
             "consumers": consumers,
             "jobs": dispatcher.num_jobs,
             "replayed_orphans": backend.replayed_orphans,
+            # Replica takeover (docs/streams.md): stream records held here, streams this replica took over.
+            "held_streams": backend.holder.held if backend.holder is not None else 0,
+            "streams_taken_over": backend.holder.taken_over if backend.holder is not None else 0,
             "deferred_batch_lines": backend.deferred,
         },
         "workers": dispatcher.workers_view(),

@@ -56,9 +56,11 @@ class StreamLog(Protocol):
 
     async def stop(self) -> None: ...
 
-    async def create(self, response_id: str, tenant: str, idempotency_key: str | None) -> str | None:
+    async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
+                     grace_s: float | None = None) -> str | None:
         """Files a new response of `tenant`. With a key already filed by this tenant (within the
-        retention), files nothing and returns that key's response id; else None."""
+        retention), files nothing and returns that key's response id; else None. `grace_s`: its
+        disconnect grace (Redis keeps it for a replica that takes it over)."""
         ...
 
     async def drop(self, response_id: str, tenant: str, idempotency_key: str | None) -> None:
@@ -160,7 +162,8 @@ class LocalStreamLog:
             return None
         return entry
 
-    async def create(self, response_id: str, tenant: str, idempotency_key: str | None) -> str | None:
+    async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
+                     grace_s: float | None = None) -> str | None:
         now = time.monotonic()
         self._sweep(now)
         if idempotency_key is not None:
@@ -255,7 +258,8 @@ def unpack_tokens(data: bytes) -> list[int]:
 class RedisStreamLog:
     """P:sl:ID a Redis Stream of the events (field f, and t: the token ids first sent with it; the
     end marker has field e only), P:sm:ID its owner (a hash: tenant; gen, the replica generating
-    it; key, the Redis key of its Idempotency-Key; takeovers, gateway/takeover.py),
+    it; key, the Redis key of its Idempotency-Key; grace, its disconnect grace; takeovers,
+    gateway/takeover.py),
     P:sk:TENANT:HASH the Idempotency-Key mapping, P:sf:ID set while a follower on another replica
     is attached. Each expires `retention_s` after the last write to it."""
 
@@ -282,8 +286,14 @@ class RedisStreamLog:
         self._next: dict[str, int] = {}  # next seq of each response pumped here
         self._keys: dict[str, str] = {}  # response id -> its Idempotency-Key's Redis key
         self._expired_at: dict[str, float] = {}  # response id -> when its TTLs were last renewed
-        # id, seq, frame (None: the end), packed token ids, when
-        self._pending: list[tuple[str, int, bytes | None, bytes, float]] = []
+        # id, seq, frame (None: the end), packed token ids, when, held back from the mirror
+        self._pending: list[tuple[str, int, bytes | None, bytes, float, bool]] = []
+        # Events are shown to this process's followers (the mirror) once they are in Redis, so a
+        # client never has an event that a replica taking the stream over (gateway/takeover.py)
+        # cannot see: the taker's events after it would not be the same chunks. In append order.
+        # While Redis fails (`_direct`) they are shown at once: the live client is not held up.
+        self._unmirrored: deque[tuple[str, bytes | None]] = deque()
+        self._direct = False
         self._wake = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self._stopping = False
@@ -308,7 +318,8 @@ class RedisStreamLog:
             await asyncio.gather(self._flusher, return_exceptions=True)
             self._flusher = None
 
-    async def create(self, response_id: str, tenant: str, idempotency_key: str | None) -> str | None:
+    async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
+                     grace_s: float | None = None) -> str | None:
         if idempotency_key is not None:
             name = self._key_name(tenant, idempotency_key)
             if not await self._redis.set(name, response_id, nx=True, ex=self._ttl):
@@ -321,6 +332,8 @@ class RedisStreamLog:
         fields = {"tenant": tenant, "gen": self.replica}
         if response_id in self._keys:
             fields["key"] = self._keys[response_id]
+        if grace_s is not None:
+            fields["grace"] = repr(float(grace_s))
         await (
             self._redis.pipeline(transaction=False)
             .hset(meta, mapping=fields)
@@ -354,17 +367,23 @@ class RedisStreamLog:
         if seq is None:
             return
         self._next[response_id] = seq + 1
-        self._mirror.append(response_id, frame)
+        if self._direct:
+            self._mirror.append(response_id, frame)
+        else:
+            self._unmirrored.append((response_id, frame))
         self._pending.append((response_id, seq, frame, pack_tokens(token_ids) if token_ids else b"",
-                              time.perf_counter()))
+                              time.perf_counter(), not self._direct))
         self._wake.set()
 
     def end(self, response_id: str) -> None:
         seq = self._next.pop(response_id, None)
         if seq is None:
             return
-        self._mirror.end(response_id)
-        self._pending.append((response_id, seq, None, b"", time.perf_counter()))
+        if self._direct:
+            self._mirror.end(response_id)
+        else:
+            self._unmirrored.append((response_id, None))
+        self._pending.append((response_id, seq, None, b"", time.perf_counter(), not self._direct))
         self._wake.set()
 
     async def _flush_loop(self) -> None:
@@ -377,12 +396,36 @@ class RedisStreamLog:
             elif self._stopping:
                 return
 
-    async def _write(self, batch: list[tuple[str, int, bytes | None, bytes, float]]) -> None:
-        """One pipelined round trip for the whole batch; a failed one is retried once, then its
-        events are missing in Redis (the live client of this process still has them)."""
+    async def _write(self, batch: list[tuple[str, int, bytes | None, bytes, float, bool]]) -> None:
+        """One pipelined round trip for the whole batch, then its events are shown here; a failed
+        one is retried once, then its events are missing in Redis (shown here all the same, and
+        from then on every event at once, until a write succeeds again)."""
+        try:
+            written = await self._send(batch)
+        finally:
+            self._show(sum(held for *_, held in batch))
+        if written:
+            if self._direct:
+                log.info("stream log: the shared store takes events again")
+            self._direct = False
+        else:
+            self._direct = True
+            self._show(len(self._unmirrored))  # nothing may wait behind the events shown at once
+
+    def _show(self, count: int) -> None:
+        """The oldest `count` events held back are shown to this process's followers."""
+        mirror, unmirrored = self._mirror, self._unmirrored
+        for _ in range(min(count, len(unmirrored))):
+            rid, frame = unmirrored.popleft()
+            if frame is None:
+                mirror.end(rid)
+            else:
+                mirror.append(rid, frame)
+
+    async def _send(self, batch: list[tuple[str, int, bytes | None, bytes, float, bool]]) -> bool:
         pipe = self._redis.pipeline(transaction=False)
         touched: dict[str, bool] = {}
-        for rid, seq, frame, tokens, _ in batch:
+        for rid, seq, frame, tokens, *_ in batch:
             fields: dict[str, bytes] = {"e": b"1"} if frame is None else {"f": frame}
             if tokens:
                 fields["t"] = tokens
@@ -410,9 +453,10 @@ class RedisStreamLog:
             except (RedisError, OSError) as exc:
                 if attempt == 2:
                     log.warning("stream log: %d events not written to the shared store: %s", len(batch), exc)
-                    return
+                    return False
         done = time.perf_counter()
-        self.flush_latency_s.extend(done - t for *_, t in batch)
+        self.flush_latency_s.extend(done - t for *_, t, _ in batch)
+        return True
 
     async def flushed(self) -> None:
         """Waits until everything appended so far is in Redis (tests, bench)."""

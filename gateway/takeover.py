@@ -105,6 +105,7 @@ class Claimed:
     key: str | None  # the Redis key of its Idempotency-Key (its TTL is renewed with the stream's)
     takeovers: int
     next_seq: int  # of the next event
+    grace_s: float | None = None  # its disconnect grace as its POST chose it (None: not filed)
     token_ids: list[int] = field(default_factory=list)  # sent so far, in order
     frames: list[bytes] = field(default_factory=list)  # every event so far (seq 0 first)
     whole: bool = True  # False: the log has a gap (trimmed, or events Redis never got)
@@ -244,7 +245,9 @@ class StreamHolder:
         """What the log of a claimed stream holds (nobody writes it but this replica now)."""
         meta = await self._redis.hgetall(f"{self._prefix}:sm:{rid}")
         key = meta.get(b"key")
-        claimed = Claimed(rid, meta.get(b"tenant", b"").decode(), key.decode() if key else None, takeovers, 0)
+        grace = meta.get(b"grace")
+        claimed = Claimed(rid, meta.get(b"tenant", b"").decode(), key.decode() if key else None, takeovers, 0,
+                          float(grace) if grace else None)
         name, after = f"{self._prefix}:sl:{rid}", "-"
         while True:
             entries = await self._redis.xrange(name, min=after, count=READ_BATCH)

@@ -129,7 +129,7 @@ async def _answer_stream(
         raise OpenAIError(
             400, "Last-Event-ID on a POST needs the Idempotency-Key it was sent with.", code="missing_idempotency_key"
         )
-    existing = await streams.log.create(response_id, tenant.id, key)
+    existing = await streams.log.create(response_id, tenant.id, key, grace_s=grace_s)
     if existing is not None:
         if last_id is not None and last_id != existing:
             raise OpenAIError(400, "Last-Event-ID names another response than this Idempotency-Key's.")

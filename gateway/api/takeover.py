@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import msgspec
 
 from sluice.gateway.api.generation import CLASS_TO_TIER, Flight, GenerationService, Prepared
-from sluice.gateway.api.resumable import StreamHub
+from sluice.gateway.api.resumable import ABANDONED, StreamHub
 from sluice.gateway.api.streaming import DONE, stream_chat, stream_completion
 from sluice.gateway.auth import AuthService
 from sluice.gateway.backend import Submission
@@ -79,6 +79,10 @@ class StreamResumer:
         rid = request.request_id
         if claimed.ended:
             return  # its end marker came late: the holder releases it at the next check
+        if claimed.grace_s == 0:  # `X-Sluice-Disconnect: abort`: its client's connection went with the replica
+            log.info("stream %s: its replica was lost and it has no disconnect grace; not continued", rid)
+            self.holder.end_with(claimed, ABANDONED)
+            return
         if claimed.takeovers > MAX_TAKEOVERS or not claimed.whole or not claimed.frames:
             why = (f"lost {claimed.takeovers} times" if claimed.takeovers > MAX_TAKEOVERS
                    else "its log has a gap" if claimed.frames else "nothing was logged")
@@ -151,7 +155,9 @@ class StreamResumer:
                     for choice in event.get("choices") or () if isinstance(event, dict) else ():
                         offset += len(choice.get("text") or "")
             frames = stream_completion(flight, offset=offset)
-        grace_s = self.hub.grace_s if tenant.disconnect_grace_s is None else tenant.disconnect_grace_s
+        grace_s = claimed.grace_s  # as its POST chose it, else as the tenant's now
+        if grace_s is None:
+            grace_s = self.hub.grace_s if tenant.disconnect_grace_s is None else tenant.disconnect_grace_s
         self.hub.start(flight, frames, grace_s)
 
     async def _admit(self, tenant: Any, request: GenerateRequest) -> Reservation:

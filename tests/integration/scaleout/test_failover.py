@@ -63,7 +63,10 @@ async def test_sigkilled_replica_releases_its_concurrency_and_tokens_within_the_
                 "temperature": 0, "stream": True}
         streams = []
         for _ in range(2):
-            request = client.build_request("POST", victim_url, json=body, headers=auth(key))
+            # No disconnect grace: their clients go with the victim, so no replica takes them over
+            # (a stream with a grace would be continued elsewhere, holding its slot: test_takeover.py).
+            request = client.build_request("POST", victim_url, json=body,
+                                           headers={**auth(key), "x-sluice-disconnect": "abort"})
             response = await client.send(request, stream=True)
             assert response.status_code == 200
             lines = response.aiter_lines()  # kept: a dropped line iterator closes its stream

@@ -133,3 +133,22 @@ async def test_held_records_are_finished_at_the_end_and_an_orphan_is_resumed_onc
         for lease, stream_log in takers:
             await stream_log.stop()
             await lease.stop()
+
+
+async def test_an_event_is_shown_here_only_once_it_is_in_redis(redis: Redis, prefix: str) -> None:
+    """A client must never hold an event a taker cannot see (its continuation would be other chunks)."""
+    stream_log = RedisStreamLog(redis, prefix=prefix, replica="r")
+    await stream_log.start()
+    try:
+        await stream_log.create("chatcmpl-x", "t", None)
+        stream_log.append("chatcmpl-x", b"data: {}\n\n", [5, 6])
+        page = await stream_log.read("chatcmpl-x", -1, wait_s=0)  # the flusher has not run yet
+        assert page is not None and page.frames == []
+        page = await stream_log.read("chatcmpl-x", -1, wait_s=5)  # woken by the write
+        assert page is not None and page.frames == [b"data: {}\n\n"]
+        assert len(await redis.xrange(f"{prefix}:sl:chatcmpl-x")) == 1
+        stream_log.end("chatcmpl-x")
+        page = await stream_log.read("chatcmpl-x", 0, wait_s=5)
+        assert page is not None and page.ended
+    finally:
+        await stream_log.stop()
