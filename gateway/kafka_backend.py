@@ -306,7 +306,6 @@ class KafkaBackend:
         job = stream.job
         if job is not None:  # what it resumes after counts as delivered (worker failover goes on from it)
             job.output_token_ids = list(request.resume_token_ids)
-            job.num_output_tokens = len(request.resume_token_ids)
         return stream
 
     async def enqueue_batch_line(self, request: GenerateRequest) -> None:
