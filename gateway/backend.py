@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from sluice.gateway.dispatch import Dispatcher, Job
+from sluice.gateway.dispatch import Dispatcher
+from sluice.gateway.jobs import Job
 from sluice.gateway.local_link import InProcessLink
 from sluice.protocol import GenerateRequest, RequestDelta
 from sluice.settings import Settings

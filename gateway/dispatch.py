@@ -1,5 +1,7 @@
 """Dispatch: the worker registry, the dispatch loop, and deltas routed to each job's sink.
 
+The jobs (`gateway/jobs.py`) are owned here, from `enqueue` to their final delta.
+
 A worker is anything behind the `WorkerLink` interface (`gateway/links.py`): a worker process
 connected to the worker port (`gateway/worker_port.py`), an engine in this process
 (`gateway/local_link.py`), or an OpenAI-compatible HTTP server configured under [[upstreams]]
@@ -47,7 +49,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -55,17 +56,18 @@ from redis.exceptions import RedisError
 
 from sluice import telemetry
 from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
+from sluice.gateway.jobs import DeltaSink as DeltaSink  # re-exported: kafka_backend imports it from here
+from sluice.gateway.jobs import Job
 from sluice.gateway.links import EngineLink, WorkerLink
 from sluice.gateway.shared import SharedState
 from sluice.gateway.slots import LocalSlots, RedisSlots, WorkerSlots
 from sluice.gateway.upstream import UpstreamLink
 from sluice.gateway.worker_port import WorkerPort
-from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, ServedModelInfo, WorkerCapacity
+from sluice.protocol import FinishReason, Priority, RequestDelta, ServedModelInfo, WorkerCapacity
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
 
-DeltaSink = Callable[[RequestDelta], None]
 _Target = TypeVar("_Target")
 # A job whose worker died this many times fails instead of being re-queued again (a request that
 # crashes workers must not crash them forever).
@@ -74,71 +76,6 @@ MAX_DISPATCH_ATTEMPTS = 3
 # fallback: their releases are announced and wake the loop at once, gateway/slots.py).
 SLOT_RETRY_S = 0.05
 SLOT_ERROR_RETRY_S = 0.5  # Redis unreachable: jobs stay queued, tried again this often
-
-
-@dataclass(slots=True, eq=False)
-class Job:
-    """One request the gateway is responsible for until its final delta."""
-
-    request: GenerateRequest
-    sink: DeltaSink  # receives every delta, in order, the final one included
-    enqueued_at: float = field(default_factory=time.time)  # its place in line (accepted at the gateway)
-    queued_at: float | None = None  # when it entered this scheduler (unix s)
-    ref: Any = None  # where it sits in Kafka (a RecordRef), handed back when finished
-    worker: str = ""
-    dispatch_time: float | None = None
-    started: bool = False  # the worker produced something for it (it left the waiting queue)
-    attempts: int = 0
-    slot: str = ""  # its worker slot in the shared store while it holds one (gateway/slots.py)
-    # Its output so far, owned here and changed only by `take_output` / `reset_output`:
-    # token ids delivered to the sink (where a re-queued job resumes, worker failover) ...
-    output_token_ids: list[int] = field(default_factory=list)
-    # ... and tokens counted without ids (an upstream that sends none, or whose usage says more).
-    num_tokens_without_ids: int = 0
-    token_times: list[float] = field(default_factory=list)  # kept for batch lines' records only
-    # The first delta that carried output: after a resume, its engine times and cached-token count
-    # stand for the request (TTFT is the first token ever, whichever worker made it).
-    first_output: RequestDelta | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Delivered to its sink, and charged to its tenant's fair-share counter, so far."""
-        return len(self.output_token_ids) + self.num_tokens_without_ids
-
-    @property
-    def resumable(self) -> bool:
-        """Every token delivered is known by id, so another engine can go on after them."""
-        return self.num_tokens_without_ids == 0
-
-    def take_output(self, delta: RequestDelta) -> tuple[RequestDelta, int]:
-        """Folds one delta from its worker into the output; returns the delta for the sink (a
-        resumed attempt's with the first attempt's timing) and how many tokens it added."""
-        before = self.num_output_tokens
-        if self.request.batch_id is not None:
-            self.token_times.extend(delta.token_times)
-        self.output_token_ids.extend(delta.token_ids)
-        self.num_tokens_without_ids = max(self.num_tokens_without_ids,
-                                          delta.num_output_tokens - len(self.output_token_ids))
-        if self.first_output is None:
-            if delta.token_ids or delta.text:
-                self.first_output = delta
-        elif self.request.resume_token_ids:  # a resumed attempt: its timing starts at the first one
-            first = self.first_output
-            delta = msgspec.structs.replace(delta, first_scheduled_time=first.first_scheduled_time,
-                                            first_token_time=first.first_token_time,
-                                            num_cached_tokens=first.num_cached_tokens)
-        return delta, max(0, self.num_output_tokens - before)
-
-    def reset_output(self) -> None:
-        """It runs again from scratch: nothing of it was delivered."""
-        self.output_token_ids.clear()
-        self.num_tokens_without_ids = 0
-        self.token_times.clear()
-        self.first_output = None
 
 
 OnFinished = Callable[[Job, RequestDelta], None]

@@ -33,7 +33,7 @@ from sluice.protocol import (
 )
 
 if TYPE_CHECKING:
-    from sluice.gateway.dispatch import Job
+    from sluice.gateway.jobs import Job
 
 
 class WorkerLink(Protocol):

@@ -38,7 +38,8 @@ from sluice.gateway.pubsub import Subscription
 from sluice.protocol import Priority
 
 if TYPE_CHECKING:
-    from sluice.gateway.dispatch import Job, WorkerLink
+    from sluice.gateway.jobs import Job
+    from sluice.gateway.links import WorkerLink
 
 log = logging.getLogger(__name__)
 

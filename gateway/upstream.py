@@ -51,7 +51,7 @@ from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelt
 from sluice.settings import Settings, UpstreamSpec, upstream_root
 
 if TYPE_CHECKING:
-    from sluice.gateway.dispatch import Job
+    from sluice.gateway.jobs import Job
 
 log = logging.getLogger(__name__)
 

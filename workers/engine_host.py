@@ -60,7 +60,7 @@ class _ClientState:
     last_sent: float = 0.0
 
 
-_Command = tuple[str, Any, Any]  # (kind, client, argument)
+_Command = Callable[[], None]  # run on the engine thread, between steps
 
 
 class EngineHost:
@@ -79,20 +79,20 @@ class EngineHost:
     # ---- from any thread -----------------------------------------------------------------------
 
     def connect(self, client: EngineClient) -> None:
-        self._inbox.put(("connect", client, None))
+        self._inbox.put(lambda: self._connected(client))
 
     def disconnect(self, client: EngineClient) -> None:
-        self._inbox.put(("disconnect", client, None))
+        self._inbox.put(lambda: self._disconnected(client))
 
     def add(self, client: EngineClient, request: GenerateRequest) -> None:
-        self._inbox.put(("add", client, request))
+        self._inbox.put(lambda: self._add(client, request))
 
     def abort(self, client: EngineClient, request_id: str) -> None:
-        self._inbox.put(("abort", client, request_id))
+        self._inbox.put(lambda: self._abort(client, request_id))
 
     def stop(self) -> None:
         self._stopping.set()
-        self._inbox.put(("wake", None, None))
+        self._inbox.put(lambda: None)  # wakes the loop
 
     def start_thread(self, name: str) -> None:
         """Runs the loop on a thread of its own (the in-process kind); a failure is logged."""
@@ -149,29 +149,28 @@ class EngineHost:
         except queue.Empty:
             return
         while True:
-            self._apply(*command)
+            command()
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _apply(self, kind: str, client: Any, arg: Any) -> None:
-        if kind == "connect":
-            self._clients[client] = _ClientState()
-            return
-        state = self._clients.get(client)
-        if state is None:
-            return  # from a client already gone (or a wake): its requests were dropped
-        if kind == "disconnect":
-            del self._clients[client]
+    def _connected(self, client: EngineClient) -> None:
+        self._clients[client] = _ClientState()
+
+    def _disconnected(self, client: EngineClient) -> None:
+        if self._clients.pop(client, None) is not None:
             self._drop(client)
-        elif kind == "add":
-            state.received += 1
-            self._add(client, arg)
-        elif kind == "abort" and self._owners.get(arg) is client:  # only the sender may abort
-            self.engine.abort(arg)
+
+    def _abort(self, client: EngineClient, request_id: str) -> None:
+        if self._owners.get(request_id) is client:  # only the sender may abort
+            self.engine.abort(request_id)
 
     def _add(self, client: EngineClient, request: GenerateRequest) -> None:
+        state = self._clients.get(client)
+        if state is None:
+            return  # from a client already gone: its requests were dropped
+        state.received += 1
         rid = request.request_id
         if rid in self._owners:  # from another gateway (ids are unique per gateway), or a resend
             self._reply_error(client, request, f"request id {rid!r} is already running on this worker")

@@ -5,6 +5,7 @@ kind as `LocalEngineBackend` attaches it, the TCP kind as a `WorkerServer` (the 
 code, run on a thread here) connected to the dispatcher's worker port. Each must stream a request,
 answer a request the engine refuses with an error delta, abort on cancel, report capacity with
 what it received, and, when its engine fails, end every request with the same error and be lost.
+An in-process link that is lost re-attaches, and its job resumes, as a worker process's would.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from sluice.gateway.dispatch import Dispatcher, Job
+from sluice.gateway.backend import LocalEngineBackend
+from sluice.gateway.dispatch import Dispatcher
+from sluice.gateway.jobs import Job
 from sluice.gateway.links import EngineLink
 from sluice.gateway.local_link import InProcessLink
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
@@ -144,3 +147,31 @@ async def test_both_kinds_fail_every_request_when_the_engine_fails(hosted: tuple
         assert stream.final.error == "the worker serving this request (w) failed; please retry"
     await wait_for(lambda: "w" not in dispatcher.workers, 60, "the failed worker to be lost")
     assert dispatcher.num_jobs == 0
+
+
+async def test_a_lost_in_process_link_reattaches_and_its_job_resumes(demo_model_dir: Path) -> None:
+    """Worker failover through the in-process kind: the job goes on from its delivered tokens on
+    the link attached anew, with the output of an undisturbed run."""
+    backend = LocalEngineBackend({"demo": demo_model_dir}, {"max_num_seqs": 4, "kv_cache_bytes": 8 * 2**20})
+    await backend.start()
+    try:
+        assert backend.dispatcher is not None
+        dispatcher = backend.dispatcher
+        reference = [d async for d in await backend.submit(request("ref", (5, 6, 7), 40))]
+        cut = await backend.submit(request("cut", (5, 6, 7), 40))
+        deltas: list[RequestDelta] = []
+        lost = None
+        async for delta in cut:
+            deltas.append(delta)
+            if lost is None and sum(len(d.token_ids) for d in deltas) >= 5:
+                lost = dispatcher.workers["local-demo"]
+                # The monitor's decision on missed heartbeats, taken directly: starving the event
+                # loop past the heartbeat timeout would take a fixed wait.
+                dispatcher.lose(lost, "stopped sending heartbeats")
+        relinked = dispatcher.workers["local-demo"]
+        assert lost is not None and relinked is not lost
+        assert isinstance(relinked, EngineLink) and relinked.sent == 1  # the resumed job, sent again
+        assert deltas[-1].finish_reason is FinishReason.LENGTH and deltas[-1].num_output_tokens == 40
+        assert [t for d in deltas for t in d.token_ids] == [t for d in reference for t in d.token_ids]
+    finally:
+        await backend.stop()
