@@ -64,28 +64,35 @@ _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 async def _unless_disconnected(request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]) -> T:
-    """Runs a whole (non-streaming) generation, cancelling it when the client goes away.
+    """Runs a whole (non-streaming) generation, or the wait for a stream's first delta, in this
+    task, cancelling it when the client goes away.
 
-    The body has been read, so the next ASGI message is `http.disconnect`. Cancelling the work
-    runs its cleanup, which aborts the request at the worker and settles its quota.
+    The body has been read, so the next ASGI message is `http.disconnect`: a watcher task waits
+    for it and cancels this task, which runs the work's cleanup (it aborts the request at the
+    worker and settles its quota). The work runs here rather than in a task of its own, so its
+    result needs no hop back to this task (one task and one loop turn less per request).
     """
-    task = asyncio.ensure_future(work)
+    handler = asyncio.current_task()
+    assert handler is not None  # called from a request handler; internal invariant
+    gone = False
 
     async def disconnected() -> None:
+        nonlocal gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        handler.cancel()
 
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # cancelled from outside (the server stops): not ours to turn into an answer
+        handler.uncancel()
+        raise OpenAIError(499, "The client closed the connection.", code="client_closed_request") from None
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # let its cleanup run
-    if task.cancelled():
-        raise OpenAIError(499, "The client closed the connection.", code="client_closed_request")
-    return task.result()
 
 
 async def _answer(
