@@ -87,10 +87,10 @@ def paged_attention_ref(
 
 
 # The native CPU decode kernel (cpu_decode.py) runs decode-only batches up to this many sequences.
-# Interleaved, 1 thread, the real model's heads, contexts 100-700, 30 layers: it was 1.3-1.6x the
-# torch path at 1 sequence, 1.3-1.7x at 4, about even at 8 (0.9-1.1x) and 0.6-0.85x from 16 up,
-# where the padded gather + SDPA's blocked kernels amortise better than its per-row loops.
-_CPU_KERNEL_MAX_SEQS = 4
+# Interleaved, 1 thread, the real model's heads, contexts 100-700, 30 layers, load average 18-21:
+# 3.0-3.2x the torch path at 1 sequence, 1.05-1.13x at 16, 0.91-1.08x at 64 (there the padded
+# gather + SDPA's blocked kernels keep up with its per-row loops).
+_CPU_KERNEL_MAX_SEQS = 16
 
 # Upper bound on the float32 elements one padded group may materialise (scores or mask, plus
 # gathered K and V): 2**25 elements = 128 MiB. Larger batches are split into several groups, and

@@ -31,8 +31,105 @@ log = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+// exp for x <= 0 (scores minus their max), Cephes' expf polynomial: within ~2 ulp of expf, and a
+// loop of it vectorises (libm's expf does not), which matters: a decode step takes B*Hq*L of them.
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One (sequence, KV head): its G query heads against the sequence's cached rows, block by block.
+template <int D>
+static void attend_one(const float* qb, const float* kp, const float* vp, const int32_t* table,
+                       int64_t L, int64_t BS, int64_t row, int64_t h, int64_t G, float sc,
+                       std::vector<float>& scores, float* ob) {
+  scores.resize(G * L);
+  for (int64_t start = 0, j = 0; start < L; start += BS, ++j) {
+    const int64_t n = std::min(BS, L - start);
+    const float* kb = kp + static_cast<int64_t>(table[j]) * BS * row + h * D;
+    for (int64_t o = 0; o < n; ++o) {
+      const float* kr = kb + o * row;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qr = qb + g * D;
+        float s = 0.f;
+        #pragma omp simd reduction(+:s)
+        for (int d = 0; d < D; ++d) s += qr[d] * kr[d];
+        scores[g * L + start + o] = s * sc;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * L;
+    float mx = s[0];
+    for (int64_t t = 1; t < L; ++t) mx = std::max(mx, s[t]);
+    #pragma omp simd
+    for (int64_t t = 0; t < L; ++t) s[t] = exp_nonpositive(s[t] - mx);
+    float sum = 0.f;
+    #pragma omp simd reduction(+:sum)
+    for (int64_t t = 0; t < L; ++t) sum += s[t];
+    const float inv = 1.f / sum;
+    float acc[D];
+    for (int d = 0; d < D; ++d) acc[d] = 0.f;
+    for (int64_t start = 0, j = 0; start < L; start += BS, ++j) {
+      const int64_t n = std::min(BS, L - start);
+      const float* vb = vp + static_cast<int64_t>(table[j]) * BS * row + h * D;
+      for (int64_t o = 0; o < n; ++o) {
+        const float pr = s[start + o];
+        const float* vr = vb + o * row;
+        #pragma omp simd
+        for (int d = 0; d < D; ++d) acc[d] += pr * vr[d];
+      }
+    }
+    float* out = ob + g * D;
+    for (int d = 0; d < D; ++d) out[d] = acc[d] * inv;
+  }
+}
+
+static void attend_dyn(const float* qb, const float* kp, const float* vp, const int32_t* table,
+                       int64_t L, int64_t BS, int64_t row, int64_t h, int64_t G, int64_t D, float sc,
+                       std::vector<float>& scores, float* ob) {
+  scores.resize(G * L);
+  for (int64_t t = 0; t < L; ++t) {
+    const float* kr = kp + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + h * D;
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qb[g * D + d] * kr[d];
+      scores[g * L + t] = s * sc;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * L;
+    float mx = s[0];
+    for (int64_t t = 1; t < L; ++t) mx = std::max(mx, s[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) { s[t] = exp_nonpositive(s[t] - mx); sum += s[t]; }
+    float* out = ob + g * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+    for (int64_t t = 0; t < L; ++t) {
+      const float* vr = vp + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + h * D;
+      for (int64_t d = 0; d < D; ++d) out[d] += s[t] * vr[d];
+    }
+    for (int64_t d = 0; d < D; ++d) out[d] /= sum;
+  }
+}
 
 // q [B, Hq, D], caches [NB, BS, Hkv, D], block_tables [B, M] int32, seq_lens [B] int32 -> out [B, Hq, D]
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -55,44 +152,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t row = Hkv * D;  // floats between consecutive slots of one block
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> acc(G * D);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / Hkv, h = idx % Hkv;
-      const int64_t L = lp[b];
-      scores.assign(G * L, 0.f);
       const float* qb = qp + (b * Hq + h * G) * D;
-      const int32_t* table = tp + b * M;
-      for (int64_t t = 0; t < L; ++t) {
-        const float* kr = kp + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qr = qb + g * D;
-          float s = 0.f;
-          #pragma omp simd reduction(+:s)
-          for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d];
-          scores[g * L + t] = s * sc;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * L;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < L; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const float* vr = vp + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float* a = acc.data() + g * D;
-          #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
-        }
-      }
       float* ob = op + (b * Hq + h * G) * D;
-      std::copy(acc.begin(), acc.end(), ob);
+      const int32_t* table = tp + b * M;
+      if (D == 64) attend_one<64>(qb, kp, vp, table, lp[b], BS, row, h, G, sc, scores, ob);
+      else if (D == 128) attend_one<128>(qb, kp, vp, table, lp[b], BS, row, h, G, sc, scores, ob);
+      else attend_dyn(qb, kp, vp, table, lp[b], BS, row, h, G, D, sc, scores, ob);
     }
   });
   return out;
@@ -102,7 +169,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode);
 """
 
 
-_NAME = "sluice_cpu_paged_decode_v1"
+_NAME = "sluice_cpu_paged_decode_v2"
 
 
 def build_directory() -> Path:
