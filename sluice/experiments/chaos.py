@@ -118,6 +118,7 @@ class StreamResult:
     ttft_s: float | None = None
     stall_s: float | None = None  # the longest gap between two consecutive events
     connections: int = 0  # HTTP requests it took (1 = never reconnected)
+    attaches: int = 0  # of which re-attaches after events had come (GET .../events with Last-Event-ID)
 
 
 def stream_once(bases: list[str], key: str, prompt_index: int, prompt: str, config: ChaosConfig,
@@ -125,8 +126,9 @@ def stream_once(bases: list[str], key: str, prompt_index: int, prompt: str, conf
     """One streamed completion through `stream_chat`, timed event by event."""
     result = StreamResult(client_index, prompt_index, time.monotonic() - t0)
 
-    def count(_: httpx.Request) -> None:
+    def count(request: httpx.Request) -> None:
         result.connections += 1
+        result.attaches += request.method == "GET"
 
     parts: list[str] = []
     arrivals: list[float] = []

@@ -82,11 +82,21 @@ def summarise(outcome: ChaosOutcome) -> dict[str, Any]:
             "divergent": len(divergent),
             "divergent_examples": [{"stream": i, "prompt": streams[i].prompt, "got": streams[i].text[:200],
                                     "reference": refs[streams[i].prompt][:200]} for i in divergent[:10]],
+            # Reconnects: every connection after a stream's first (a POST refused by a dead replica
+            # and sent to the next one counts); re-attached: cut after events had come, and
+            # attached again with Last-Event-ID (the stream a replica's SIGKILL broke midway).
             "reconnected": sum(1 for s in streams if s.connections > 1),
             "reconnects": sum(max(0, s.connections - 1) for s in streams),
+            "reattached": sum(1 for s in streams if s.attaches),
+            "reattached_stall_s": _dist([s.stall_s for s in streams if s.attaches and s.stall_s is not None]),
             "stall_s": _dist([s.stall_s for s in streams if s.stall_s is not None]),
             "ttft_s": _dist([s.ttft_s for s in streams if s.ttft_s is not None]),
         },
+        "per_stream": [[s.client, s.prompt, round(s.started_s, 3), s.ended_s and round(s.ended_s, 3), s.ok,
+                        s.connections, s.attaches, s.stall_s and round(s.stall_s, 4), s.ttft_s and round(s.ttft_s, 4)]
+                       for s in streams],
+        "per_stream_fields": ["client", "prompt", "started_s", "ended_s", "ok", "connections", "attaches", "stall_s",
+                              "ttft_s"],
         "batch_lines": {"expected": lines_expected, "got": lines_got, "lost": lines_lost, "duplicated": lines_dup,
                         "failed": lines_failed, "divergent": lines_divergent, "batches": batches},
         "kills": {"total": len(kills), "by_kind": dict(Counter(k["kind"] for k in kills)),
@@ -121,7 +131,8 @@ def format_table(summary: dict[str, Any]) -> str:
         f"requests   started {r['started']}  completed {r['completed']}  "
         f"rate {'-' if rate is None else f'{100 * rate:.2f}%'}",
         f"streams    {s['completed']}/{s['started']} completed, {s['divergent']} divergent from the reference, "
-        f"{s['reconnected']} reconnected ({s['reconnects']} reconnects)"
+        f"{s['reconnected']} reconnected ({s['reconnects']} reconnects), {s['reattached']} re-attached midway "
+        f"(their stall max {ms(s['reattached_stall_s']['max'])} ms)"
         + (f", failures {s['errors_by_type']}" if s["failed"] else ""),
         f"stall ms   p50 {ms(s['stall_s']['p50'])}  p99 {ms(s['stall_s']['p99'])}  max {ms(s['stall_s']['max'])}"
         f"   (TTFT p50 {ms(s['ttft_s']['p50'])}  p99 {ms(s['ttft_s']['p99'])}  max {ms(s['ttft_s']['max'])})",
@@ -152,6 +163,16 @@ def config_from_args(args: argparse.Namespace) -> ChaosConfig:
             raise ValueError(f"--{flag} must be positive, got {getattr(args, flag)}")
     check_cluster_fits(config, args.replicas, args.workers)
     return config
+
+
+def _keep_logs(workdir: Path, to: Path) -> None:
+    """Every replica's and worker's log (all their restarts appended), kept past the temp dir."""
+    import shutil
+
+    to.mkdir(parents=True, exist_ok=True)
+    for log in workdir.glob("*.log"):
+        shutil.copy2(log, to / log.name)
+    print(f"logs kept in {to}")
 
 
 def run_chaos_command(args: argparse.Namespace) -> int:
@@ -189,7 +210,11 @@ def run_chaos_command(args: argparse.Namespace) -> int:
                     stream_key = cluster.new_tenant("chaos-streams", priority_ceiling="interactive",
                                                     default_class="interactive")[2]
                     batch_key = cluster.new_tenant("chaos-batch", priority_ceiling="batch", default_class="batch")[2]
-                    outcome = run_chaos(cluster, stream_key, batch_key, config)
+                    try:
+                        outcome = run_chaos(cluster, stream_key, batch_key, config)
+                    finally:
+                        if args.logs:
+                            _keep_logs(Path(tmp) / "cluster", Path(args.logs))
             finally:
                 broker.stop()
     finally:

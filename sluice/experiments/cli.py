@@ -117,6 +117,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     chaos.add_argument("--postgres-url", default="", help="PostgreSQL server URL; a fresh database is made")
     chaos.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
                        help="Redis URL; a fresh key prefix is used and dropped")
+    chaos.add_argument("--logs", help="keep every replica's and worker's log in this directory")
     chaos.add_argument("--out", "--json", dest="json_out", default="chaos.json", help="JSON summary path")
     chaos.set_defaults(handler=_chaos)
 

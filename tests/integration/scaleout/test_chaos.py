@@ -1,7 +1,8 @@
 """Issue #16's chaos run, short: 2 replicas and 2 workers of the demo model (real processes, the
 session's broker, PostgreSQL, Redis), streaming clients through `sluice.client.stream_chat` over
-both replicas and a Batch API batch, while a worker is SIGKILLed every few seconds and started
-again, and a replica. Every stream completes with the undisturbed greedy text, every batch line comes back exactly
+both replicas and a Batch API batch, while every few seconds a worker or a replica is SIGKILLed
+and started again (a replica's open streams are taken over elsewhere, their clients re-attach).
+Every stream completes with the undisturbed greedy text, every batch line comes back exactly
 once with it. The run's figures are printed (`sluice bench chaos` is the long version)."""
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from sluice.experiments.cluster import Cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.postgres]
 
-# Until replica takeover lands a SIGKILLed replica's streams end with it (docs/streams.md, "What
-# survives what"), so the streams go to replica 0 only and the replica killed is replica 1, which
-# serves batch lines (its partitions move to replica 0, test_failover.py); workers die under both.
-CONFIG = ChaosConfig(duration_s=45.0, kill_every_s=6.0, kinds=("replica", "worker"), stream_replicas=1, streams=4,
-                     batches=1, batch_lines=40, prompts=4, max_tokens=24, seed=16, batch_timeout_s=300.0)
+# Streams over both replicas, so a SIGKILLed replica cuts streams in flight: replica takeover
+# continues their generations elsewhere and the clients re-attach through the other replica.
+CONFIG = ChaosConfig(duration_s=45.0, kill_every_s=6.0, kinds=("replica", "worker"), streams=4, batches=1,
+                     batch_lines=40, prompts=4, max_tokens=24, seed=16, batch_timeout_s=300.0)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,7 @@ def test_streams_and_batch_lines_survive_sigkilled_replicas_and_workers(cluster:
     assert kills["restart_errors"] == 0, kills["list"]
     streams, lines = summary["streams"], summary["batch_lines"]
     assert streams["started"] >= CONFIG.streams
+    assert streams["reconnected"] >= 1, streams  # a replica died under open streams
     assert streams["failed"] == 0, streams["failed_examples"]
     assert streams["divergent"] == 0, streams["divergent_examples"]
     assert lines["expected"] == CONFIG.batch_lines and lines["batches"][0]["status"] == "completed", lines

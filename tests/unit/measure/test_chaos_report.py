@@ -20,7 +20,8 @@ def outcome(streams: list[StreamResult], batches: list[BatchRun]) -> ChaosOutcom
 
 
 def stream(prompt: int, text: str, *, ok: bool = True, stall: float = 0.1, connections: int = 1) -> StreamResult:
-    return StreamResult(0, prompt, 0.0, 1.0, text, ok, "" if ok else "StreamBroken: x", 0.2, stall, connections)
+    return StreamResult(0, prompt, 0.0, 1.0, text, ok, "" if ok else "StreamBroken: x", 0.2, stall, connections,
+                        attaches=connections - 1)
 
 
 def test_a_clean_run_passes() -> None:
@@ -28,7 +29,8 @@ def test_a_clean_run_passes() -> None:
     summary = summarise(outcome([stream(0, "ref zero", stall=0.5), stream(1, "ref one", connections=3)], [batch]))
     assert summary["requests"] == {"started": 4, "completed": 4, "completion_rate": 1.0}
     assert summary["streams"]["divergent"] == 0 and summary["streams"]["reconnects"] == 2
-    assert summary["streams"]["reconnected"] == 1
+    assert summary["streams"]["reconnected"] == 1 and summary["streams"]["reattached"] == 1
+    assert len(summary["per_stream"]) == 2
     assert summary["streams"]["stall_s"]["max"] == 0.5
     assert summary["kills"]["by_kind"] == {"worker": 1, "replica": 1} and summary["kills"]["skipped"] == 1
     assert summary["kills"]["back_in_s"]["replica"]["max"] == pytest.approx(6.5)
