@@ -56,11 +56,16 @@ class StreamLog(Protocol):
 
     async def stop(self) -> None: ...
 
+    async def lookup(self, tenant: str, idempotency_key: str) -> str | None:
+        """The response id this tenant's key was filed with (within the retention), else None."""
+        ...
+
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
-                     grace_s: float | None = None) -> str | None:
-        """Files a new response of `tenant`. With a key already filed by this tenant (within the
-        retention), files nothing and returns that key's response id; else None. `grace_s`: its
-        disconnect grace (Redis keeps it for a replica that takes it over)."""
+                     grace_s: float | None = None, include_usage: bool = False) -> str | None:
+        """Files a new response of `tenant` (its key and its owner in one atomic step). With a key
+        already filed by this tenant (within the retention), files nothing and returns that key's
+        response id; else None. `grace_s` (its disconnect grace) and `include_usage` are kept for a
+        replica that takes it over."""
         ...
 
     async def drop(self, response_id: str, tenant: str, idempotency_key: str | None) -> None:
@@ -162,8 +167,12 @@ class LocalStreamLog:
             return None
         return entry
 
+    async def lookup(self, tenant: str, idempotency_key: str) -> str | None:
+        known = self._keys.get((tenant, idempotency_key))
+        return known[0] if known is not None and known[1] > time.monotonic() else None
+
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
-                     grace_s: float | None = None) -> str | None:
+                     grace_s: float | None = None, include_usage: bool = False) -> str | None:
         now = time.monotonic()
         self._sweep(now)
         if idempotency_key is not None:
@@ -255,6 +264,21 @@ def unpack_tokens(data: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 4}I", data))
 
 
+# KEYS: the response's owner hash P:sm:ID, then its Idempotency-Key's name (when it has one);
+# ARGV: response id, TTL (s), the owner's fields and values. Returns the response id the key was
+# already filed with (nothing filed then), else nil.
+_CREATE = r"""
+if KEYS[2] then
+  local known = redis.call('GET', KEYS[2])
+  if known then return known end
+  redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return false
+"""
+
+
 class RedisStreamLog:
     """P:sl:ID a Redis Stream of the events (field f, and t: the token ids first sent with it; the
     end marker has field e only), P:sm:ID its owner (a hash: tenant; gen, the replica generating
@@ -298,6 +322,7 @@ class RedisStreamLog:
         self._flusher: asyncio.Task[None] | None = None
         self._stopping = False
         self.flush_latency_s: deque[float] = deque(maxlen=100_000)  # append -> in Redis, per event
+        self._create = client.register_script(_CREATE)
 
     def _k(self, kind: str, name: str) -> str:
         return f"{self._prefix}:{kind}:{name}"
@@ -318,28 +343,28 @@ class RedisStreamLog:
             await asyncio.gather(self._flusher, return_exceptions=True)
             self._flusher = None
 
+    async def lookup(self, tenant: str, idempotency_key: str) -> str | None:
+        known = await self._redis.get(self._key_name(tenant, idempotency_key))
+        return None if known is None else known.decode()
+
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
-                     grace_s: float | None = None) -> str | None:
-        if idempotency_key is not None:
-            name = self._key_name(tenant, idempotency_key)
-            if not await self._redis.set(name, response_id, nx=True, ex=self._ttl):
-                known = await self._redis.get(name)
-                if known is not None:
-                    return known.decode()
-                await self._redis.set(name, response_id, ex=self._ttl)
-            self._keys[response_id] = name
-        meta = self._k("sm", response_id)
-        fields = {"tenant": tenant, "gen": self.replica}
-        if response_id in self._keys:
-            fields["key"] = self._keys[response_id]
+                     grace_s: float | None = None, include_usage: bool = False) -> str | None:
+        name = None if idempotency_key is None else self._key_name(tenant, idempotency_key)
+        fields = ["tenant", tenant, "gen", self.replica]
+        if name is not None:
+            fields += ["key", name]
         if grace_s is not None:
-            fields["grace"] = repr(float(grace_s))
-        await (
-            self._redis.pipeline(transaction=False)
-            .hset(meta, mapping=fields)
-            .expire(meta, self._ttl)
-            .execute()
-        )
+            fields += ["grace", repr(float(grace_s))]
+        if include_usage:
+            fields += ["usage", "1"]
+        # One script: a replica killed between filing the key and the owner must not leave a key
+        # whose response has no owner (an attach to it would be a 404).
+        keys = [self._k("sm", response_id)] + ([name] if name is not None else [])
+        known = await self._create(keys=keys, args=[response_id, self._ttl, *fields])
+        if known is not None:
+            return known.decode() if isinstance(known, bytes) else str(known)
+        if name is not None:
+            self._keys[response_id] = name
         await self._mirror.create(response_id, tenant, None)
         self._next[response_id] = 0
         return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 CHECK_S = 1.0  # how often held streams are checked (the takeover's stall adds up to this)
 CHECK_BATCH = 500  # streams per script call
+GONE_AFTER_S = 10.0  # a held record whose stream has no owner yet is released only once held this long
 MAX_TAKEOVERS = 3  # a stream whose generating replica was lost this often ends with an error
 
 # Answers of CHECK and CLAIM, per stream.
@@ -106,6 +108,7 @@ class Claimed:
     takeovers: int
     next_seq: int  # of the next event
     grace_s: float | None = None  # its disconnect grace as its POST chose it (None: not filed)
+    include_usage: bool = False  # its POST asked for the usage chunk (stream_options.include_usage)
     token_ids: list[int] = field(default_factory=list)  # sent so far, in order
     frames: list[bytes] = field(default_factory=list)  # every event so far (seq 0 first)
     whole: bool = True  # False: the log has a gap (trimmed, or events Redis never got)
@@ -113,6 +116,11 @@ class Claimed:
 
 
 class Resumer(Protocol):
+    def can_continue(self, request: GenerateRequest) -> bool:
+        """Whether this replica could run the request now (its model's tokenizer and a worker
+        for it): a replica just started claims nothing before its workers have linked."""
+        ...
+
     async def __call__(self, request: GenerateRequest, claimed: Claimed) -> None:
         """Continues a claimed stream (or ends its log); raising ends its log with an error."""
         ...
@@ -123,7 +131,7 @@ class StreamHolder:
 
     def __init__(self, client: Redis, stream_log: RedisStreamLog, *, prefix: str, replica: str,
                  finish: Callable[[RecordRef], None], current: Callable[[RecordRef], bool],
-                 check_s: float = CHECK_S) -> None:
+                 check_s: float = CHECK_S, gone_after_s: float = GONE_AFTER_S) -> None:
         self._redis: Any = client
         self._log = stream_log
         self._prefix = prefix
@@ -131,9 +139,11 @@ class StreamHolder:
         self._finish = finish
         self._current = current  # whether this replica still answers for a record
         self.check_s = check_s
+        self.gone_after_s = gone_after_s
         self._check = client.register_script(CHECK)
         self._claim = client.register_script(CLAIM)
         self._held: dict[str, tuple[GenerateRequest, RecordRef]] = {}
+        self._held_since: dict[str, float] = {}  # monotonic time each was first held
         self._claiming: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -147,6 +157,7 @@ class StreamHolder:
     def hold(self, request: GenerateRequest, ref: RecordRef) -> None:
         older = self._held.get(request.request_id)
         self._held[request.request_id] = (request, ref)
+        self._held_since.setdefault(request.request_id, time.monotonic())
         if older is not None:  # read again (its partition came back): the newer record counts
             self._finish(older[1])
 
@@ -182,14 +193,19 @@ class StreamHolder:
         for rid, (_, ref) in list(self._held.items()):
             if not self._current(ref):  # its partition was revoked: the new owner replays it
                 del self._held[rid]
+                self._held_since.pop(rid, None)
         ids = [rid for rid in self._held if rid not in self._claiming]
         for start in range(0, len(ids), CHECK_BATCH):
             chunk = ids[start : start + CHECK_BATCH]
             states = await self._check(args=[self._prefix, *chunk])
+            now = time.monotonic()
             for rid, state in zip(chunk, states, strict=True):
-                if state in (GONE, ENDED):
+                if state == ENDED or (state == GONE and now - self._held_since.get(rid, now) >= self.gone_after_s):
+                    # GONE at first may be a stream whose acceptor files it right after the
+                    # Kafka ack (gateway/api/openai.py): only a lasting GONE is no stream.
                     self._release(rid)
-                elif state == ORPHAN and self.resumer is not None and rid not in self._claiming:
+                elif (state == ORPHAN and self.resumer is not None and rid not in self._claiming
+                      and self.resumer.can_continue(self._held[rid][0])):
                     self._claiming.add(rid)
                     task = asyncio.get_running_loop().create_task(self._take(rid))
                     self._tasks.add(task)
@@ -202,6 +218,7 @@ class StreamHolder:
         return int(state), int(takeovers)
 
     def _release(self, rid: str) -> None:
+        self._held_since.pop(rid, None)
         held = self._held.pop(rid, None)
         if held is not None:
             self._finish(held[1])
@@ -214,7 +231,7 @@ class StreamHolder:
             request = held[0]
             state, takeovers = await self.claim(rid)
             if state != CLAIMED:
-                if state in (GONE, ENDED):
+                if state == ENDED:
                     self._release(rid)
                 return  # another replica claimed it first (or its generator renewed its lease)
             self.taken_over += 1
@@ -247,7 +264,7 @@ class StreamHolder:
         key = meta.get(b"key")
         grace = meta.get(b"grace")
         claimed = Claimed(rid, meta.get(b"tenant", b"").decode(), key.decode() if key else None, takeovers, 0,
-                          float(grace) if grace else None)
+                          float(grace) if grace else None, include_usage=meta.get(b"usage") == b"1")
         name, after = f"{self._prefix}:sl:{rid}", "-"
         while True:
             entries = await self._redis.xrange(name, min=after, count=READ_BATCH)

@@ -136,20 +136,27 @@ async def _answer_stream(
         raise OpenAIError(
             400, "Last-Event-ID on a POST needs the Idempotency-Key it was sent with.", code="missing_idempotency_key"
         )
-    existing = await streams.log.create(response_id, tenant.id, key, grace_s=grace_s)
+    existing = None if key is None else await streams.log.lookup(tenant.id, key)
     if existing is not None:
         if last_id is not None and last_id != existing:
             raise OpenAIError(400, "Last-Event-ID names another response than this Idempotency-Key's.")
         return await _attach(request, streams, tenant, existing, after)
     if last_id is not None:  # a resume whose original is gone: starting over would repeat events
-        await streams.log.drop(response_id, tenant.id, key)
         raise not_found(last_id)
+    request.app.state.drain.refuse_new()  # attaching (above) is still served while draining
+    flight = await generation.launch(tenant, prepared)
+    # Filed once durable (launch returns after the Kafka ack): a key is never filed for a request
+    # that was not accepted, so a client whose POST broke before that starts afresh with it, and
+    # a filed key's response always has a record some replica holds (and can take over).
     try:
-        request.app.state.drain.refuse_new()  # attaching (above) is still served while draining
-        flight = await generation.launch(tenant, prepared)
+        existing = await streams.log.create(response_id, tenant.id, key, grace_s=grace_s,
+                                            include_usage=prepared.include_usage)
     except BaseException:
-        await streams.log.drop(response_id, tenant.id, key)
+        flight.finish(aborted=True)
         raise
+    if existing is not None:  # a concurrent POST with this key was filed first: follow that one
+        flight.finish(aborted=True)
+        return await _attach(request, streams, tenant, existing, after)
     try:  # the first delta before the first byte: an expiry until then is an HTTP error
         await _unless_disconnected(request, flight.first_delta())
     except BaseException:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Protocol
 
 import msgspec
@@ -62,6 +63,8 @@ class ResumingBackend(Protocol):
 
     def resume(self, request: GenerateRequest) -> Submission: ...
 
+    def could_serve(self, model: str) -> bool: ...
+
 
 class StreamResumer:
     def __init__(self, hub: StreamHub, generation: GenerationService, auth: AuthService, backend: ResumingBackend,
@@ -75,6 +78,9 @@ class StreamResumer:
         self.backend = backend
         self.holder = holder
 
+    def can_continue(self, request: GenerateRequest) -> bool:
+        return request.model in self.generation.tokenizers and self.backend.could_serve(request.model)
+
     async def __call__(self, request: GenerateRequest, claimed: Claimed) -> None:
         rid = request.request_id
         if claimed.ended:
@@ -83,11 +89,16 @@ class StreamResumer:
             log.info("stream %s: its replica was lost and it has no disconnect grace; not continued", rid)
             self.holder.end_with(claimed, ABANDONED)
             return
-        if claimed.takeovers > MAX_TAKEOVERS or not claimed.whole or not claimed.frames:
-            why = (f"lost {claimed.takeovers} times" if claimed.takeovers > MAX_TAKEOVERS
-                   else "its log has a gap" if claimed.frames else "nothing was logged")
+        if claimed.takeovers > MAX_TAKEOVERS or not claimed.whole:
+            why = f"lost {claimed.takeovers} times" if claimed.takeovers > MAX_TAKEOVERS else "its log has a gap"
             log.warning("stream %s: not continued (%s); its log ends with an error", rid, why)
             self.holder.end_with(claimed, TAKEOVER_FAILED)
+            return
+        if not claimed.frames:  # lost before its first event: no client has seen anything, start it here
+            head = {"created": int(time.time()), "service_tier": CLASS_TO_TIER[request.priority]}
+            if claimed.include_usage:
+                head["usage"] = None
+            await self._continue(request, claimed, head)
             return
         last = _event(claimed.frames[-1])
         if last == "[DONE]" or (isinstance(last, dict) and "error" in last):
@@ -133,6 +144,7 @@ class StreamResumer:
         generation = self.generation
         tokenizer = generation.tokenizers.get(request.model)
         resumed = msgspec.structs.replace(request, resume_token_ids=tuple(claimed.token_ids))
+        from_start = not claimed.frames  # its role chunk (chat) is still to be sent
         tier = head.get("service_tier") or CLASS_TO_TIER[request.priority]
         prepared = Prepared(request=resumed, tokenizer=tokenizer, tier=str(tier), stream=True,
                             include_usage="usage" in head)
@@ -147,7 +159,7 @@ class StreamResumer:
                         deadline=loop.time() + generation.request_timeout_s)
         self.log.adopt(claimed.response_id, claimed.tenant, claimed.next_seq, claimed.key)
         if request.request_id.startswith("chatcmpl-"):
-            frames = stream_chat(flight, resumed=True)
+            frames = stream_chat(flight, resumed=not from_start)
         else:
             offset = 0  # characters sent so far: the text offsets of completion logprobs
             if request.sampling.logprobs:

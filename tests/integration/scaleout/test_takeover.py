@@ -13,13 +13,16 @@ twice), the text, finish_reason and usage, and one request record and one usage 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import threading
 import time
 from typing import Any
 
 import asyncpg
 import pytest
+from redis.asyncio import Redis
 
 from sluice.client import Event, stream_chat
 from sluice.experiments.cluster import Cluster
@@ -200,3 +203,67 @@ async def test_a_chat_stream_survives_its_replica_sigkilled(cluster: Cluster) ->
 async def test_a_completion_stream_survives_its_replica_and_then_its_taker_sigkilled(cluster: Cluster) -> None:
     among = [2, 0, 1]  # replica 3 may be dead (the chat test's)
     await run_killed(alive(cluster, among), "takeover-completion", COMPLETION, "/v1/completions", [2, -1], among)
+
+
+@pytest.mark.timeout(400)
+async def test_a_stream_whose_replica_dies_before_its_first_event_is_run_from_the_start(cluster: Cluster) -> None:
+    """Killed after the Kafka ack, before anything was logged (the workers are frozen meanwhile):
+    no client saw an event, so the taker runs the request from the start under the same id; the
+    client's POST broke before its first byte and its re-POST (same Idempotency-Key) follows it."""
+    live = [i for i in range(len(cluster.replicas)) if cluster.replicas[i].process.alive]
+    if len(live) < 2:
+        alive(cluster, [0, 1])
+        live = [0, 1]
+    victim, among = live[-1], live
+    _, _, reference_key = cluster.new_tenant("takeover-early-reference")
+    tenant_id, _, key = cluster.new_tenant("takeover-early")
+    urls = {i: cluster.replicas[i].base_url for i in among}
+    body = {**CHAT, "max_tokens": 120}
+    reference = Reader([urls[among[0]]], reference_key, body, "/v1/chat/completions")
+    await reference.done()
+    expected = summary(reference.events)
+
+    def held() -> int:
+        return sum(cluster.admin("GET", "/queues", replica=i)["queues"].get("held_streams", 0)
+                   for i in among if cluster.replicas[i].process.alive)
+
+    before = held()
+    frozen = [w.pid for w in cluster.workers if w.alive]
+    for pid in frozen:
+        os.killpg(pid, signal.SIGSTOP)
+    try:
+        reader = Reader([urls[victim]] + [urls[i] for i in among if i != victim], key, body, "/v1/chat/completions")
+
+        redis = Redis.from_url(cluster.spec.shared_url)
+
+        async def filed() -> bool:  # acknowledged by Kafka (and so held by a consumer), then filed
+            async for meta in redis.scan_iter(match=f"{cluster.spec.shared_prefix}:sm:chatcmpl-*", count=500):
+                if await redis.hget(meta, "tenant") == tenant_id.encode():
+                    return held() > before
+            return False
+
+        try:
+            await until(filed, 60, "the stream to be filed and its record held")
+        finally:
+            await redis.aclose()
+        assert reader.events == []
+        cluster.replicas[victim].process.kill()
+    finally:
+        for pid in frozen:
+            os.killpg(pid, signal.SIGCONT)
+    await reader.done()
+    assert_contiguous(reader.events)
+    assert summary(reader.events) == expected
+    records = await wait_records(cluster, "takeover-early", 1)
+    assert len(records) == 1, records
+    response_id = reader.events[0].id.rpartition(":")[0]
+    assert takers(cluster, response_id)  # the same response, run by its taker: not a fresh POST
+    usage = expected[2]
+    assert usage is not None
+
+    async def recorded() -> bool:
+        return bool(await usage_rows(cluster.spec.database_url, tenant_id))
+
+    await until(recorded, 30, "the usage row", interval_s=0.2)
+    assert await usage_rows(cluster.spec.database_url, tenant_id) == [
+        (usage["prompt_tokens"], usage["completion_tokens"], 1)]

@@ -36,9 +36,24 @@ async def _replica(redis: Redis, prefix: str, name: str) -> tuple[RedisLedger, R
     return lease, stream_log
 
 
-def _holder(redis: Redis, stream_log: RedisStreamLog, prefix: str, finished: list[RecordRef]) -> StreamHolder:
+def _holder(redis: Redis, stream_log: RedisStreamLog, prefix: str, finished: list[RecordRef], *,
+            gone_after_s: float = 0.0) -> StreamHolder:
     return StreamHolder(redis, stream_log, prefix=prefix, replica=stream_log.replica, finish=finished.append,
-                        current=lambda ref: True)
+                        current=lambda ref: True, gone_after_s=gone_after_s)
+
+
+class _Resumer:
+    """Records the streams it is handed; `ready` stands for "a worker for its model has linked"."""
+
+    def __init__(self, ready: bool = True) -> None:
+        self.ready = ready
+        self.resumed: list[tuple[str, Claimed]] = []
+
+    def can_continue(self, request: GenerateRequest) -> bool:
+        return self.ready
+
+    async def __call__(self, request: GenerateRequest, claimed: Claimed) -> None:
+        self.resumed.append((request.request_id, claimed))
 
 
 async def test_exactly_one_replica_claims_an_orphaned_stream_and_never_an_ended_one(redis: Redis, prefix: str) -> None:
@@ -92,11 +107,8 @@ async def test_held_records_are_finished_at_the_end_and_an_orphan_is_resumed_onc
     takers = [await _replica(redis, prefix, f"taker-{i}") for i in range(2)]
     finished: list[RecordRef] = []
     holders = [_holder(redis, stream_log, prefix, finished) for _, stream_log in takers]
-    resumed: list[tuple[str, Claimed]] = []
-
-    async def resumer(request: GenerateRequest, claimed: Claimed) -> None:
-        resumed.append((request.request_id, claimed))
-
+    resumer = _Resumer()
+    resumed = resumer.resumed
     for holder in holders:
         holder.resumer = resumer
     refs = {rid: RecordRef(Priority.STANDARD, TopicPartition("t", 0), offset)
@@ -152,3 +164,43 @@ async def test_an_event_is_shown_here_only_once_it_is_in_redis(redis: Redis, pre
         assert page is not None and page.ended
     finally:
         await stream_log.stop()
+
+
+async def test_a_record_is_held_while_its_stream_is_not_filed_yet_and_claimed_only_when_it_can_run(
+        redis: Redis, prefix: str) -> None:
+    """The acceptor files a stream right after its Kafka ack, so a holder may read the record first:
+    a GONE stream is released only once it lasts. A replica whose workers have not linked claims
+    nothing; once they have, it claims the orphan, even one lost before its first event (it is
+    continued from the start: no client saw anything)."""
+    acceptor, accepted = await _replica(redis, prefix, "acceptor")
+    taker_lease, taker_log = await _replica(redis, prefix, "taker")
+    finished: list[RecordRef] = []
+    holder = _holder(redis, taker_log, prefix, finished, gone_after_s=30.0)
+    resumer = _Resumer(ready=False)
+    holder.resumer = resumer
+    ref = RecordRef(Priority.STANDARD, TopicPartition("t", 0), 0)
+    try:
+        holder.hold(_request("chatcmpl-late"), ref)
+        await holder.check()
+        assert finished == [] and holder.held == 1  # not filed yet: held on
+        assert await accepted.create("chatcmpl-late", "t", "key-late", include_usage=True) is None
+        assert await accepted.create("chatcmpl-other", "t", "key-late") == "chatcmpl-late"  # one key, one response
+        assert await accepted.lookup("t", "key-late") == "chatcmpl-late"
+        await acceptor.stop()  # lost before its first event
+        await holder.check()
+        await asyncio.sleep(0.1)
+        assert resumer.resumed == [] and holder.held == 1  # no worker for its model yet: not claimed
+        resumer.ready = True
+        await holder.check()
+        for _ in range(100):
+            if resumer.resumed:
+                break
+            await asyncio.sleep(0.02)
+        [(rid, claimed)] = resumer.resumed
+        assert (rid, claimed.frames, claimed.next_seq, claimed.include_usage) == ("chatcmpl-late", [], 0, True)
+        assert claimed.key is not None
+    finally:
+        await holder.stop()
+        await accepted.stop()
+        await taker_log.stop()
+        await taker_lease.stop()
