@@ -56,10 +56,6 @@ class StreamLog(Protocol):
 
     async def stop(self) -> None: ...
 
-    async def lookup(self, tenant: str, idempotency_key: str) -> str | None:
-        """The response id this tenant's key was filed with (within the retention), else None."""
-        ...
-
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
                      grace_s: float | None = None, include_usage: bool = False) -> str | None:
         """Files a new response of `tenant` (its key and its owner in one atomic step). With a key
@@ -86,7 +82,9 @@ class StreamLog(Protocol):
         """The tenant that created it; None when unknown or expired."""
         ...
 
-    async def by_key(self, tenant: str, idempotency_key: str) -> str | None: ...
+    async def by_key(self, tenant: str, idempotency_key: str) -> str | None:
+        """The response id this tenant's key was filed with (within the retention), else None."""
+        ...
 
     async def read(self, response_id: str, after: int, *, wait_s: float) -> Page | None:
         """The events after seq `after` (-1: from the first), waiting up to `wait_s` for one when
@@ -166,10 +164,6 @@ class LocalStreamLog:
             del self._entries[response_id]
             return None
         return entry
-
-    async def lookup(self, tenant: str, idempotency_key: str) -> str | None:
-        known = self._keys.get((tenant, idempotency_key))
-        return known[0] if known is not None and known[1] > time.monotonic() else None
 
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
                      grace_s: float | None = None, include_usage: bool = False) -> str | None:
@@ -342,10 +336,6 @@ class RedisStreamLog:
         if self._flusher is not None:
             await asyncio.gather(self._flusher, return_exceptions=True)
             self._flusher = None
-
-    async def lookup(self, tenant: str, idempotency_key: str) -> str | None:
-        known = await self._redis.get(self._key_name(tenant, idempotency_key))
-        return None if known is None else known.decode()
 
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
                      grace_s: float | None = None, include_usage: bool = False) -> str | None:

@@ -19,6 +19,7 @@ Float32 only; the same arithmetic as the reference in another summation order (r
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -212,13 +213,29 @@ def ready() -> bool:
     """Whether the kernel can run now without compiling: loaded, or built before (by `build()` in
     any process on this machine), then loaded. Never compiles, so an engine's first step does not
     wait a minute for a compiler; `sluice bench engine` builds it first."""
+    global _loaded, _tried
     if _loaded is not None:
         return True
     if _tried or _disabled():
         return False
-    if not (build_directory() / f"{_NAME}.so").is_file():
-        return False
-    return build()  # built already: loading checks the sources and takes about a second
+    path = build_directory() / f"{_NAME}.so"
+    if not path.is_file():
+        return False  # looked for again at the next call: a bench or the test may build it meanwhile
+    # The built module is imported as it is, never through the extension loader: that loader may
+    # decide to rebuild (a minute of compiling inside an engine step) and waits on its build lock,
+    # forever if a killed build left one behind.
+    _tried = True
+    try:
+        spec = importlib.util.spec_from_file_location(_NAME, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _loaded = module
+    except Exception as exc:  # half-written by a build in progress, or built for another torch
+        log.warning("CPU decode kernel at %s could not be loaded, using the torch path: %s", path, exc)
+        _loaded = None
+    return _loaded is not None
 
 
 def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

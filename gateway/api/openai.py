@@ -136,7 +136,7 @@ async def _answer_stream(
         raise OpenAIError(
             400, "Last-Event-ID on a POST needs the Idempotency-Key it was sent with.", code="missing_idempotency_key"
         )
-    existing = None if key is None else await streams.log.lookup(tenant.id, key)
+    existing = None if key is None else await streams.log.by_key(tenant.id, key)
     if existing is not None:
         if last_id is not None and last_id != existing:
             raise OpenAIError(400, "Last-Event-ID names another response than this Idempotency-Key's.")

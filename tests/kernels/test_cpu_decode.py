@@ -7,6 +7,12 @@ compiler is available, since the engine then runs the torch path.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -64,3 +70,20 @@ def test_packed_linear_is_the_plain_onednn_call() -> None:
                 assert torch.equal(plain, fast)
             torch.testing.assert_close(fast, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
     assert pack_weight(weight.bfloat16()) is None
+
+
+def test_an_engine_process_loads_the_built_kernel_without_the_extension_loader(built: None, tmp_path: Path) -> None:
+    """`ready()` (what an engine step asks) imports the built module as it is: a build lock left
+    by a killed build (which made the extension loader wait forever, stalling the engine until its
+    heartbeats were missed) and sources it would rebuild from do not matter."""
+    cache = tmp_path / "kernels"
+    target = cache / cpu_decode.build_directory().name
+    target.mkdir(parents=True)
+    shutil.copy(cpu_decode.build_directory() / f"{cpu_decode.build_directory().name}.so", target)
+    (target / "lock").touch()  # as a SIGKILLed build leaves it
+    env = {**os.environ, "SLUICE_KERNEL_CACHE": str(cache)}
+    done = subprocess.run([sys.executable, "-c", "from sluice.kernels import cpu_decode; print(cpu_decode.ready())"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
+    assert not (target / "main.o").exists()  # nothing was compiled

@@ -185,7 +185,7 @@ async def test_a_record_is_held_while_its_stream_is_not_filed_yet_and_claimed_on
         assert finished == [] and holder.held == 1  # not filed yet: held on
         assert await accepted.create("chatcmpl-late", "t", "key-late", include_usage=True) is None
         assert await accepted.create("chatcmpl-other", "t", "key-late") == "chatcmpl-late"  # one key, one response
-        assert await accepted.lookup("t", "key-late") == "chatcmpl-late"
+        assert await accepted.by_key("t", "key-late") == "chatcmpl-late"
         await acceptor.stop()  # lost before its first event
         await holder.check()
         await asyncio.sleep(0.1)
