@@ -57,6 +57,15 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """The first of `count` consecutive free ports (what `sluice serve --replicas N` takes for its
+    HTTP ports and for its worker ports)."""
+    while True:
+        port = free_port(host)
+        if port + count <= 65536 and not any(port_in_use(host, port + i) for i in range(1, count)):
+            return port
+
+
 def _accepts_connections(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.2):

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from sluice.broker import free_port
+from sluice.broker import free_port, free_ports
 from sluice.cli import main
 
 from .conftest import REPO
@@ -386,9 +386,8 @@ def test_serve_replicas_answers_on_every_port(tmp_path: Path, serve_env: dict[st
     is restarted and answers again; Ctrl-C stops everything."""
     env = dict(serve_env, SLUICE_SHARED_URL=REDIS_URL, SLUICE_SHARED_PREFIX=f"serve{time.monotonic_ns()}")
     env.pop("SLUICE_GATEWAY_WORKER_SECRET", None)  # the parent makes one for its children
-    port = free_port()
-    while _port_taken(port + 1):  # the second replica takes the next port
-        port = free_port()
+    env["SLUICE_GATEWAY_WORKER_PORT"] = str(free_ports(2))  # each replica takes its own worker port
+    port = free_ports(2)  # the second replica takes the next port
     cluster = Serve(tmp_path, env, port, "--replicas", "2", "--workers", "1")
     children: list[int] = []
     try:
@@ -437,12 +436,6 @@ def test_serve_replicas_answers_on_every_port(tmp_path: Path, serve_env: dict[st
     assert code == 0
     time.sleep(1.0)
     assert all(not alive(pid) for pid in children)
-
-
-def _port_taken(port: int) -> bool:
-    from sluice.broker import port_in_use
-
-    return port_in_use("127.0.0.1", port)
 
 
 def _children(pid: int) -> list[int]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.broker import free_port, port_in_use
+from sluice.broker import free_ports
 from sluice.client import stream_chat
 
 from .conftest import REDIS_URL
@@ -74,13 +74,6 @@ class ServeCluster:
         raise AssertionError(f"no replica process on port {port}")
 
 
-def _two_free_ports() -> int:
-    port = free_port()
-    while port_in_use("127.0.0.1", port + 1):
-        port = free_port()
-    return port
-
-
 def _ready(base: str) -> bool:
     try:
         return httpx.get(base + "/ready", timeout=10).status_code == 200
@@ -109,12 +102,12 @@ def serve_cluster(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path
     (config / "sluice.toml").write_text(SLUICE_TOML)
     (config / "models.toml").write_text(f'[[models]]\nname = "demo"\npath = "{demo_model_dir}"\n')
     (config / "tenants.toml").write_text(TENANTS_TOML)
-    port = _two_free_ports()
+    port = free_ports(2)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), OMP_NUM_THREADS="1",
                SLUICE_CONFIG_DIR=str(config), SLUICE_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,
                SLUICE_KAFKA_TOPIC_PREFIX=f"rolling{time.monotonic_ns()}", SLUICE_DATABASE_URL=postgres_database,
                SLUICE_SHARED_URL=REDIS_URL, SLUICE_SHARED_PREFIX=shared_prefix, SLUICE_SHARED_LEASE_S="2",
-               SLUICE_GATEWAY_WORKER_PORT=str(free_port()), SLUICE_GATEWAY_RECORD_LOG_PATH="",
+               SLUICE_GATEWAY_WORKER_PORT=str(free_ports(2)),  # one per replica SLUICE_GATEWAY_RECORD_LOG_PATH="",
                SLUICE_ADMIN_TOKEN=ADMIN_TOKEN, SLUICE_ADMIN_DEMO_TENANT="")
     env.pop("SLUICE_GATEWAY_WORKER_SECRET", None)  # the parent makes one for its children
     log_path = cwd / "serve.log"
