@@ -263,21 +263,11 @@ class KafkaBackend:
     # ---- accepting -----------------------------------------------------------------------------
 
     async def submit(self, request: GenerateRequest) -> Submission:
-        if not self._started:
-            raise BackendUnavailable("the gateway is starting or stopping; try again shortly")
-        if request.request_id in self._streams:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        stream = StreamSubmission(request.request_id, self)
         # Registered before the write: our consumer may read the record before append() returns.
-        self._streams[request.request_id] = stream
-        try:
-            # Dispatched at once, while the broker is still writing it (module docstring): the
-            # client hears nothing (this returns nothing) until the append is acknowledged, so
-            # the stream's time to first token is max(ack, first token), not their sum.
-            self._enqueue(request, stream.deliver, ref=None)
-        except BaseException:
-            self._streams.pop(request.request_id, None)
-            raise
+        # Dispatched at once, while the broker is still writing it (module docstring): the
+        # client hears nothing (this returns nothing) until the append is acknowledged, so the
+        # stream's time to first token is max(ack, first token), not their sum.
+        stream = self._open_stream(request)
         try:
             await self._log.append(request)
         except QueueUnavailable as exc:
@@ -292,8 +282,16 @@ class KafkaBackend:
         """Continues a stream another replica accepted and lost (gateway/takeover.py): dispatched
         with its `resume_token_ids`, ahead of its tenant's newer work; its held record is
         already in Kafka (nothing is written)."""
+        stream = self._open_stream(request)
+        job = stream.job
+        if job is not None:  # what it resumes after counts as delivered (worker failover goes on from it)
+            job.output_token_ids = list(request.resume_token_ids)
+        return stream
+
+    def _open_stream(self, request: GenerateRequest) -> StreamSubmission:
+        """Registers a request accepted here (or taken over) and hands it to the dispatcher."""
         if not self._started:
-            raise BackendUnavailable("the gateway is starting or stopping")
+            raise BackendUnavailable("the gateway is starting or stopping; try again shortly")
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         stream = StreamSubmission(request.request_id, self)
@@ -303,9 +301,6 @@ class KafkaBackend:
         except BaseException:
             self._streams.pop(request.request_id, None)
             raise
-        job = stream.job
-        if job is not None:  # what it resumes after counts as delivered (worker failover goes on from it)
-            job.output_token_ids = list(request.resume_token_ids)
         return stream
 
     async def enqueue_batch_line(self, request: GenerateRequest) -> None:
