@@ -18,6 +18,7 @@ Levers:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -54,10 +55,12 @@ def _pack_lever(engine: LLMEngine) -> Callable[[bool], None]:
 def _decode_kernel_lever(engine: LLMEngine) -> Callable[[bool], None]:
     if not cpu_decode.build():
         raise SystemExit("the CPU decode kernel cannot be built here")
-    module = cpu_decode._loaded
 
     def set_on(on: bool) -> None:
-        cpu_decode._loaded = module if on else None
+        if on:
+            os.environ.pop(cpu_decode.KERNEL.switch, None)
+        else:
+            os.environ[cpu_decode.KERNEL.switch] = "0"
 
     return set_on
 

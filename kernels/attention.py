@@ -10,8 +10,9 @@ position seq_lens[b] - q_len_b + i and attends causally to positions 0..that pos
 
 Two torch implementations live here: `paged_attention_ref`, a per-sequence loop that is the
 ground truth every other implementation is tested against, and `paged_attention_torch`, the
-batched CPU hot path (padded gather + one fused masked attention call per group of sequences)
-that `Ops("torch")` uses. The Triton kernels live in `paged_decode.py` and `paged_prefill.py`.
+batched CPU hot path (padded gather + one fused masked attention call per group of sequences,
+decodes through the native kernel of `cpu_decode.py` once it is built) that `Ops("torch")` uses.
+The Triton kernels live in `paged_decode.py` and `paged_prefill.py`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class AttentionMetadata:
     seq_lens_host: tuple[int, ...]
     # Per-step scratch: `paged_attention_torch` keeps its gather plan here, so the other layers of
     # the step reuse what the first one built (the metadata of a step is never mutated).
-    plan_cache: dict[tuple[object, ...], list[_GroupPlan]] = field(default_factory=dict, compare=False, repr=False)
+    plan_cache: dict[tuple[object, ...], _StepPlan] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -86,12 +87,6 @@ def paged_attention_ref(
     return out
 
 
-# The native CPU decode kernel (cpu_decode.py) runs decode-only batches up to this many sequences.
-# Interleaved, 1 thread, the real model's heads, contexts 100-700, 30 layers, load average 18-21:
-# 3.0-3.2x the torch path at 1 sequence, 1.05-1.13x at 16, 0.91-1.08x at 64 (there the padded
-# gather + SDPA's blocked kernels keep up with its per-row loops).
-_CPU_KERNEL_MAX_SEQS = 16
-
 # Upper bound on the float32 elements one padded group may materialise (scores or mask, plus
 # gathered K and V): 2**25 elements = 128 MiB. Larger batches are split into several groups, and
 # a chunk too large on its own is split by query rows.
@@ -106,6 +101,14 @@ class _Piece(NamedTuple):
     token_start: int
     num_rows: int
     context_len: int
+
+
+class _NativeDecodes(NamedTuple):
+    """The decodes of a mixed batch, for the native CPU kernel (kernels/cpu_decode.py)."""
+
+    token_index: torch.Tensor  # [N] int64: their query rows
+    block_tables: torch.Tensor  # [N, max_blocks] int32
+    seq_lens: torch.Tensor  # [N] int32
 
 
 class _GroupPlan(NamedTuple):
@@ -125,6 +128,15 @@ class _GroupPlan(NamedTuple):
     real_rows: torch.Tensor | None
 
 
+class _StepPlan(NamedTuple):
+    groups: list[_GroupPlan]  # what the torch path attends, group by group
+    native: _NativeDecodes | None  # decodes the native kernel attends (None: none, or no kernel)
+
+
+def _native_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return q.is_cpu and q.dtype == torch.float32 and k_cache.dtype == torch.float32 and cpu_decode.ready()
+
+
 def paged_attention_torch(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -139,25 +151,35 @@ def paged_attention_torch(
     padded [G, L, Hkv, D] tensor and runs one fused `scaled_dot_product_attention` with an
     additive mask; the query heads that share a KV head are stacked as extra query rows, so K/V
     are never repeated. The plan (grouping, block indices, masks) depends only on the metadata:
-    the first layer of a step builds it and the others reuse it.
+    the first layer of a step builds it and the others reuse it. Float32 on the CPU, once the native
+    kernel is built (`cpu_decode.ready()`), the decodes go to it instead, gather-free: all of a
+    decode-only batch, and the decode rows of a mixed one (its chunks still take the groups).
     """
-    if meta.is_decode_only and meta.num_seqs <= _CPU_KERNEL_MAX_SEQS and q.is_cpu \
-            and q.dtype == torch.float32 and k_cache.dtype == torch.float32 and cpu_decode.ready():
-        # Gather-free: the native kernel reads each sequence's K/V blocks where they lie.
+    native = _native_kernel_applies(q, k_cache)
+    if native and meta.is_decode_only:
+        # Gather-free: the native kernel reads each sequence's K/V blocks where they lie (faster
+        # than the padded gather + SDPA at every batch size measured, 1-128 sequences).
         return cpu_decode.paged_decode_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    key = (num_q_heads, num_kv_heads, head_dim, block_size, q.device)
+    key = (num_q_heads, num_kv_heads, head_dim, block_size, q.device, native)
     plan = meta.plan_cache.get(key)
     if plan is None:
-        plan = _build_plan(meta, num_q_heads, num_kv_heads, head_dim, block_size, q.device)
+        plan = _build_plan(meta, num_q_heads, num_kv_heads, head_dim, block_size, q.device, native)
         meta.plan_cache[key] = plan
     num_tokens = q.shape[0]
-    if len(plan) == 1 and plan[0].token_index is None and plan[0].num_pieces == num_tokens:
+    groups = plan.groups
+    if plan.native is None and len(groups) == 1 and groups[0].token_index is None \
+            and groups[0].num_pieces == num_tokens:
         # A decode-only batch in one group (the common step): the result rows are the output.
-        return _attend_group(q, k_cache, v_cache, plan[0], scale).to(q.dtype)
+        return _attend_group(q, k_cache, v_cache, groups[0], scale).to(q.dtype)
     out = torch.empty_like(q)
-    for group in plan:
+    if plan.native is not None:  # a mixed batch's decodes: the kernel, the chunks below
+        rows = plan.native.token_index
+        attn = cpu_decode.paged_decode_cpu(q.index_select(0, rows), k_cache, v_cache, plan.native.block_tables,
+                                           plan.native.seq_lens, scale)
+        out.index_copy_(0, rows, attn)
+    for group in groups:
         attn = _attend_group(q, k_cache, v_cache, group, scale)  # [G * R, Hq, D]
         if group.token_index is None:
             out[group.first_token:group.first_token + group.num_pieces] = attn
@@ -176,7 +198,8 @@ def _build_plan(
     head_dim: int,
     block_size: int,
     device: torch.device,
-) -> list[_GroupPlan]:
+    native_decodes: bool,
+) -> _StepPlan:
     starts = meta.query_start_loc_host
     decodes: list[_Piece] = []
     chunks: list[_Piece] = []
@@ -191,11 +214,17 @@ def _build_plan(
         for first in range(0, q_len, rows):
             n = min(rows, q_len - first)
             chunks.append(_Piece(b, starts[b] + first, n, seq_len - q_len + first + n))
+    native = None
+    if native_decodes and decodes:
+        seqs = torch.tensor([p.seq for p in decodes], device=meta.block_tables.device)
+        native = _NativeDecodes(torch.tensor([p.token_start for p in decodes], device=device),
+                                meta.block_tables.index_select(0, seqs), meta.seq_lens.index_select(0, seqs))
+        decodes = []
     plan: list[_GroupPlan] = []
     for bucket in [*_bucket_by_length(decodes, block_size, num_kv_heads * head_dim), chunks]:
         for group in _split_by_budget(bucket, num_q_heads, num_kv_heads, head_dim):
             plan.append(_plan_group(meta, group, num_q_heads // num_kv_heads, block_size, device))
-    return plan
+    return _StepPlan(plan, native)
 
 
 # What one more group costs (its own gather, mask and attention call), in the currency of padded

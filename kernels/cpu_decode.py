@@ -1,33 +1,34 @@
-"""Gather-free paged decode attention on the CPU: a small C++ kernel that reads K/V blocks in place.
+"""Gather-free paged decode attention on the CPU: a C++ kernel that reads K/V blocks in place.
 
-The torch path (`attention.paged_attention_torch`) has to copy every decoding sequence's K/V
-blocks into a padded contiguous tensor, per layer and per step, before one fused SDPA call reads
-them again: at 64 decoding sequences that copy was ~11% of a step and the attention call ~14%.
-This kernel walks each sequence's block table and reads the cached rows where they lie: one
-pass over K for the scores, a softmax in float32, one pass over V. Work is split over
-(sequence, KV head) pairs with ATen's thread pool; the query heads that share a KV head are
-done together, so each K/V row is read once per group.
+The torch path (`attention.paged_attention_torch`) copies every decoding sequence's K/V blocks
+into a padded contiguous tensor, per layer and per step, before one fused SDPA call reads them
+again: at 64 decoding sequences that copy was ~11% of a step and the attention call ~14%. Decode
+attention is memory-bound (each K/V element feeds one multiply-add per query head of its group:
+3 for SmolLM2-135M), so what counts is reading each cached row once, in place.
 
-It is built by `build()` with torch's C++ extension loader (a C++ compiler and ninja, which the
-CPU image has) into `build_directory()`, and loaded from there by every later process. An engine
-never compiles it on its own: `ready()` is True only once it is built (`sluice bench engine` and
-`tests/kernels/test_cpu_decode.py` build it). Not built, not buildable, or
-SLUICE_CPU_DECODE_KERNEL=0: the torch path runs; the kernel is a speed-up, never a requirement.
-CUDA decodes use the Triton kernel instead (the model code is the same; only `Ops` differs).
-Float32 only; the same arithmetic as the reference in another summation order (rounding-level).
+This kernel walks each sequence's block table. Pass 1 scores every query head of a KV head's
+group against each row of a block while the block sits in L1 (AVX2/FMA: 8 rows per q vector
+load, one transposing horizontal sum for 8 scores); then an exact softmax per query head (max,
+exp, sum; the scores of one sequence are a few KiB); pass 2 walks the V blocks the same way,
+3 query heads x 32 dims of accumulators in registers, so each V vector load feeds 3 FMAs. Work
+is split over sequences (all their heads: each block is one contiguous read) or, with few
+sequences, over (sequence, KV head) pairs, on ATen's thread pool. Without AVX2, or with a
+head_dim that is not a multiple of 8, plain loops the compiler vectorises do the same passes.
+
+It is built by `kernels/cpu_build.py` (a niced C++ compile in its own process, cached per CPU)
+and imported by `ready()`; `sluice worker` starts the build in the background at start-up
+(`build_in_background`), `sluice bench engine` and the kernel tests wait for it (`build`). Not
+built yet, not buildable, or SLUICE_CPU_DECODE_KERNEL=0: the torch path runs; the kernel is a
+speed-up, never a requirement. CUDA decodes use the Triton kernel instead (the model code is the
+same; only `Ops` differs). Float32 only; the same arithmetic as the reference in another
+summation order (rounding-level).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import logging
-import os
-from pathlib import Path
-from typing import Any
-
 import torch
 
-log = logging.getLogger(__name__)
+from sluice.kernels.cpu_build import NativeKernel
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -36,6 +37,10 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SLUICE_AVX2 1
+#endif
 
 // exp for x <= 0 (scores minus their max), Cephes' expf polynomial: within ~2 ulp of expf, and a
 // loop of it vectorises (libm's expf does not), which matters: a decode step takes B*Hq*L of them.
@@ -57,28 +62,163 @@ static inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// One (sequence, KV head): its G query heads against the sequence's cached rows, block by block.
-template <int D>
-static void attend_one(const float* qb, const float* kp, const float* vp, const int32_t* table,
-                       int64_t L, int64_t BS, int64_t row, int64_t h, int64_t G, float sc,
-                       std::vector<float>& scores, float* ob) {
-  scores.resize(G * L);
-  for (int64_t start = 0, j = 0; start < L; start += BS, ++j) {
-    const int64_t n = std::min(BS, L - start);
-    const float* kb = kp + static_cast<int64_t>(table[j]) * BS * row + h * D;
-    for (int64_t o = 0; o < n; ++o) {
-      const float* kr = kb + o * row;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qr = qb + g * D;
-        float s = 0.f;
-        #pragma omp simd reduction(+:s)
-        for (int d = 0; d < D; ++d) s += qr[d] * kr[d];
-        scores[g * L + start + o] = s * sc;
-      }
+// Where one sequence's work lives: its query heads, output rows and cached rows.
+struct Job {
+  const float* q;       // [Hq, D] this sequence's query
+  float* out;           // [Hq, D]
+  const float* k;       // cache base, [NB, BS, Hkv, D]
+  const float* v;
+  const int32_t* table; // [M] block ids
+  int64_t L, BS, Hkv, G, D;
+  float scale;
+};
+
+#ifdef SLUICE_AVX2
+// Lane i of the result is the sum of a[i]'s eight lanes.
+static inline __m256 hsum_8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// scores[t] = scale * q . k_t for the n rows of one block (k: the block's first row of this head,
+// rows `row` floats apart); 8 rows at a time, so each q vector load feeds 8 FMAs.
+static inline void block_scores(const float* q, const float* k, int64_t n, int64_t row, int64_t D,
+                                float scale, float* scores) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    __m256 acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+    const float* kt = k + t * row;
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + r * row + d), acc[r]);
+    }
+    _mm256_storeu_ps(scores + t, _mm256_mul_ps(hsum_8x8(acc), sc));
+  }
+  for (; t < n; ++t) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + t * row + d), acc);
+    scores[t] = hsum(acc) * scale;
+  }
+}
+
+// acc[g][0:8W] += sum_t p[g][t] * v_t[0:8W] for GT query heads over the n rows of one block: the
+// GT x W accumulators stay in registers, each V vector load feeds GT FMAs.
+template <int GT, int W>
+static inline void block_values(const float* const* p, const float* v, int64_t n, int64_t row, float* const* acc) {
+  __m256 a[GT][W];
+  for (int g = 0; g < GT; ++g)
+    for (int w = 0; w < W; ++w) a[g][w] = _mm256_loadu_ps(acc[g] + 8 * w);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 vr[W];
+    for (int w = 0; w < W; ++w) vr[w] = _mm256_loadu_ps(v + t * row + 8 * w);
+    for (int g = 0; g < GT; ++g) {
+      const __m256 pg = _mm256_broadcast_ss(p[g] + t);
+      for (int w = 0; w < W; ++w) a[g][w] = _mm256_fmadd_ps(pg, vr[w], a[g][w]);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * L;
+  for (int g = 0; g < GT; ++g)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc[g] + 8 * w, a[g][w]);
+}
+
+template <int GT>
+static inline void block_values_d(const float* const* p, const float* v, int64_t n, int64_t row, int64_t D,
+                                  float* const* acc) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    float* ad[GT];
+    for (int g = 0; g < GT; ++g) ad[g] = acc[g] + d;
+    block_values<GT, 4>(p, v + d, n, row, ad);
+  }
+  for (; d < D; d += 8) {
+    float* ad[GT];
+    for (int g = 0; g < GT; ++g) ad[g] = acc[g] + d;
+    block_values<GT, 1>(p, v + d, n, row, ad);
+  }
+}
+#endif
+
+// Portable versions (no AVX2, or a head_dim that is not a multiple of 8).
+static inline void block_scores_plain(const float* q, const float* k, int64_t n, int64_t row, int64_t D,
+                                      float scale, float* scores) {
+  for (int64_t t = 0; t < n; ++t) {
+    float s = 0.f;
+    #pragma omp simd reduction(+:s)
+    for (int64_t d = 0; d < D; ++d) s += q[d] * k[t * row + d];
+    scores[t] = s * scale;
+  }
+}
+
+static inline void block_values_plain(const float* p, const float* v, int64_t n, int64_t row, int64_t D, float* acc) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float pt = p[t];
+    #pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += pt * v[t * row + d];
+  }
+}
+
+// Asks for the next block's rows of heads h0..h1 while this one is computed: blocks are scattered
+// over the pool, so the hardware prefetcher cannot see the next one coming.
+static inline void prefetch_block(const float* base, int64_t n, int64_t row, int64_t first, int64_t count) {
+#ifdef SLUICE_AVX2
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t f = 0; f < count; f += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(base + t * row + first + f), _MM_HINT_T0);
+#endif
+}
+
+// KV heads h0..h1 of one sequence. Pass 1 walks its blocks once and scores every (head, query
+// head of its group) against each cached row while the block is in L1; then an exact softmax per
+// query head (max, exp, sum over the whole row of scores: the scores of all heads of a sequence
+// are a few KiB); pass 2 walks the V blocks once the same way. K and V are each read once, in
+// place: no gather, no padding.
+static void attend(const Job& j, int64_t h0, int64_t h1, std::vector<float>& scratch) {
+  const int64_t G = j.G, D = j.D, L = j.L, BS = j.BS;
+  const int64_t row = j.Hkv * D;  // floats between consecutive slots of one block
+  const int64_t heads = (h1 - h0) * G;
+  if (L <= 0) {  // nothing to attend to (not a decode the engine makes): zeros, not a NaN
+    std::fill(j.out + h0 * G * D, j.out + h1 * G * D, 0.f);
+    return;
+  }
+  scratch.resize(heads * (L + D));
+  float* scores = scratch.data();           // [heads, L]
+  float* acc = scratch.data() + heads * L;  // [heads, D]
+  std::fill(acc, acc + heads * D, 0.f);
+#ifdef SLUICE_AVX2
+  const bool vec = D % 8 == 0;
+#else
+  const bool vec = false;
+#endif
+  for (int64_t start = 0, b = 0; start < L; start += BS, ++b) {
+    const int64_t n = std::min(BS, L - start);
+    const float* kb = j.k + static_cast<int64_t>(j.table[b]) * BS * row;
+    if (start + BS < L)
+      prefetch_block(j.k + static_cast<int64_t>(j.table[b + 1]) * BS * row, std::min(BS, L - start - BS), row,
+                     h0 * D, (h1 - h0) * D);
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qr = j.q + (h * G + g) * D;
+        float* s = scores + ((h - h0) * G + g) * L + start;
+#ifdef SLUICE_AVX2
+        if (vec) { block_scores(qr, kb + h * D, n, row, D, j.scale, s); continue; }
+#endif
+        block_scores_plain(qr, kb + h * D, n, row, D, j.scale, s);
+      }
+  }
+  std::vector<float> inv(heads);
+  for (int64_t i = 0; i < heads; ++i) {
+    float* s = scores + i * L;
     float mx = s[0];
     for (int64_t t = 1; t < L; ++t) mx = std::max(mx, s[t]);
     #pragma omp simd
@@ -86,160 +226,109 @@ static void attend_one(const float* qb, const float* kp, const float* vp, const 
     float sum = 0.f;
     #pragma omp simd reduction(+:sum)
     for (int64_t t = 0; t < L; ++t) sum += s[t];
-    const float inv = 1.f / sum;
-    float acc[D];
-    for (int d = 0; d < D; ++d) acc[d] = 0.f;
-    for (int64_t start = 0, j = 0; start < L; start += BS, ++j) {
-      const int64_t n = std::min(BS, L - start);
-      const float* vb = vp + static_cast<int64_t>(table[j]) * BS * row + h * D;
-      for (int64_t o = 0; o < n; ++o) {
-        const float pr = s[start + o];
-        const float* vr = vb + o * row;
-        #pragma omp simd
-        for (int d = 0; d < D; ++d) acc[d] += pr * vr[d];
+    inv[i] = 1.f / sum;
+  }
+  for (int64_t start = 0, b = 0; start < L; start += BS, ++b) {
+    const int64_t n = std::min(BS, L - start);
+    const float* vb = j.v + static_cast<int64_t>(j.table[b]) * BS * row;
+    if (start + BS < L)
+      prefetch_block(j.v + static_cast<int64_t>(j.table[b + 1]) * BS * row, std::min(BS, L - start - BS), row,
+                     h0 * D, (h1 - h0) * D);
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* vh = vb + h * D;
+      const int64_t first = (h - h0) * G;
+      if (!vec) {
+        for (int64_t g = 0; g < G; ++g)
+          block_values_plain(scores + (first + g) * L + start, vh, n, row, D, acc + (first + g) * D);
+        continue;
       }
+#ifdef SLUICE_AVX2
+      // The group's query heads three at a time: 3 heads x 4 vectors = 12 accumulators (of 16 registers).
+      for (int64_t g = 0; g < G; g += 3) {
+        const int64_t gt = std::min<int64_t>(3, G - g);
+        const float* p[3];
+        float* a[3];
+        for (int64_t i = 0; i < gt; ++i) {
+          p[i] = scores + (first + g + i) * L + start;
+          a[i] = acc + (first + g + i) * D;
+        }
+        if (gt == 3) block_values_d<3>(p, vh, n, row, D, a);
+        else if (gt == 2) block_values_d<2>(p, vh, n, row, D, a);
+        else block_values_d<1>(p, vh, n, row, D, a);
+      }
+#endif
     }
-    float* out = ob + g * D;
-    for (int d = 0; d < D; ++d) out[d] = acc[d] * inv;
   }
-}
-
-static void attend_dyn(const float* qb, const float* kp, const float* vp, const int32_t* table,
-                       int64_t L, int64_t BS, int64_t row, int64_t h, int64_t G, int64_t D, float sc,
-                       std::vector<float>& scores, float* ob) {
-  scores.resize(G * L);
-  for (int64_t t = 0; t < L; ++t) {
-    const float* kr = kp + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + h * D;
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += qb[g * D + d] * kr[d];
-      scores[g * L + t] = s * sc;
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * L;
-    float mx = s[0];
-    for (int64_t t = 1; t < L; ++t) mx = std::max(mx, s[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < L; ++t) { s[t] = exp_nonpositive(s[t] - mx); sum += s[t]; }
-    float* out = ob + g * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
-    for (int64_t t = 0; t < L; ++t) {
-      const float* vr = vp + (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * row + h * D;
-      for (int64_t d = 0; d < D; ++d) out[d] += s[t] * vr[d];
-    }
-    for (int64_t d = 0; d < D; ++d) out[d] /= sum;
+  for (int64_t i = 0; i < heads; ++i) {
+    float* out = j.out + (h0 * G + i) * D;
+    const float* a = acc + i * D;
+    #pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = a[d] * inv[i];
   }
 }
 
 // q [B, Hq, D], caches [NB, BS, Hkv, D], block_tables [B, M] int32, seq_lens [B] int32 -> out [B, Hq, D]
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
+              v_cache.dtype() == torch::kFloat32, "float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 tables");
   auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "shapes");
   const int64_t G = Hq / Hkv, M = tables.size(1);
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t row = Hkv * D;  // floats between consecutive slots of one block
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / Hkv, h = idx % Hkv;
-      const float* qb = qp + (b * Hq + h * G) * D;
-      float* ob = op + (b * Hq + h * G) * D;
-      const int32_t* table = tp + b * M;
-      if (D == 64) attend_one<64>(qb, kp, vp, table, lp[b], BS, row, h, G, sc, scores, ob);
-      else if (D == 128) attend_one<128>(qb, kp, vp, table, lp[b], BS, row, h, G, sc, scores, ob);
-      else attend_dyn(qb, kp, vp, table, lp[b], BS, row, h, G, D, sc, scores, ob);
-    }
-  });
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  auto job = [&](int64_t b) {
+    return Job{qp + b * Hq * D, op + b * Hq * D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+               tp + b * M, lp[b], BS, Hkv, G, D, static_cast<float>(scale)};
+  };
+  // Whole sequences per task while there are enough of them (each block is then read as one
+  // contiguous run of all its heads); (sequence, KV head) pairs when there are few, so two
+  // threads still share one long sequence.
+  if (B >= 4 * at::get_num_threads()) {
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t b = begin; b < end; ++b) attend(job(b), 0, Hkv, scratch);
+    });
+  } else {
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t i = begin; i < end; ++i) attend(job(i / Hkv), i % Hkv, i % Hkv + 1, scratch);
+    });
+  }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode); }
 """
 
-
-_NAME = "sluice_cpu_paged_decode_v2"
-
-
-def build_directory() -> Path:
-    """Where the kernel is built and looked for: SLUICE_KERNEL_CACHE or ~/.cache/sluice/kernels."""
-    root = os.environ.get("SLUICE_KERNEL_CACHE") or Path.home() / ".cache" / "sluice" / "kernels"
-    return Path(root) / _NAME
-
-
-def _disabled() -> bool:
-    return os.environ.get("SLUICE_CPU_DECODE_KERNEL", "1") == "0"
-
-
-_loaded: Any | None = None
-_tried = False
+KERNEL = NativeKernel("sluice_cpu_paged_decode", _SOURCE, __name__, switch="SLUICE_CPU_DECODE_KERNEL")
 
 
 def build() -> bool:
-    """Builds the kernel (if it is not built yet: a C++ compile of a minute or more) and loads it;
-    False, with a warning, if it cannot be built. The engine bench calls this before timing."""
-    global _loaded, _tried
-    if _loaded is not None:
-        return True
-    if _disabled():
-        return False
-    try:
-        from torch.utils.cpp_extension import load_inline
+    """Builds the kernel if needed (waiting for the compile) and loads it; False where it cannot."""
+    return KERNEL.build()
 
-        directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
-        _loaded = load_inline(name=_NAME, cpp_sources=[_SOURCE], build_directory=str(directory),
-                              extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
-    except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
-        log.warning("CPU decode kernel unavailable, using the torch path: %s", str(exc).splitlines()[0])
-        _loaded = None
-    _tried = True
-    return _loaded is not None
+
+def build_in_background() -> None:
+    """Starts the build without waiting (a worker at start-up); the torch path runs meanwhile."""
+    KERNEL.build_in_background()
 
 
 def ready() -> bool:
-    """Whether the kernel can run now without compiling: loaded, or built before (by `build()` in
-    any process on this machine), then loaded. Never compiles, so an engine's first step does not
-    wait a minute for a compiler; `sluice bench engine` builds it first."""
-    global _loaded, _tried
-    if _loaded is not None:
-        return True
-    if _tried or _disabled():
-        return False
-    path = build_directory() / f"{_NAME}.so"
-    if not path.is_file():
-        return False  # looked for again at the next call: a bench or the test may build it meanwhile
-    # The built module is imported as it is, never through the extension loader: that loader may
-    # decide to rebuild (a minute of compiling inside an engine step) and waits on its build lock,
-    # forever if a killed build left one behind.
-    _tried = True
-    try:
-        spec = importlib.util.spec_from_file_location(_NAME, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {path}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        _loaded = module
-    except Exception as exc:  # half-written by a build in progress, or built for another torch
-        log.warning("CPU decode kernel at %s could not be loaded, using the torch path: %s", path, exc)
-        _loaded = None
-    return _loaded is not None
+    """Whether the kernel can run now: loaded, or built by any process and loaded now. Never compiles."""
+    return KERNEL.ready()
 
 
 def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, Hq, D] float32, one decode token per sequence -> [B, Hq, D]. Call only if `ready()`."""
-    assert _loaded is not None
-    return _loaded.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
+    assert KERNEL.module is not None
+    return KERNEL.module.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)

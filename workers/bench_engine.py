@@ -249,8 +249,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if config.device == "cpu":
         from sluice.kernels import cpu_decode
 
-        # Built here, outside every timing, so the engines' decode steps use it (it is a C++
-        # compile the first time on a machine; engines never compile it themselves).
+        # Built here, outside every timing, so the engines' decode steps use it from the first
+        # one (a C++ compile the first time on a machine; an engine alone only starts that
+        # build in the background and takes the torch path until it is done).
         report["config"]["cpu_decode_kernel"] = (cpu_decode.ready() if args.no_kernel_build
                                                  else cpu_decode.build())
         report["matmul_peak"] = bench_peer.matmul_peak(model_cfg)

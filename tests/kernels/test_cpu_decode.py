@@ -1,8 +1,8 @@
 """The CPU's gather-free paged decode kernel (kernels/cpu_decode.py) against the torch reference.
 
-The first test builds the kernel (a C++ compile: a minute or more on a loaded 2-core machine),
-which also makes the engine use it in later tests of the same machine; it skips where no
-compiler is available, since the engine then runs the torch path.
+The fixture builds the kernel (a C++ compile: a minute or more on a loaded 2-core machine; the
+binary is cached per CPU), which also makes the engine use it in later tests of the same machine;
+the tests skip where no compiler is available, since the engine then runs the torch path.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluice.kernels import cpu_decode
+from sluice.kernels import cpu_build, cpu_decode
 from sluice.kernels.attention import paged_attention_ref, paged_attention_torch
 from sluice.kernels.linear import linear, pack_weight
-from sluice.kernels.testing import make_metadata
+from sluice.kernels.testing import make_metadata, make_paged_batch
 
 pytestmark = [pytest.mark.kernels, pytest.mark.timeout(1800)]
 
@@ -30,27 +30,78 @@ def built() -> None:
         pytest.skip("the CPU decode kernel cannot be built here (no C++ compiler or ninja)")
 
 
-@pytest.mark.parametrize(("hq", "hkv", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 80, 16)])
-def test_cpu_decode_matches_reference(built: None, hq: int, hkv: int, head_dim: int, block_size: int) -> None:
-    gen = torch.Generator().manual_seed(hq * 100 + head_dim)
-    seqs = [(1, n) for n in (1, 2, block_size, block_size + 1, 37, 300, 5)]
-    meta, _, num_blocks = make_metadata(seqs, block_size, generator=gen)
+def _decode_case(hq: int, hkv: int, head_dim: int, block_size: int, lengths: list[int], seed: int):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    meta, _, num_blocks = make_metadata([(1, n) for n in lengths], block_size, generator=gen)
     k = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen)
     v = torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen)
-    q = torch.randn(len(seqs), hq, head_dim, generator=gen)
-    scale = head_dim ** -0.5
-    ref = paged_attention_ref(q, k, v, meta, scale)
-    out = cpu_decode.paged_decode_cpu(q, k, v, meta.block_tables, meta.seq_lens, scale)
-    assert out.shape == ref.shape
+    q = torch.randn(len(lengths), hq, head_dim, generator=gen)
+    return q, k, v, meta
+
+
+# (query heads, KV heads, head_dim, block size): the real model's GQA 3, no GQA, GQA 4 and 8 (the
+# query heads of a group are done three at a time: 8 = 3 + 3 + 2), head dims that are not a
+# multiple of 32 (80: a tail of 16) or of 8 (20, 36: the portable loops), block sizes 1 to 32.
+@pytest.mark.parametrize(("hq", "hkv", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 80, 16), (8, 1, 128, 32), (6, 3, 20, 4),
+                          (4, 2, 36, 1), (2, 2, 64, 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_decode_matches_reference(built: None, hq: int, hkv: int, head_dim: int, block_size: int,
+                                      threads: int) -> None:
+    """Ragged lengths (1 row, a block, a block and one, long), with many sequences (split by
+    sequence) and few (split by KV head), on one and two threads."""
+    lengths = [1, 2, block_size, block_size + 1, 37, 300, 5, 9, 700, 64]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for batch in (lengths, lengths[4:6], [lengths[5]]):
+            q, k, v, meta = _decode_case(hq, hkv, head_dim, block_size, batch, seed=hq * 100 + head_dim)
+            scale = head_dim ** -0.5
+            ref = paged_attention_ref(q, k, v, meta, scale)
+            out = cpu_decode.paged_decode_cpu(q, k, v, meta.block_tables, meta.seq_lens, scale)
+            assert out.shape == ref.shape
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            # The torch backend routes a decode-only batch through the kernel once it is ready.
+            assert torch.equal(paged_attention_torch(q, k, v, meta, scale), out)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_mixed_batch_sends_its_decodes_to_the_kernel(built: None) -> None:
+    """Prefill chunks and decodes in one batch: the decodes go to the kernel, the chunks to the
+    padded SDPA groups; together they equal the reference, and the switch turns the kernel off."""
+    seqs = [(1, 40), (17, 60), (1, 3), (1, 250), (5, 5), (1, 16)]
+    batch = make_paged_batch(seqs, block_size=16, num_q_heads=9, num_kv_heads=3, head_dim=64)
+    scale = 0.125
+    ref = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    out = paged_attention_torch(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    # The torch backend routes a small decode-only batch through the kernel once it is ready (a
-    # larger one takes the padded SDPA path, faster there); both agree with the reference.
-    assert cpu_decode.ready()
-    torch.testing.assert_close(paged_attention_torch(q, k, v, meta, scale), ref, rtol=1e-5, atol=1e-5)
-    small, _, small_blocks = make_metadata(seqs[:3], block_size, generator=gen)
-    ks, vs = k[:small_blocks].contiguous(), v[:small_blocks].contiguous()
-    direct = cpu_decode.paged_decode_cpu(q[:3], ks, vs, small.block_tables, small.seq_lens, scale)
-    assert torch.equal(paged_attention_torch(q[:3].contiguous(), ks, vs, small, scale), direct)
+    (plan,) = batch.meta.plan_cache.values()
+    assert plan.native is not None and plan.native.token_index.tolist() == [0, 18, 19, 25]
+    assert all(group.rows_per_piece > 1 for group in plan.groups)
+
+
+def test_the_switch_turns_the_kernel_off(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLUICE_CPU_DECODE_KERNEL", "0")
+    assert not cpu_decode.ready()
+    cpu_decode.build_in_background()  # does nothing while off
+    assert cpu_decode.KERNEL._building is None
+    batch = make_paged_batch([(1, 40), (3, 9)], block_size=16, num_q_heads=9, num_kv_heads=3, head_dim=64)
+    paged_attention_torch(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    (plan,) = batch.meta.plan_cache.values()
+    assert plan.native is None
+
+
+def test_the_cache_key_names_the_cpu_torch_and_source(built: None, monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    """A -march=native binary is looked for under a key of this CPU (and torch, flags, source):
+    a cache shared by machines with other CPUs never hands one of them a foreign binary."""
+    path = cpu_decode.KERNEL.path()
+    monkeypatch.setattr(cpu_build, "cpu_key", lambda: "x86_64|another CPU|avx2 fma sse2")
+    assert cpu_decode.KERNEL.path() != path
+    assert cpu_decode.KERNEL.path().name == path.name
+    monkeypatch.setenv("SLUICE_KERNEL_CACHE", str(tmp_path))
+    assert cpu_decode.KERNEL.path().is_relative_to(tmp_path)
 
 
 def test_packed_linear_is_the_plain_onednn_call() -> None:
@@ -72,18 +123,21 @@ def test_packed_linear_is_the_plain_onednn_call() -> None:
     assert pack_weight(weight.bfloat16()) is None
 
 
-def test_an_engine_process_loads_the_built_kernel_without_the_extension_loader(built: None, tmp_path: Path) -> None:
+def test_an_engine_process_loads_the_built_kernel_without_compiling(built: None, tmp_path: Path) -> None:
     """`ready()` (what an engine step asks) imports the built module as it is: a build lock left
-    by a killed build (which made the extension loader wait forever, stalling the engine until its
-    heartbeats were missed) and sources it would rebuild from do not matter."""
+    behind (torch's extension loader waited forever on one, stalling an engine until its
+    heartbeats were missed) does not matter, and nothing is compiled, also not in the background."""
     cache = tmp_path / "kernels"
-    target = cache / cpu_decode.build_directory().name
-    target.mkdir(parents=True)
-    shutil.copy(cpu_decode.build_directory() / f"{cpu_decode.build_directory().name}.so", target)
-    (target / "lock").touch()  # as a SIGKILLed build leaves it
     env = {**os.environ, "SLUICE_KERNEL_CACHE": str(cache)}
-    done = subprocess.run([sys.executable, "-c", "from sluice.kernels import cpu_decode; print(cpu_decode.ready())"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    where = "from sluice.kernels import cpu_decode; print(cpu_decode.KERNEL.path())"
+    found = subprocess.run([sys.executable, "-c", where], env=env, capture_output=True, text=True, timeout=120)
+    target = Path(found.stdout.strip())
+    target.parent.mkdir(parents=True)
+    shutil.copy(cpu_decode.KERNEL.path(), target)
+    (target.parent / "lock").touch()  # as a SIGKILLed build of torch's loader leaves it
+    (target.parent / "build.lock").touch()
+    check = "from sluice.kernels import cpu_decode; cpu_decode.build_in_background(); print(cpu_decode.ready())"
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
-    assert not (target / "main.o").exists()  # nothing was compiled
+    assert sorted(p.name for p in target.parent.iterdir()) == ["build.lock", "lock", target.name]  # no build

@@ -1,0 +1,184 @@
+"""Building and loading sluice's native CPU kernels (C++ through torch's extension loader).
+
+A kernel is compiled with `-O3 -march=native`, so its binary fits one CPU model: it is cached
+under a key of the CPU (model name and feature flags), torch's version, the compiler flags and
+the source, in SLUICE_KERNEL_CACHE or ~/.cache/sluice/kernels. A home directory shared by
+machines with different CPUs then holds one binary per CPU, and an edited source builds afresh.
+
+The compile always runs in a separate, niced process (`python -m sluice.kernels.cpu_build
+<module>`), in a fresh temporary directory beside the target, and moves the finished module into
+place with one rename: an engine process never compiles, never waits on torch's build lock (a
+stale one left by a killed build once stalled an engine step until its heartbeats were missed),
+and never sees a half-written module. Two builders of one kernel serialise on an flock, which
+the kernel releases when its holder dies. `NativeKernel.ready()`, what an engine asks before
+using a kernel, only imports an already built module (importlib, not the extension loader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import importlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+_BUILD_TIMEOUT_S = 1800  # a build takes ~40 s of CPU; minutes of wall time on a loaded machine
+_LOOK_EVERY_S = 1.0  # how often ready() looks for a module a build may have finished meanwhile
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SLUICE_KERNEL_CACHE") or Path.home() / ".cache" / "sluice" / "kernels")
+
+
+def cpu_key() -> str:
+    """What a -march=native binary depends on: the CPU model and its feature flags."""
+    model, flags = platform.processor(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name" and not model:
+                model = value.strip()
+            elif name.strip() in ("flags", "Features") and not flags:
+                flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return f"{platform.machine()}|{model}|{flags}"
+
+
+class NativeKernel:
+    """One C++ kernel module: where it is cached, how it is built, and the loaded module."""
+
+    def __init__(self, name: str, source: str, defined_in: str, switch: str) -> None:
+        self.name = name  # the extension's module name (its PyInit_ symbol)
+        self.source = source
+        self.defined_in = defined_in  # the Python module holding this object, for the build process
+        self.switch = switch  # environment variable; "0" turns the kernel off
+        self.module: Any | None = None
+        self._failed: Path | None = None  # a built file that would not load: not retried
+        self._next_look = 0.0
+        self._building: threading.Thread | None = None
+
+    @property
+    def disabled(self) -> bool:
+        return os.environ.get(self.switch, "1") == "0"
+
+    def path(self) -> Path:
+        key = "\n".join([cpu_key(), torch.__version__, sys.version, " ".join(_CFLAGS), self.source])
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return cache_root() / f"{self.name}-{digest}" / f"{self.name}.so"
+
+    def ready(self) -> bool:
+        """Loaded, or built (by any process of this machine) and loaded now. Never compiles."""
+        if self.disabled:
+            return False
+        if self.module is not None:
+            return True
+        now = time.monotonic()
+        if now < self._next_look:
+            return False
+        self._next_look = now + _LOOK_EVERY_S
+        path = self.path()
+        if path == self._failed or not path.is_file():
+            return False
+        try:
+            spec = importlib.util.spec_from_file_location(self.name, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load {path}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except Exception as exc:  # built for another torch, or damaged
+            log.warning("native kernel %s at %s could not be loaded, using the torch path: %s", self.name, path, exc)
+            self._failed = path
+            return False
+        self.module = module
+        log.info("native kernel %s loaded from %s", self.name, path)
+        return True
+
+    def build(self) -> bool:
+        """Builds the kernel if it is not built yet (a compile of a minute or more), waiting for
+        it, then loads it; False, with a warning, where it cannot be built."""
+        if self.disabled:
+            return False
+        if not self.ready() and not self.path().is_file():
+            self._compile()
+        self._next_look = 0.0
+        return self.ready()
+
+    def build_in_background(self) -> None:
+        """Starts the build in a background thread (its compile in a niced child process) unless
+        the kernel is off, built or being built; the torch path runs until it is ready."""
+        if self.disabled or self.ready() or self.path().is_file() or self._building is not None:
+            return
+        log.info("building native kernel %s in the background (a C++ compile, minutes on a busy machine); "
+                 "the torch path runs until it is ready", self.name)
+        self._building = threading.Thread(target=self._compile, name=f"build-{self.name}", daemon=True)
+        self._building.start()
+
+    def _compile(self) -> None:
+        started = time.monotonic()
+        try:
+            done = subprocess.run([sys.executable, "-m", "sluice.kernels.cpu_build", self.defined_in],
+                                  capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("native kernel %s not built, using the torch path: %s", self.name, exc)
+            return
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            log.warning("native kernel %s not built (no C++ compiler or ninja?), using the torch path: %s",
+                        self.name, lines[-1] if lines else f"exit code {done.returncode}")
+            return
+        log.info("native kernel %s built in %.0f s: %s", self.name, time.monotonic() - started, self.path())
+
+
+def _build_here(kernel: NativeKernel) -> None:
+    """The build process: compile into a fresh directory, import it once, move it into place."""
+    from torch.utils.cpp_extension import load_inline
+
+    target = kernel.path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        if target.is_file():
+            return  # another builder finished while this one waited
+        scratch = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
+        try:
+            load_inline(name=kernel.name, cpp_sources=[kernel.source], build_directory=str(scratch),
+                        extra_cflags=list(_CFLAGS), verbose=False)
+            os.replace(scratch / f"{kernel.name}.so", target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="build one of sluice's native CPU kernels")
+    parser.add_argument("module", help="the Python module whose KERNEL to build, e.g. sluice.kernels.cpu_decode")
+    args = parser.parse_args()
+    kernel = importlib.import_module(args.module).KERNEL
+    if not isinstance(kernel, NativeKernel):
+        raise SystemExit(f"{args.module}.KERNEL is not a NativeKernel")
+    os.nice(10)  # an engine on the same cores keeps the priority
+    _build_here(kernel)
+    return 0
+
+
+if __name__ == "__main__":
+    # Through the package, so NativeKernel is the class the kernel modules import (not __main__'s).
+    from sluice.kernels import cpu_build
+
+    sys.exit(cpu_build.main())
