@@ -156,6 +156,8 @@ def _build_here(kernel: NativeKernel) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
         if target.is_file():
             return  # another builder finished while this one waited
+        for stale in target.parent.glob("build-*"):  # left by a builder killed with its worker
+            shutil.rmtree(stale, ignore_errors=True)
         scratch = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
         try:
             load_inline(name=kernel.name, cpp_sources=[kernel.source], build_directory=str(scratch),
