@@ -3,9 +3,15 @@ requests spread over 3 replicas (Jain >= 0.95 at 10x skew, 2:1 weights -> 2:1 +-
 tenant served from one replica is not out-shared by a heavy tenant on all three, and interactive
 requests overtake a batch backlog accepted on other replicas.
 
-Method (as tests/integration/dispatch/test_dispatch.py): every worker is drained on every replica
-while all requests are accepted, then put back in service, so the order the workers run them in
-is the schedule's decision and not a race with how fast 2 busy cores accept 100 HTTP requests.
+Method: every worker is kept full (its engine's seats and its waiting queue) by a blocker
+tenant's long requests while all requests are accepted; then the blockers are cancelled, so the
+order the workers run the requests in is the schedule's decision and not a race with how fast 2
+busy cores accept 100 HTTP requests. Meanwhile every replica holding requests is refused a slot
+and files its head job (gateway/slots.py), so all of them contend for the first freed slot.
+(Draining the workers on every replica and undraining them, as tests/integration/dispatch does
+with one gateway, was flaky here: the replicas take the undrain at moments up to a few hundred
+ms apart on the busy machine, and the first back alone fills every freed slot meanwhile, its own
+light requests first and then heavy ones only: CI measured Jain 0.80.)
 The order is read worker-side: each request's first scheduling on an engine (the replicas'
 records). Tokens per tenant are counted over the dispatches made while both tenants were
 backlogged. Workers run 2 sequences each, so the schedule, not the engines, decides.
@@ -17,7 +23,6 @@ import asyncio
 import itertools
 import json
 import secrets
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -30,27 +35,21 @@ from .helpers import complete, until, wait_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.postgres]
 
-MAX_WORKER_WAITING = 2
+MAX_WORKER_WAITING = 2  # dispatch.max_worker_waiting (the default)
+WORKER_MAX_NUM_SEQS = 2
+# A blocker runs this long (its worker's engine at 2 sequences: tens of seconds here), far longer
+# than accepting the requests takes; it is cancelled once they are queued.
+BLOCKER_TOKENS = 3000
 
 
 @pytest.fixture(scope="module")
 def cluster_overrides() -> dict[str, object]:
     # No aging: a batch backlog older than aging_s would rightly go first and hide the class order.
-    return {"worker_max_num_seqs": 2, "sluice_toml": "[scheduler]\naging_s = 0.0\n"}
+    return {"worker_max_num_seqs": WORKER_MAX_NUM_SEQS, "sluice_toml": "[scheduler]\naging_s = 0.0\n"}
 
 
 def jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
-
-
-def set_draining(cluster: Cluster, draining: bool) -> None:
-    """Every worker on every replica, all calls at once: undrained one replica after another, the
-    first would fill every worker slot before the others could dispatch anything."""
-    action = "drain" if draining else "undrain"
-    calls = [(replica.index, f"/workers/w{worker}/{action}") for replica in cluster.replicas
-             for worker in range(len(cluster.workers))]
-    with ThreadPoolExecutor(len(calls)) as pool:
-        list(pool.map(lambda call: cluster.admin("POST", call[1], replica=call[0]), calls))
 
 
 def queued(cluster: Cluster) -> int:
@@ -61,11 +60,24 @@ def queued(cluster: Cluster) -> int:
     return total
 
 
-async def run_drained(cluster: Cluster, requests: list[tuple[int, str]], max_tokens: int = 8) -> None:
-    """Accept every (replica, key) request while the workers are drained, then release them all."""
-    set_draining(cluster, True)
+def worker_load(cluster: Cluster) -> list[tuple[int, int]]:
+    """(running, waiting) of each worker, as its engine last reported them (to replica 0)."""
+    return [(w["num_running"], w["num_waiting"]) for w in cluster.admin("GET", "/workers")["workers"]]
+
+
+async def run_contended(cluster: Cluster, requests: list[tuple[int, str]], max_tokens: int = 8) -> None:
+    """Accept every (replica, key) request while the workers are full of blockers, then cancel
+    the blockers (module docstring): every replica contends for the first freed slot."""
+    blocker = cluster.new_tenant(f"blocker-{secrets.token_hex(3)}")[2]
+    full = [(WORKER_MAX_NUM_SEQS, MAX_WORKER_WAITING)] * len(cluster.workers)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
+        blockers = [asyncio.create_task(complete(client, cluster, 0, blocker, max_tokens=BLOCKER_TOKENS,
+                                                 ignore_eos=True)) for _ in range(len(full) * sum(full[0]))]
         try:
+            async def workers_full() -> bool:
+                return sorted(await asyncio.to_thread(worker_load, cluster)) == full
+
+            await until(workers_full, 120, f"every worker full of blockers {full}", interval_s=0.2)
             calls = [asyncio.create_task(complete(client, cluster, replica, key, max_tokens=max_tokens,
                                                   ignore_eos=True)) for replica, key in requests]
 
@@ -73,8 +85,11 @@ async def run_drained(cluster: Cluster, requests: list[tuple[int, str]], max_tok
                 return await asyncio.to_thread(queued, cluster) >= len(requests)
 
             await until(all_queued, 120, f"{len(requests)} queued requests", interval_s=0.2)
+            assert not any(b.done() for b in blockers), "a blocker ended before the requests queued: make it longer"
         finally:
-            set_draining(cluster, False)
+            for task in blockers:  # the client goes away: each blocker is aborted at its worker
+                task.cancel()
+            await asyncio.gather(*blockers, return_exceptions=True)
         answers = await asyncio.gather(*calls)
     assert all(a.status_code == 200 for a in answers), {a.status_code for a in answers}
 
@@ -107,7 +122,7 @@ async def check_jain(cluster: Cluster, light_replicas: list[int], label: str) ->
     light = cluster.new_tenant(light_name)[2]
     every = [r.index for r in cluster.replicas]
     heavy_n, light_n = 100, 10  # 10x skew
-    await run_drained(cluster, interleave(spread(heavy, heavy_n, every), spread(light, light_n, light_replicas)))
+    await run_contended(cluster, interleave(spread(heavy, heavy_n, every), spread(light, light_n, light_replicas)))
     records = (await wait_records(cluster, heavy_name, heavy_n)) + (await wait_records(cluster, light_name, light_n))
     order = served_order(records)
     contended = order[:2 * light_n]  # while the light tenant still had work queued, if served fairly
@@ -135,7 +150,7 @@ async def test_weights_two_to_one_over_replicas_give_two_to_one_tokens(cluster: 
     bronze = cluster.new_tenant(bronze_name, weight=1.0)[2]
     every = [r.index for r in cluster.replicas]
     per_tenant = 45
-    await run_drained(cluster, interleave(spread(gold, per_tenant, every), spread(bronze, per_tenant, every[::-1])))
+    await run_contended(cluster, interleave(spread(gold, per_tenant, every), spread(bronze, per_tenant, every[::-1])))
     records = (await wait_records(cluster, gold_name, per_tenant)) + (await wait_records(cluster, bronze_name,
                                                                                          per_tenant))
     contended = served_order(records)[:60]  # gold would run out at 67 of 90 at exactly 2:1
