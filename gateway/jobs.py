@@ -1,15 +1,15 @@
 """A job: one request the gateway's dispatcher is responsible for, with the output it delivered.
 
 The dispatcher (gateway/dispatch.py) owns the jobs; a job owns its output so far (token ids,
-the count, batch token times, the first output delta), which only `take_output` and
-`reset_output` change: worker failover resumes from `output_token_ids`, fair share charges the
+the count, batch token times, the first output delta), which only `take_output`, `reset_output`
+and `resume_after` change: worker failover resumes from `output_token_ids`, fair share charges the
 tokens `take_output` reports, and records read `num_output_tokens`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ class Job:
     started: bool = False  # the worker produced something for it (it left the waiting queue)
     attempts: int = 0
     slot: str = ""  # its worker slot in the shared store while it holds one (gateway/slots.py)
-    # Its output so far, owned here and changed only by `take_output` / `reset_output`:
+    # Its output so far, owned here and changed only by `take_output` / `reset_output` / `resume_after`:
     # token ids delivered to the sink (where a re-queued job resumes, worker failover) ...
     output_token_ids: list[int] = field(default_factory=list)
     # ... and tokens counted without ids (an upstream that sends none, or whose usage says more).
@@ -76,6 +76,13 @@ class Job:
                                             first_token_time=first.first_token_time,
                                             num_cached_tokens=first.num_cached_tokens)
         return delta, max(0, self.num_output_tokens - before)
+
+    def resume_after(self, token_ids: Sequence[int]) -> None:
+        """Tokens another replica delivered before it was lost (a stream taken over): they count as
+        delivered, so a later worker failover goes on after them too."""
+        if self.num_output_tokens:
+            raise ValueError(f"job {self.request_id} already has output; only a fresh job resumes after another's")
+        self.output_token_ids.extend(token_ids)
 
     def reset_output(self) -> None:
         """It runs again from scratch: nothing of it was delivered."""

@@ -283,9 +283,8 @@ class KafkaBackend:
         with its `resume_token_ids`, ahead of its tenant's newer work; its held record is
         already in Kafka (nothing is written)."""
         stream = self._open_stream(request)
-        job = stream.job
-        if job is not None:  # what it resumes after counts as delivered (worker failover goes on from it)
-            job.output_token_ids = list(request.resume_token_ids)
+        if stream.job is not None:
+            stream.job.resume_after(request.resume_token_ids)
         return stream
 
     def _open_stream(self, request: GenerateRequest) -> StreamSubmission:
