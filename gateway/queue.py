@@ -221,8 +221,10 @@ class RequestLog:
 
         A TCP connection does not survive its broker's restart: while every connection open at the
         last topic lookup is still open, and no new one was made, the producer talks to the same
-        broker processes that lookup saw. aiokafka offers no public signal of a reconnect, so this
-        reads its client's connection table; without one every append looks the topics up."""
+        broker processes that lookup saw. aiokafka offers no public signal of a reconnect (0.14:
+        `AIOKafkaClient` has `ready(node_id)`, which opens a connection and does not tell whether it
+        is a new one, and nothing that lists them), so this, the one place that does, reads its
+        client's private connection table; without one every append looks the topics up."""
         assert self._producer is not None  # append() checked; internal invariant
         conns = getattr(self._producer.client, "_conns", None)
         if not isinstance(conns, dict):
