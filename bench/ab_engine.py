@@ -25,15 +25,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+from engine_run import add_engine_run_args, engine_run
 
 from sluice.kernels import cpu_decode
-from sluice.loadgen.prompts import LengthDist
-from sluice.protocol import SamplingParams
-from sluice.workers.bench_engine import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, make_requests
-from sluice.workers.config import EngineConfig
 from sluice.workers.engine import LLMEngine
-from sluice.workers.model.config import ModelConfig
 from sluice.workers.model.llama import Linear
 
 
@@ -71,26 +66,14 @@ LEVERS: dict[str, Callable[[LLMEngine], Callable[[bool], None]]] = {
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
+    add_engine_run_args(parser, num_requests=16, threads=1)
     parser.add_argument("--lever", choices=sorted(LEVERS), required=True)
-    parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-len", default=DEFAULT_PROMPT_LEN)
-    parser.add_argument("--output-len", default=DEFAULT_OUTPUT_LEN)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    cfg = ModelConfig.from_dir(Path(args.model))
-    requests = make_requests(args.num_requests, args.seed, LengthDist.parse(args.prompt_len),
-                             LengthDist.parse(args.output_len), cfg.vocab_size)
     extra = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
-    engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks, **extra))
+    engine, prompts, params = engine_run(args, **extra)
     set_on = LEVERS[args.lever](engine)
-    prompts = [p for p, _ in requests]
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in requests]
     rates: dict[bool, list[float]] = {False: [], True: []}
     tokens: dict[bool, list[list[int]]] = {}
     for on in (False, True):  # warm-up each side outside the timing
@@ -112,7 +95,7 @@ def main() -> int:
     same = sum(a == b for a, b in zip(tokens[False], tokens[True], strict=True))
     print(f"lever {args.lever}: median off {off:.1f} tok/s, on {on_:.1f} tok/s, ratio of medians "
           f"{on_ / off:.3f}, median per-round ratio {statistics.median(ratios):.3f}; "
-          f"{same}/{len(requests)} requests' tokens identical between the sides")
+          f"{same}/{len(prompts)} requests' tokens identical between the sides")
     return 0
 
 

@@ -16,40 +16,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-import torch
+from engine_run import add_engine_run_args, engine_run
 from torch.profiler import ProfilerActivity, profile, schedule
-
-from sluice.loadgen.prompts import LengthDist
-from sluice.protocol import SamplingParams
-from sluice.workers.bench_engine import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, make_requests
-from sluice.workers.config import EngineConfig
-from sluice.workers.engine import LLMEngine
-from sluice.workers.model.config import ModelConfig
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-len", default=DEFAULT_PROMPT_LEN)
-    parser.add_argument("--output-len", default=DEFAULT_OUTPUT_LEN)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    add_engine_run_args(parser, num_requests=32, threads=2)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--every", type=int, default=10, help="profile one engine step in this many")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     parser.add_argument("--no-profile", action="store_true", help="time the run only")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    cfg = ModelConfig.from_dir(Path(args.model))
-    requests = make_requests(args.num_requests, args.seed, LengthDist.parse(args.prompt_len),
-                             LengthDist.parse(args.output_len), cfg.vocab_size)
-    engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks))
-    prompts = [p for p, _ in requests]
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in requests]
+    engine, prompts, params = engine_run(args)
     engine.generate(prompts[:2], params[:2])  # warm-up
     steps = engine.scheduler.stats.num_steps
     self_us: dict[str, float] = {}

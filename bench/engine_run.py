@@ -1,0 +1,43 @@
+"""What the in-process engine scripts share (bench/ab_engine.py, bench/profile_engine.py): the
+arguments that pick the model and the request set, and the engine and seeded requests they make.
+
+The request set is `sluice bench engine`'s (its length distributions and seed), greedy, ignore_eos.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sluice.loadgen.prompts import LengthDist
+from sluice.protocol import SamplingParams
+from sluice.workers.bench_engine import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, make_requests
+from sluice.workers.config import EngineConfig
+from sluice.workers.engine import LLMEngine
+from sluice.workers.model.config import ModelConfig
+
+
+def add_engine_run_args(parser: argparse.ArgumentParser, *, num_requests: int, threads: int) -> None:
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--num-requests", type=int, default=num_requests)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-len", default=DEFAULT_PROMPT_LEN)
+    parser.add_argument("--output-len", default=DEFAULT_OUTPUT_LEN)
+    parser.add_argument("--threads", type=int, default=threads)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+
+
+def engine_run(args: argparse.Namespace, **engine_fields: Any) -> tuple[LLMEngine, list[list[int]],
+                                                                        list[SamplingParams]]:
+    """The engine (`engine_fields`: more EngineConfig fields), the prompts and their parameters."""
+    torch.set_num_threads(args.threads)
+    cfg = ModelConfig.from_dir(Path(args.model))
+    requests = make_requests(args.num_requests, args.seed, LengthDist.parse(args.prompt_len),
+                             LengthDist.parse(args.output_len), cfg.vocab_size)
+    engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks, **engine_fields))
+    prompts = [p for p, _ in requests]
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in requests]
+    return engine, prompts, params
