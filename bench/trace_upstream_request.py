@@ -14,12 +14,14 @@ send to each checkpoint and between consecutive ones, and each target's TTFT p50
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +76,18 @@ def ttft(results: list[StreamResult]) -> dict[str, float | None]:
 
 
 def run_levels(targets: list[tuple[str, Target, Path | None]], levels: list[int], repeats: int,
-               saturation_s: float) -> dict[str, dict[str, Any]]:
+               saturation_s: float, cpu: dict[str, Callable[[], float]]) -> dict[str, dict[str, Any]]:
     """Each level (streams; 0 = saturation: 512 streams for `saturation_s`) `repeats` times, the
-    targets in turn each time; per target and level the median over the repeats of TTFT p50/p99
-    and req/s (saturation: counted over the last 80 % of the window, in-flight dropped)."""
+    targets in turn each time; per target and level the median over the repeats of TTFT p50/p99,
+    req/s (saturation: counted over the last 80 % of the window, in-flight dropped) and CPU ms per
+    finished request of the target's process tree (`cpu`: for a gateway, with its broker; the
+    figure that moves least with the machine's load)."""
     out: dict[str, dict[str, Any]] = {name: {} for name, _, _ in targets}
     for level in levels:
         runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in targets}
         for _ in range(repeats):
             for name, target, _ in targets:
+                cpu_before = cpu[name]()
                 if level == 0:
                     got, wall = run_loop(closed_loop(target, 512, duration_s=saturation_s))
                     start = min((r.sent for r in got), default=0.0)
@@ -92,12 +97,15 @@ def run_levels(targets: list[tuple[str, Target, Path | None]], levels: list[int]
                     got, wall = run_loop(closed_loop(target, level, requests=max(3 * level, 20)))
                     rps = sum(1 for r in got if r.ok) / wall
                 stats = ttft(got)
+                finished = sum(1 for r in got if r.ok)
                 runs[name].append({"rps": rps, "p50": stats["ttft_p50_ms"] or float("nan"),
                                    "p99": stats["ttft_p99_ms"] or float("nan"),
-                                   "errors": float(sum(1 for r in got if not r.ok))})
+                                   "errors": float(len(got) - finished),
+                                   "cpu_ms": 1000 * (cpu[name]() - cpu_before) / max(finished, 1)})
         for name, values in runs.items():
             out[name]["sat" if level == 0 else str(level)] = {
-                key: round(statistics.median(v[key] for v in values), 2) for key in ("rps", "p50", "p99", "errors")}
+                key: round(statistics.median(v[key] for v in values), 2)
+                for key in ("rps", "p50", "p99", "errors", "cpu_ms")}
             out[name]["sat" if level == 0 else str(level)]["runs"] = values
     return out
 
@@ -144,6 +152,7 @@ def main() -> int:
         try:
             targets: list[tuple[str, Target, Path | None]] = [
                 ("direct", Target("127.0.0.1", backend.port, "/v1/chat/completions", request_body(32)), None)]
+            cpu: dict[str, Callable[[], float]] = {"direct": backend.cpu_s}
             for i, (tree, extra) in enumerate(trees):
                 env = {**shim_for(workdir / f"g{i}", tree, args.profile if i == 0 else ""), **extra}
                 stack = procs.start_sluice_upstream(args.config_dir, workdir / f"g{i}", placement.gateway,
@@ -156,6 +165,7 @@ def main() -> int:
                 targets.append((f"sluice[{label}]", Target("127.0.0.1", port, "/v1/chat/completions",
                                                           request_body(32), (("Authorization", f"Bearer {key}"),)),
                                 Path(env[request_trace.ENV_OUT])))
+                cpu[targets[-1][0]] = functools.partial(procs.tree_cpu_s, stack.process.pid)
             results: dict[str, list[StreamResult]] = {name: [] for name, _, _ in targets}
             traces: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in targets}
             for _, target, _ in targets:
@@ -174,7 +184,7 @@ def main() -> int:
                             traces[name] += groups(f.read().splitlines())[:batch]
                 done += batch
             levels = run_levels(targets, [int(v) for v in args.levels.split(",") if v], args.repeats,
-                                args.saturation_s)
+                                args.saturation_s, cpu)
         finally:
             for stack in stacks:
                 stack.stop()
@@ -199,7 +209,7 @@ def main() -> int:
             print(f"  {ms:8.3f} ms  {step}")
         for level, figures in entry["levels"].items():
             print(f"  {level:>4} streams: TTFT p50 {figures['p50']} p99 {figures['p99']} ms, {figures['rps']} req/s, "
-                  f"{figures['errors']:g} errors (medians of {len(figures['runs'])})")
+                  f"{figures['cpu_ms']} ms CPU/req, {figures['errors']:g} errors (medians of {len(figures['runs'])})")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0

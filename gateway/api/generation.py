@@ -162,6 +162,11 @@ class Flight:
     unlogged_tokens: list[int] = field(default_factory=list)
     _first: RequestDelta | None = None  # read ahead by `first_delta`, not yet yielded
     _iterator: AsyncIterator[RequestDelta] | None = None  # the one iterator over the submission
+    # The deadline: one timer per request that cancels the task waiting in `_next` (one
+    # `asyncio.timeout_at` per delta cost a timer and a context per token of every stream).
+    _deadline_timer: asyncio.TimerHandle | None = None
+    _waiter: asyncio.Task[Any] | None = None  # the task waiting in `_next`, if any
+    _expired: bool = False  # the deadline passed
 
     @property
     def request_id(self) -> str:
@@ -190,12 +195,33 @@ class Flight:
     async def _next(self) -> RequestDelta:
         if self._iterator is None:
             self._iterator = aiter(self.submission)
+            if math.isfinite(self.deadline) and not self.finished:
+                self._deadline_timer = asyncio.get_running_loop().call_at(self.deadline, self._expire)
+        if self._expired:
+            raise self._time_out()
+        task = asyncio.current_task()
+        assert task is not None  # `_next` is always awaited from a task
+        cancelling = task.cancelling()
+        self._waiter = task
         try:
-            async with asyncio.timeout_at(self.deadline if math.isfinite(self.deadline) else None):
-                return await anext(self._iterator)
-        except TimeoutError:
-            self.timed_out = True
-            raise RequestTimedOut(self.service.request_timeout_s) from None
+            return await anext(self._iterator)
+        except asyncio.CancelledError:
+            # The deadline's cancel, and no other (a disconnect's): the request timed out.
+            if self._expired and task.uncancel() <= cancelling:
+                raise self._time_out() from None
+            raise
+        finally:
+            self._waiter = None
+
+    def _expire(self) -> None:
+        self._deadline_timer = None
+        self._expired = True
+        if self._waiter is not None:
+            self._waiter.cancel()  # a delta already queued stays queued (Queue.get takes it only after)
+
+    def _time_out(self) -> RequestTimedOut:
+        self.timed_out = True
+        return RequestTimedOut(self.service.request_timeout_s)
 
     def observe(self, delta: RequestDelta) -> None:
         """Bookkeeping for one delta: a few attribute writes, nothing per token."""
@@ -221,6 +247,9 @@ class Flight:
         if self.finished:
             return
         self.finished = True
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
         prompt = self.prompt_tokens or len(self.prepared.request.prompt_token_ids)
         if aborted and self.finish_reason is None:
             self.finish_reason = "timeout" if self.timed_out else "abort"
