@@ -56,12 +56,17 @@ def _service(request: Request[Any, Any, Any]) -> BatchService:
     return service
 
 
-class FilesController(Controller):
-    path = "/v1/files"
-    tags = ("Files",)
+class _TenantController(Controller):
+    """A tenant's own resources: its API key is required and its tenant is injected."""
+
     guards = (tenant_guard,)
     security = TENANT_SECURITY
     dependencies = {"tenant": Provide(current_tenant, sync_to_thread=False)}  # noqa: RUF012
+
+
+class FilesController(_TenantController):
+    path = "/v1/files"
+    tags = ("Files",)
 
     @post(
         "",
@@ -125,12 +130,9 @@ class FilesController(Controller):
         return await _service(request).delete_file(tenant.id, file_id)
 
 
-class BatchesController(Controller):
+class BatchesController(_TenantController):
     path = "/v1/batches"
     tags = ("Batches",)
-    guards = (tenant_guard,)
-    security = TENANT_SECURITY
-    dependencies = {"tenant": Provide(current_tenant, sync_to_thread=False)}  # noqa: RUF012
 
     @post(
         "",
