@@ -53,7 +53,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, K], weight: [N, K], bias: [N] or None -> [T, N]. `packed`: `pack_weight(weight)`."""
-    if _onednn_applies(x, weight):
+    # A packed weight exists only where oneDNN applies (pack_weight), so the hot path (121 calls a
+    # decode step on the real model) skips the checks.
+    if packed is not None or _onednn_applies(x, weight):
         if not x.is_contiguous():
             x = x.contiguous()  # the packed call wants dense rows (a strided view is refused)
         return torch.ops.mkldnn._linear_pointwise(x, weight if packed is None else packed, bias, "none", [], "")

@@ -17,7 +17,7 @@ from sluice.kernels.attention import AttentionMetadata, paged_attention_torch
 from sluice.kernels.paged_decode import paged_decode_triton
 from sluice.kernels.paged_prefill import paged_prefill_triton
 from sluice.kernels.rmsnorm import rms_norm_torch, rms_norm_triton
-from sluice.kernels.rotary import rotary_store_kv_ref, rotary_store_kv_triton
+from sluice.kernels.rotary import rope_rows, rotary_store_kv_ref, rotary_store_kv_triton
 
 Backend = Literal["torch", "triton"]
 
@@ -73,9 +73,17 @@ class Ops:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        fn = rotary_store_kv_triton if self._triton else rotary_store_kv_ref
-        return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        if self._triton:  # the kernel reads the cos/sin rows of each position itself
+            return rotary_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        return rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rope)
+
+    def rope_rows(self, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's cos/sin rows for `rotary_store_kv`, gathered once instead of once per layer;
+        None for the Triton kernel, which gathers them itself."""
+        return None if self._triton else rope_rows(positions, cos_sin_cache)
 
     def paged_attention(
         self,

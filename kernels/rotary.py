@@ -196,6 +196,12 @@ def _joint_qk(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     return q.as_strided((q.shape[0], num_q_heads + k.shape[1], head_dim), q.stride())
 
 
+def rope_rows(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) rows of `positions`, each [T, 1, D/2] float32: the same for every layer of a step."""
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).float().chunk(2, dim=-1)
+    return cos, sin
+
+
 def rotary_store_kv_ref(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -205,6 +211,7 @@ def rotary_store_kv_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # rope_rows(positions, cos_sin_cache)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q and k, writes rotated k and v into their cache slots, returns (q, k) rotated.
 
@@ -212,13 +219,13 @@ def rotary_store_kv_ref(
     a view when they are adjacent columns of the fused qkv projection, a copy otherwise. Each half
     of the result is written in place (`out=`), in HF's order: x1 * cos - x2 * sin and
     x2 * cos + x1 * sin, each product rounded on its own (no fused multiply-add), so float32
-    results are HF's bits.
+    results are HF's bits. `rope`: the step's cos/sin rows, gathered once for all layers (the
+    model's forward does it); None: gathered here.
     """
-    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+    cos, sin = rope_rows(positions, cos_sin_cache) if rope is None else rope  # [T, 1, D/2]
     num_q_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
     joint = _joint_qk(q, k) if q.dtype == torch.float32 else None
     x = torch.cat((q, k), dim=1).float() if joint is None else joint  # [T, Hq + Hkv, D]
-    cos, sin = cos.float(), sin.float()
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     r1, r2 = rotated.chunk(2, dim=-1)

@@ -155,7 +155,9 @@ class ModelRunner:
             return RunnerOutput(sampled_token_ids={})
         # Row of each sampling chunk's last token: query_start_loc[b + 1] - 1.
         last_rows = [meta.query_start_loc_host[b + 1] - 1 for b, _ in sample_chunks]
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])  # [N, V]
+        if len(last_rows) < hidden.shape[0]:  # else every row samples (a decode-only step): no gather
+            hidden = hidden[torch.tensor(last_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)  # [N, V]
         rows = []
         for _, c in sample_chunks:
             req = c.request

@@ -10,6 +10,7 @@ from the cache) -> o_proj; residual add + RMSNorm through `ops.rms_norm`; gated 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,16 @@ def build_cos_sin_cache(rope: RopeConfig, head_dim: int, max_position: int,
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
 
 
+class RopeInputs(NamedTuple):
+    """What every layer's rotary step needs: the positions [T] and the [P, D] cos/sin table (the
+    Triton kernel reads them), and the rows of the positions, gathered once a step (`Ops.rope_rows`;
+    None on the Triton backend)."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    rows: tuple[torch.Tensor, torch.Tensor] | None
+
+
 class RMSNormWeight(nn.Module):
     def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -90,10 +101,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNormWeight(cfg.head_dim, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNormWeight(cfg.head_dim, dtype, device) if cfg.qk_norm else None
 
-    def forward(self, ops: Ops, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, ops: Ops, x: torch.Tensor, rope: RopeInputs, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, k, v = self.qkv_proj.forward(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -101,9 +112,10 @@ class Attention(nn.Module):
             # Qwen3: per-head RMSNorm, run as rows of [T * H, D] through the same fused op.
             q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.eps)[0].view_as(q)
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.eps)[0].view_as(k)
-        q, _ = ops.rotary_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        q, _ = ops.rotary_store_kv(q, k, v, rope.positions, rope.cos_sin_cache, k_cache, v_cache,
+                                   meta.slot_mapping, rope.rows)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -114,7 +126,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -126,18 +138,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
-    def forward(self, ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def forward(self, ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         # residual carries the un-normalised stream; rms_norm adds it in before normalising.
         h, residual = ops.rms_norm(x, self.input_layernorm.weight, self.eps, residual)
-        h = self.self_attn(ops, h, positions, cos_sin, k_cache, v_cache, meta)
+        h = self.self_attn.forward(ops, h, rope, k_cache, v_cache, meta)
         h, residual = ops.rms_norm(h, self.post_attention_layernorm.weight, self.eps, residual)
-        return self.mlp(ops, h), residual
+        return self.mlp.forward(ops, h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """Our Llama/Mistral/Qwen2 model. `forward` returns hidden states; `compute_logits` the head."""
+
+    cos_sin_cache: torch.Tensor  # a buffer (register_buffer below)
 
     def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,
                  max_position: int) -> None:
@@ -170,8 +184,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] int64 -> final normalised hidden states [T, H]."""
         x = F.embedding(input_ids, self.embed_tokens)
         residual: torch.Tensor | None = None
+        rope = RopeInputs(positions, self.cos_sin_cache, self.ops.rope_rows(positions, self.cos_sin_cache))
+        # Submodules are called through `.forward`: a decode step makes ~210 module calls, and at one
+        # sequence nn.Module.__call__'s hook handling was a measurable part of the non-GEMM time
+        # (the model registers no hooks; torch.compile and CUDA-graph capture trace this the same way).
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(self.ops, x, residual, positions, self.cos_sin_cache, k_cache, v_cache, meta)
+            x, residual = layer.forward(self.ops, x, residual, rope, k_cache, v_cache, meta)
         x, _ = self.ops.rms_norm(x, self.norm.weight, self.config.rms_norm_eps, residual)
         return x
 
