@@ -7,7 +7,9 @@ Same seeded request set as `sluice bench engine` (its length distributions and s
 ignore_eos. One engine step in `--every` is profiled (aggregating every step's events of a long
 run takes longer than the run); the operators' self CPU time is summed over the profiled steps and
 printed as shares, with the wall time of the whole run, so a lever can be judged by the share of
-the step it removes. Not a test and not a benchmark of record: the profiler's own overhead
+the step it removes. The run also prints the engine thread's CPU time and its run-queue delay:
+on a shared host the wall time is their sum, and only the first is the engine's.
+Not a test and not a benchmark of record: the profiler's own overhead
 inflates small ops.
 """
 
@@ -19,6 +21,15 @@ import time
 
 from engine_run import add_engine_run_args, engine_run
 from torch.profiler import ProfilerActivity, profile, schedule
+
+
+def run_queue_delay_s() -> float:
+    """Seconds this thread has waited, runnable, for a core (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat", encoding="ascii") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
 
 
 def main() -> int:
@@ -39,7 +50,7 @@ def main() -> int:
             self_us[event.key] = self_us.get(event.key, 0.0) + event.self_cpu_time_total
 
     produced = 0
-    start = time.perf_counter()
+    start, cpu_start, delay_start = time.perf_counter(), time.thread_time(), run_queue_delay_s()
     now = time.time()
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"prof-{i}", prompt, p, arrival_time=now)
@@ -57,9 +68,13 @@ def main() -> int:
                 taken += 1
                 prof.step()
     elapsed = time.perf_counter() - start
+    cpu, delay = time.thread_time() - cpu_start, run_queue_delay_s() - delay_start
     print(f"{produced} output tokens in {elapsed:.1f} s = {produced / elapsed:.1f} tok/s, "
           f"{engine.scheduler.stats.num_steps - steps} steps, "
           f"{engine.scheduler.stats.num_preemptions} preemptions", file=sys.stderr)
+    # On a shared host the wall time is the engine's CPU time plus the time it waited for a core.
+    print(f"engine thread: {cpu:.1f} s of CPU, {delay:.1f} s waiting for a core (run-queue delay)",
+          file=sys.stderr)
     if self_us:
         total = sum(self_us.values())
         print(f"{'operator':<48} {'self ms':>10} {'share':>7}")
