@@ -61,6 +61,8 @@ def main() -> int:
     parser.add_argument("--batches", default="1,4,16,32,64,128")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=4, help="distinct layer caches cycled")
+    parser.add_argument("--extra-context", type=int, default=0,
+                        help="tokens added to every context (later steps of a long run)")
     parser.add_argument("--calls", type=int, default=8, help="calls per side per round")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,7 +74,7 @@ def main() -> int:
     print(f"threads {args.threads}, load average {os.getloadavg()[0]:.1f}")
     print("batch  ctx(mean)  torch ms/call  kernel ms/call  torch ms/step  kernel ms/step  ratio")
     for batch in [int(b) for b in args.batches.split(",")]:
-        lengths = _context_lengths(batch, rng)
+        lengths = [n + args.extra_context for n in _context_lengths(batch, rng)]
         gen = torch.Generator().manual_seed(batch)
         meta, _, num_blocks = make_metadata([(1, n) for n in lengths], BLOCK_SIZE, generator=gen, extra_blocks=64)
         layers = [(torch.randn(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM, generator=gen),
