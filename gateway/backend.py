@@ -157,7 +157,15 @@ class LocalEngineBackend:
         host = self._hosts.get(model)
         if self._stopping or self.dispatcher is None or host is None or not host.alive:
             return
-        InProcessLink(host, model, self.dispatcher, on_lost=lambda _: self._link(model)).connect()
+        InProcessLink(host, model, self.dispatcher, on_lost=lambda _: self._link(model),
+                      on_host_gone=lambda reason: self._host_gone(model, reason)).connect()
+
+    def _host_gone(self, model: str, reason: str) -> None:
+        """`model`'s engine host stopped for good: its queued jobs fail now, not at their deadline."""
+        if self._stopping or self.dispatcher is None:
+            return
+        self.dispatcher.fail_queued(model, f"the engine serving model {model!r} stopped ({reason}); "
+                                           "this gateway cannot serve it until restarted")
 
     async def stop(self) -> None:
         self._stopping = True

@@ -203,6 +203,19 @@ class Dispatcher:
         if worker is not None:
             worker.abort(request_id)
 
+    def fail_queued(self, model: str, error: str) -> int:
+        """Ends the jobs queued for `model` with `error` when no worker serves it any more (an
+        in-process engine failed: nothing reconnects, so they would wait until their deadline);
+        with another worker still serving it they wait for it. Returns how many ended."""
+        if any(model in worker.models for worker in self.workers.values()):
+            return 0
+        queued = [item for item in self.scheduler.items() if item.payload.request.model == model]
+        for item in queued:
+            self.scheduler.remove(item.request_id)
+            self._finish(item.payload, RequestDelta(request_id=item.request_id, finish_reason=FinishReason.ERROR,
+                                                    error=error, num_prompt_tokens=item.prompt_tokens))
+        return len(queued)
+
     def drain(self, worker_id: str) -> bool:
         """No new jobs for this worker; its running ones finish. False when no such worker is connected."""
         if worker_id not in self.workers:

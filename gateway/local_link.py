@@ -8,7 +8,8 @@ engine thread) is handed to the event loop, one hand-off per step, not one per r
 
 A link that the dispatcher loses (missed heartbeats: the event loop or the engine thread was
 starved) disconnects from its host, like a dropped connection, and `on_lost` may attach a fresh
-one while the host still runs, as a worker process reconnects.
+one while the host still runs, as a worker process reconnects. A host that stops for good (its
+engine failed) calls `on_host_gone` after the dispatcher lost the link: nothing will reconnect.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ class InProcessLink(EngineLink):
     kind = "in-process"
 
     def __init__(self, engine_host: EngineHost, model: str, dispatcher: LinkHost,
-                 on_lost: Callable[[InProcessLink], None] | None = None) -> None:
+                 on_lost: Callable[[InProcessLink], None] | None = None,
+                 on_host_gone: Callable[[str], None] | None = None) -> None:
         super().__init__(engine_host.worker_id, frozenset({model}), engine_host.capacity(),
                          str(engine_host.engine.config.device), os.getpid())
         self.engine_host = engine_host
         self._dispatcher = dispatcher
         self._loop = asyncio.get_running_loop()
         self._on_lost = on_lost
+        self._on_host_gone = on_host_gone
 
     def connect(self) -> bool:
         """Registers with the host and the dispatcher; False when its worker id is taken."""
@@ -68,6 +71,8 @@ class InProcessLink(EngineLink):
     def on_closed(self, reason: str) -> None:
         self._on_lost = None  # the host is gone: nothing to reconnect to
         self._post(self._dispatcher.lose, self, reason)
+        if self._on_host_gone is not None:
+            self._post(self._on_host_gone, reason)
 
     def _post(self, callback: Callable[..., None], *args: object) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop closed at shutdown

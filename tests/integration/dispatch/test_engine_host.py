@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.gateway.backend import LocalEngineBackend
+from sluice.gateway.backend import BackendUnavailable, LocalEngineBackend, Submission
 from sluice.gateway.dispatch import Dispatcher
 from sluice.gateway.jobs import Job
 from sluice.gateway.links import EngineLink
@@ -173,5 +173,41 @@ async def test_a_lost_in_process_link_reattaches_and_its_job_resumes(demo_model_
         assert isinstance(relinked, EngineLink) and relinked.sent == 1  # the resumed job, sent again
         assert deltas[-1].finish_reason is FinishReason.LENGTH and deltas[-1].num_output_tokens == 40
         assert [t for d in deltas for t in d.token_ids] == [t for d in reference for t in d.token_ids]
+    finally:
+        await backend.stop()
+
+
+async def test_jobs_queued_for_a_failed_in_process_engine_fail_at_once(demo_model_dir: Path) -> None:
+    """Its engine failed: the jobs still queued at the dispatcher for its model end with an error
+    at once (no worker will ever serve them here), not at their deadline (600 s by default)."""
+    backend = LocalEngineBackend({"demo": demo_model_dir}, {"max_num_seqs": 1, "kv_cache_bytes": 8 * 2**20})
+    await backend.start()
+    try:
+        assert backend.dispatcher is not None
+        dispatcher = backend.dispatcher
+        # 1 running and max_worker_waiting (2) waiting at the engine; the rest queued here.
+        flights = [await backend.submit(request(f"r{i}", (5, 6, 7 + i), 2000)) for i in range(5)]
+        await wait_for(lambda: len(dispatcher.scheduler) == 2, 60, "two jobs queued at the dispatcher")
+        host = backend._hosts["demo"]
+
+        def broken_step() -> list[RequestDelta]:
+            raise RuntimeError("device lost")
+
+        # Fault injection, as above: an engine failing as a whole cannot be provoked from a request.
+        host.engine.step = broken_step
+
+        async def final(flight: Submission) -> RequestDelta:
+            return [d async for d in flight][-1]
+
+        finals = await asyncio.wait_for(asyncio.gather(*(final(f) for f in flights)), 60)
+        assert all(f.finish_reason is FinishReason.ERROR for f in finals), finals
+        ran = "the worker serving this request (local-demo) failed; please retry"  # at the engine
+        queued_errors = [f.error for f in finals if f.error != ran]
+        assert len(queued_errors) == 2, finals
+        assert all(e == "the engine serving model 'demo' stopped (its engine failed); this gateway cannot serve it "
+                   "until restarted" for e in queued_errors), queued_errors
+        assert dispatcher.num_jobs == 0 and "local-demo" not in dispatcher.workers
+        with pytest.raises(BackendUnavailable):
+            await backend.submit(request("late", (5, 6, 7), 5))
     finally:
         await backend.stop()
