@@ -24,6 +24,20 @@ async def _create_topic(bootstrap: str, topic: str, partitions: int = 2) -> None
         await admin.close()
 
 
+def _consumer(bootstrap: str, group: str) -> AIOKafkaConsumer:
+    return AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+                            auto_offset_reset="earliest")
+
+
+async def _read(consumer: AIOKafkaConsumer, tp: TopicPartition, count: int) -> list[bytes]:
+    """The next `count` records' values of `tp` (the consumer is assigned to it)."""
+    seen: list[bytes] = []
+    while len(seen) < count:
+        records = await consumer.getmany(tp, timeout_ms=2000, max_records=count - len(seen))
+        seen.extend(r.value for r in records.get(tp, []))
+    return seen
+
+
 async def test_produce_consume_and_group_commit(bootstrap_servers: str) -> None:
     topic = f"t-{uuid.uuid4().hex[:8]}"
     group = f"g-{uuid.uuid4().hex[:8]}"
@@ -37,36 +51,22 @@ async def test_produce_consume_and_group_commit(bootstrap_servers: str) -> None:
         await producer.stop()
 
     tp = TopicPartition(topic, 0)
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap_servers, group_id=group, enable_auto_commit=False,
-        auto_offset_reset="earliest",
-    )
+    consumer = _consumer(bootstrap_servers, group)
     await consumer.start()
     try:
         consumer.assign([tp])
-        seen = []
-        while len(seen) < 3:
-            records = await consumer.getmany(tp, timeout_ms=2000, max_records=3 - len(seen))
-            seen.extend(r.value for r in records.get(tp, []))
-        assert seen == [b"m0", b"m1", b"m2"]
+        assert await _read(consumer, tp, 3) == [b"m0", b"m1", b"m2"]
         await consumer.commit({tp: 3})  # the next offset to read
         assert await consumer.committed(tp) == 3
     finally:
         await consumer.stop()
 
     # A new consumer of the same group resumes at the committed offset.
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap_servers, group_id=group, enable_auto_commit=False,
-        auto_offset_reset="earliest",
-    )
+    consumer = _consumer(bootstrap_servers, group)
     await consumer.start()
     try:
         consumer.assign([tp])
-        rest = []
-        while len(rest) < 2:
-            records = await consumer.getmany(tp, timeout_ms=2000)
-            rest.extend(r.value for r in records.get(tp, []))
-        assert rest == [b"m3", b"m4"]
+        assert await _read(consumer, tp, 2) == [b"m3", b"m4"]
     finally:
         await consumer.stop()
 
