@@ -301,6 +301,15 @@ def _invalid_key() -> OpenAIError:
 # ---- Litestar guards ---------------------------------------------------------------------------
 
 
+def _required_token(connection: ASGIConnection[Any, Any, Any, Any], missing: str, placeholder: str) -> str:
+    """The bearer token; a 401 that says what to send when there is none."""
+    token = bearer_token(connection)
+    if token is None:
+        raise OpenAIError(401, f"Missing {missing}: send `Authorization: Bearer <{placeholder}>`.",
+                          type="invalid_request_error", code="missing_api_key")
+    return token
+
+
 async def tenant_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """Authenticates a tenant key; stores the TenantContext on `connection.state.tenant`."""
     auth: AuthService = connection.app.state.auth
@@ -318,14 +327,7 @@ async def tenant_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRo
 
 async def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     auth: AuthService = connection.app.state.auth
-    token = bearer_token(connection)
-    if token is None:
-        raise OpenAIError(
-            401,
-            "Missing admin token: send `Authorization: Bearer <admin token>`.",
-            type="invalid_request_error",
-            code="missing_api_key",
-        )
+    token = _required_token(connection, "admin token", "admin token")
     if not auth.verify_admin(token):
         if token.startswith(KEY_PREFIX):
             raise OpenAIError(
@@ -340,14 +342,7 @@ async def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRou
 async def metrics_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """`/metrics`: the configured metrics token or the admin token, compared in constant time."""
     auth: AuthService = connection.app.state.auth
-    token = bearer_token(connection)
-    if token is None:
-        raise OpenAIError(
-            401,
-            "Missing token: send `Authorization: Bearer <metrics token or admin token>`.",
-            type="invalid_request_error",
-            code="missing_api_key",
-        )
+    token = _required_token(connection, "token", "metrics token or admin token")
     configured = connection.app.state.settings.gateway.metrics_token
     metrics_ok = bool(configured) and hmac.compare_digest(hash_secret(token), hash_secret(configured))
     if not (auth.verify_admin(token) or metrics_ok):
