@@ -24,6 +24,28 @@ from typing import Any
 DONE_MARKER = "SLUICE-PEER-DONE"
 
 
+def _tree_cpu_seconds() -> float:
+    """User + system CPU seconds of this process and every live descendant (vLLM's engine core
+    runs in a child process), from /proc; 0 where there is no /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo, seen = 0.0, [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+    return total
+
+
 def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -41,11 +63,12 @@ def _throughput(llm: Any, requests: list[list[Any]]) -> dict[str, Any]:
 
     # Each request has its own output length: one SamplingParams per prompt.
     params = [SamplingParams(temperature=0.0, max_tokens=o, min_tokens=o, ignore_eos=True) for _, o in requests]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _tree_cpu_seconds()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, _tree_cpu_seconds() - cpu_start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"output_tokens": produced, "seconds": seconds, "output_tokens_per_s": produced / seconds,
+            "cpu_seconds": cpu_seconds, "output_tokens_per_cpu_s": produced / cpu_seconds if cpu_seconds else None,
             "first_output_ids": [list(o.outputs[0].token_ids[:8]) for o in outputs[:4]]}
 
 

@@ -33,6 +33,8 @@ def test_bench_engine_writes_report(tmp_path: Path, demo_model_dir: Path) -> Non
     assert set(report["sluice"]) == {"chunked", "static"}
     for policy, result in report["sluice"].items():
         assert result["output_tokens"] == 12
+        assert result["cpu_seconds"] > 0
+        assert result["output_tokens_per_cpu_s"] == pytest.approx(12 / result["cpu_seconds"])
         assert report["speedup_vs_hf"][policy] == pytest.approx(
             result["output_tokens_per_s"] / report["hf_static"]["output_tokens_per_s"])
     assert report["scheduler_cpu_ms_per_step"]["4"] >= 0
