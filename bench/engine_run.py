@@ -20,12 +20,21 @@ from sluice.workers.engine import LLMEngine
 from sluice.workers.model.config import ModelConfig
 
 
+def _length_dist(spec: str) -> str:
+    """An argparse type: a bad distribution is a one-line usage error, not a traceback."""
+    try:
+        LengthDist.parse(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
+
+
 def add_engine_run_args(parser: argparse.ArgumentParser, *, num_requests: int, threads: int) -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--num-requests", type=int, default=num_requests)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-len", default=DEFAULT_PROMPT_LEN)
-    parser.add_argument("--output-len", default=DEFAULT_OUTPUT_LEN)
+    parser.add_argument("--prompt-len", type=_length_dist, default=DEFAULT_PROMPT_LEN)
+    parser.add_argument("--output-len", type=_length_dist, default=DEFAULT_OUTPUT_LEN)
     parser.add_argument("--threads", type=int, default=threads)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
 
