@@ -72,6 +72,7 @@ class EngineHost:
         self.heartbeat_interval_s = heartbeat_interval_s
         self._inbox: queue.Queue[_Command] = queue.Queue()
         self._stopping = threading.Event()
+        self._failed = threading.Event()  # set before its clients hear of the failure
         self._clients: dict[EngineClient, _ClientState] = {}
         self._owners: dict[str, EngineClient] = {}  # every request in the engine, by id
         self._thread: threading.Thread | None = None
@@ -109,7 +110,9 @@ class EngineHost:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        # False from the moment the engine failed, not only once its thread has ended: a request
+        # submitted in between would otherwise be queued for an engine that will never serve it.
+        return self._thread is not None and self._thread.is_alive() and not self._failed.is_set()
 
     def capacity(self, num_received: int = 0) -> WorkerCapacity:
         return msgspec.structs.replace(self.engine.capacity(self.worker_id), num_received=num_received,
@@ -128,6 +131,7 @@ class EngineHost:
                 self._send_capacity()
         except Exception:
             reason = "its engine failed"
+            self._failed.set()
             raise
         finally:
             for client in list(self._clients):
