@@ -112,6 +112,10 @@ class _Entry:
     # Followers waiting for the next change. Plain futures rather than an Event per change plus an
     # `asyncio.timeout` per wait: this runs once per token of every stream (200 streams on a core).
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    # One timer per entry bounds every wait (not one `call_later` per wait, i.e. per token): it is
+    # armed for the earliest deadline asked and, when it fires, releases all waiters then waiting.
+    _timer: asyncio.TimerHandle | None = None
+    _timer_at: float = 0.0
 
     def page(self, after: int) -> Page:
         start = after + 1
@@ -127,23 +131,28 @@ class _Entry:
             if not waiter.done():
                 waiter.set_result(None)
 
+    def _time_up(self) -> None:
+        self._timer = None
+        self.wake()
+
     async def wait(self, wait_s: float) -> None:
-        """Until the next `wake`, at most `wait_s`."""
+        """Until the next `wake`, at most `wait_s` (possibly less: the entry's timer releases every
+        waiter at once, so one that came after the earliest deadline's waiter returns early; a
+        follower then reads an empty page and waits again)."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         self.waiters.append(waiter)
-        timer = loop.call_later(wait_s, _release, waiter)
+        at = loop.time() + wait_s
+        if self._timer is None or at < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(at, self._time_up)
+            self._timer_at = at
         try:
             await waiter
         finally:
-            timer.cancel()
-            if self.waiters and waiter in self.waiters:  # timed out or cancelled: not woken
+            if self.waiters and waiter in self.waiters:  # cancelled: not woken
                 self.waiters.remove(waiter)
-
-
-def _release(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class LocalStreamLog:

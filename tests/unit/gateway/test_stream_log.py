@@ -33,6 +33,30 @@ async def test_reads_after_a_seq_wait_for_the_next_event_and_see_the_end() -> No
     assert await log.read("nope", -1, wait_s=0) is None
 
 
+async def test_a_read_with_no_event_returns_empty_by_its_wait_and_a_shorter_wait_is_not_held_up() -> None:
+    log = LocalStreamLog()
+    await log.create("r", "t", None)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    long = asyncio.ensure_future(log.read("r", -1, wait_s=30))
+    short = asyncio.ensure_future(log.read("r", -1, wait_s=0.05))
+    page = await asyncio.wait_for(short, 5)  # a later, shorter wait: its own deadline, not the first's
+    assert page is not None and (page.frames, page.ended) == ([], False)
+    assert loop.time() - started < 5
+    log.append("r", b"a")  # the longer wait may have been released with it: either way, nothing is lost
+    page = await asyncio.wait_for(long, 5)
+    if page is not None and not page.frames:
+        page = await log.read("r", -1, wait_s=0)
+    assert page is not None and page.frames == [b"a"]
+    for _ in range(3):  # a cancelled read leaves no waiter behind
+        reader = asyncio.ensure_future(log.read("r", 0, wait_s=30))
+        await asyncio.sleep(0)
+        reader.cancel()
+    log.end("r")
+    page = await log.read("r", 0, wait_s=30)
+    assert page is not None and page.ended
+
+
 async def test_the_bound_trims_the_front_and_a_read_into_the_gap_says_so() -> None:
     log = LocalStreamLog(max_events=3)
     await log.create("r", "t", None)
