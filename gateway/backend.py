@@ -83,6 +83,7 @@ class QueuedSubmission:
         self.request_id = request_id
         self._on_abort = on_abort
         self._queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self._listener: Callable[[RequestDelta], None] | None = None
         self._finished = False
         self._aborted = False
 
@@ -91,7 +92,24 @@ class QueuedSubmission:
         return self._aborted
 
     def deliver(self, delta: RequestDelta) -> None:
-        self._queue.put_nowait(delta)
+        listener = self._listener
+        if listener is None:
+            self._queue.put_nowait(delta)
+            return
+        if delta.finish_reason is not None:
+            self._finished = True
+        listener(delta)
+
+    def listen(self, listener: Callable[[RequestDelta], None]) -> None:
+        """From now on each delta goes to `listener` within `deliver` (the deliverer's call: the
+        stream pump frames and logs it there, with no task step per token), those queued first;
+        the submission is not iterated any more. `listener` must not raise."""
+        while not self._queue.empty():
+            delta = self._queue.get_nowait()
+            if delta.finish_reason is not None:
+                self._finished = True
+            listener(delta)
+        self._listener = listener
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         while not self._finished:

@@ -20,9 +20,9 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from sluice import telemetry
 from sluice.gateway.auth import TenantContext
@@ -36,6 +36,7 @@ from sluice.gateway.usage import UsageService
 from sluice.protocol import GenerateRequest, Priority, RequestDelta, SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TIER_TO_CLASS = {
     "priority": Priority.INTERACTIVE,
@@ -192,19 +193,33 @@ class Flight:
                 return
             yield delta
 
+    def take_first(self) -> RequestDelta | None:
+        """The delta `first_delta` read ahead (None: none, or taken): for a pushed stream, which
+        takes the rest from the submission's listener instead of `deltas()`."""
+        first, self._first = self._first, None
+        return first
+
+    def _arm_deadline(self) -> None:
+        if self._deadline_timer is None and not self._expired and math.isfinite(self.deadline) and not self.finished:
+            self._deadline_timer = asyncio.get_running_loop().call_at(self.deadline, self._expire)
+
     async def _next(self) -> RequestDelta:
         if self._iterator is None:
             self._iterator = aiter(self.submission)
-            if math.isfinite(self.deadline) and not self.finished:
-                self._deadline_timer = asyncio.get_running_loop().call_at(self.deadline, self._expire)
+        return await self.within_deadline(anext(self._iterator))
+
+    async def within_deadline(self, step: Awaitable[T]) -> T:
+        """Awaits `step`, raising `RequestTimedOut` once the deadline passes (its timer cancels the
+        task waiting here; any other cancel, a disconnect's, propagates)."""
+        self._arm_deadline()
         if self._expired:
             raise self._time_out()
         task = asyncio.current_task()
-        assert task is not None  # `_next` is always awaited from a task
+        assert task is not None  # always awaited from a task
         cancelling = task.cancelling()
         self._waiter = task
         try:
-            return await anext(self._iterator)
+            return await step
         except asyncio.CancelledError:
             # The deadline's cancel, and no other (a disconnect's): the request timed out.
             if self._expired and task.uncancel() <= cancelling:

@@ -1,7 +1,8 @@
 """Streamed responses that outlive their connection (docs/streams.md).
 
 A streamed completion is no longer generated inside its HTTP response: a *pump* task runs the SSE
-loop (`streaming._stream`) and appends each event to the stream log; every client, the one that
+loop (`streaming.SSEStream.run`: each delta framed within its delivery) and appends each event to
+the stream log; every client, the one that
 sent the POST as well as any that attach later (`GET .../{id}/events`, or the POST re-sent with
 its `Idempotency-Key`), is a *follower* that reads the log after its `Last-Event-ID` and writes
 each event with `id: <response id>:<seq>`.
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 from sluice.gateway.api.generation import Flight
-from sluice.gateway.api.streaming import DONE, sse
+from sluice.gateway.api.streaming import DONE, SSEStream, sse
 from sluice.gateway.errors import OpenAIError, bad_request
 from sluice.gateway.stream_log import LogTrimmed, StreamLog
 
@@ -128,30 +129,33 @@ class _Pump:
         self._timer: asyncio.TimerHandle | None = None
         self._arm(max(grace_s, FIRST_ATTACH_S))  # until the POST's own follower starts
 
-    async def run(self, frames: AsyncIterator[bytes]) -> None:
-        stream_log = self.hub.log
+    async def run(self, stream: SSEStream) -> None:
         cancelled = False
         try:
-            flight = self.flight
-            async for frame in frames:
-                # A delta's tokens go with its first event (those of a delta that made no event,
-                # e.g. half a character, with the next one): the log's tokens match its text.
-                if flight.unlogged_tokens:
-                    tokens, flight.unlogged_tokens = flight.unlogged_tokens, []
-                    stream_log.append(self.response_id, frame, tokens)
-                else:
-                    stream_log.append(self.response_id, frame)
+            await stream.run(self.emit)  # its own cleanup aborts an unfinished request at its worker
         except asyncio.CancelledError:
             cancelled = True
         finally:
-            # Runs the SSE loop's own cleanup: an unfinished request is aborted at its worker.
-            await frames.aclose()  # type: ignore[attr-defined]
+            stream_log = self.hub.log
             if cancelled:
                 stream_log.append(self.response_id, self.ending)
             stream_log.end(self.response_id)
             self.done = True
             self._disarm()
             self.hub.forget(self)
+
+    def emit(self, frame: bytes) -> None:
+        """One event into the log (called within a delta's delivery: see `SSEStream.run`)."""
+        if self.done:
+            return
+        flight = self.flight
+        # A delta's tokens go with its first event (those of a delta that made no event, e.g.
+        # half a character, with the next one): the log's tokens match its text.
+        if flight.unlogged_tokens:
+            tokens, flight.unlogged_tokens = flight.unlogged_tokens, []
+            self.hub.log.append(self.response_id, frame, tokens)
+        else:
+            self.hub.log.append(self.response_id, frame)
 
     def attach(self) -> None:
         self.followers += 1
@@ -213,10 +217,11 @@ class StreamHub:
     def pump(self, response_id: str) -> _Pump | None:
         return self._pumps.get(response_id)
 
-    def start(self, flight: Flight, frames: AsyncIterator[bytes], grace_s: float) -> None:
+    def start(self, flight: Flight, frames: SSEStream, grace_s: float) -> None:
         """Generation of `flight` now runs on its own; its events go to the log (already created)."""
         pump = _Pump(self, flight, grace_s)
         self._pumps[pump.response_id] = pump
+        frames.begin(pump.emit)  # the events that exist already are logged before the task runs
         pump.task = asyncio.ensure_future(pump.run(frames))
         self.spawn(self._await(pump.task))  # shutdown waits for it (GenerationService.drain)
 
@@ -257,7 +262,7 @@ class StreamHub:
         if page is None:
             raise not_found(response_id)
 
-    async def follow(self, response_id: str, after: int) -> AsyncIterator[bytes]:
+    async def follow(self, response_id: str, after: int) -> AsyncGenerator[bytes, None]:
         """The response's SSE events after seq `after`, live until its log ends."""
         pump = self._pumps.get(response_id)
         if pump is not None:
