@@ -1,19 +1,25 @@
 """Operator-level A/B of the CPU decode attention: the native kernel against the torch path.
 
     python bench/cpu_attention.py [--threads 1] [--batches 1,4,16,32,64,128] [--rounds 7]
+        [--contexts drawn,128,512,1024] [--baseline path/to/another/sluice_cpu_paged_decode.so]
 
 Real-model shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, block size 16),
 context lengths drawn like the engine bench's (a prompt of lognormal(80) tokens plus part of a
 lognormal(96) output, 8-1024), block ids scattered over a pool, and `--layers` distinct layer
 caches cycled so the K/V of a step does not sit in the last-level cache between calls. Each round
 times both sides on the same batch, in alternating order; the table gives the medians per call,
-the per-step figure (x 30 layers) and the median of the per-round ratios (torch / kernel).
+the per-step figure (x 30 layers), the kernel's K/V read rate (GB/s: the bytes of the cached rows
+it attends to, over its median time) and the median of the per-round ratios (torch / kernel).
+`--contexts` adds fixed context lengths (every sequence that long) to the drawn ones; `--baseline`
+times another build of the kernel (e.g. main's, copied out of the kernel cache) as a third side
+and adds its GB/s and the median per-round ratio baseline / kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import random
 import statistics
@@ -48,6 +54,16 @@ def _native(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, m
     return kernel.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, scale)
 
 
+def _load_baseline(path: str) -> Any:
+    """Another build of the kernel, loaded beside this one (its own shared object; same API)."""
+    spec = importlib.util.spec_from_file_location("sluice_cpu_paged_decode", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _time(fn: Any, calls: list[tuple[torch.Tensor, ...]]) -> float:
     start = time.perf_counter()
     for args in calls:
@@ -64,6 +80,9 @@ def main() -> int:
     parser.add_argument("--extra-context", type=int, default=0,
                         help="tokens added to every context (later steps of a long run)")
     parser.add_argument("--calls", type=int, default=8, help="calls per side per round")
+    parser.add_argument("--contexts", default="drawn",
+                        help="'drawn' (lengths like the engine bench's) and/or fixed lengths, comma-separated")
+    parser.add_argument("--baseline", help="a built .so of another version of the kernel, timed as a third side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_decode.build():
@@ -72,9 +91,13 @@ def main() -> int:
     scale = HEAD_DIM ** -0.5
     rng = random.Random(0)
     print(f"threads {args.threads}, load average {os.getloadavg()[0]:.1f}")
-    print("batch  ctx(mean)  torch ms/call  kernel ms/call  torch ms/step  kernel ms/step  ratio")
-    for batch in [int(b) for b in args.batches.split(",")]:
-        lengths = [n + args.extra_context for n in _context_lengths(batch, rng)]
+    baseline = _load_baseline(args.baseline) if args.baseline else None
+    print("batch  ctx(mean)  torch ms/call  kernel ms/call  torch ms/step  kernel ms/step  kernel GB/s  ratio"
+          + ("  base GB/s  base/kernel" if baseline else ""))
+    cases = [(int(b), c) for c in args.contexts.split(",") for b in args.batches.split(",")]
+    for batch, context in cases:
+        drawn = _context_lengths(batch, rng) if context == "drawn" else [int(context)] * batch
+        lengths = [n + args.extra_context for n in drawn]
         gen = torch.Generator().manual_seed(batch)
         meta, _, num_blocks = make_metadata([(1, n) for n in lengths], BLOCK_SIZE, generator=gen, extra_blocks=64)
         layers = [(torch.randn(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM, generator=gen),
@@ -84,20 +107,33 @@ def main() -> int:
 
         torch_path = functools.partial(_torch_path, meta=meta, scale=scale)
         native = functools.partial(_native, kernel, meta=meta, scale=scale)
+        base = functools.partial(_native, baseline, meta=meta, scale=scale) if baseline else None
 
         os.environ[cpu_decode.KERNEL.switch] = "0"  # the torch path proper, whatever the dispatch threshold
         torch.testing.assert_close(native(*calls[0]), torch_path(*calls[0]), rtol=1e-5, atol=1e-5)
         torch_path(*calls[0]), native(*calls[0])  # warm-up (plan, oneDNN primitives)
-        t_torch, t_kernel, ratios = [], [], []
+        if base:
+            torch.testing.assert_close(base(*calls[0]), torch_path(*calls[0]), rtol=1e-5, atol=1e-5)
+        t_torch: list[float] = []
+        t_kernel: list[float] = []
+        t_base: list[float] = []
+        ratios, base_ratios = [], []
         for r in range(args.rounds):
-            sides = [(torch_path, t_torch), (native, t_kernel)]
+            sides = [(torch_path, t_torch), (native, t_kernel)] + ([(base, t_base)] if base else [])
             for fn, out in sides if r % 2 == 0 else sides[::-1]:
                 out.append(_time(fn, calls))
             ratios.append(t_torch[-1] / t_kernel[-1])
+            if base:
+                base_ratios.append(t_base[-1] / t_kernel[-1])
         del os.environ[cpu_decode.KERNEL.switch]
         mt, mk = statistics.median(t_torch) * 1e3, statistics.median(t_kernel) * 1e3
-        print(f"{batch:5d}  {sum(lengths) / batch:9.0f}  {mt:13.3f}  {mk:14.3f}  {mt * LAYERS_PER_STEP:13.1f}"
-              f"  {mk * LAYERS_PER_STEP:14.1f}  {statistics.median(ratios):5.2f}x")
+        kv_bytes = sum(lengths) * HKV * HEAD_DIM * 4 * 2  # K and V rows attended to, float32
+        line = (f"{batch:5d}  {sum(lengths) / batch:9.0f}  {mt:13.3f}  {mk:14.3f}  {mt * LAYERS_PER_STEP:13.1f}"
+                f"  {mk * LAYERS_PER_STEP:14.1f}  {kv_bytes / mk / 1e6:11.1f}  {statistics.median(ratios):5.2f}x")
+        if base:
+            line += (f"  {kv_bytes / statistics.median(t_base) / 1e9:9.1f}"
+                     f"  {statistics.median(base_ratios):10.2f}x")
+        print(line)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     return 0
 
