@@ -1,7 +1,8 @@
 """One entry point per operator; the backend ("torch" or "triton") is chosen once per engine.
 
 "torch" runs the plain torch implementations (the CPU engine's path; attention uses the
-batched `paged_attention_torch`). "triton" runs the Triton kernels: on CUDA tensors normally,
+batched `paged_attention_torch`); on float32 CPU tensors its small ops (RMSNorm, rotary + K/V
+store, SiLU * up) go to the native kernels of `cpu_glue.py` once they are built. "triton" runs the Triton kernels: on CUDA tensors normally,
 on CPU tensors only under TRITON_INTERPRET=1 (set before triton is first imported), which the
 tests use.
 """
@@ -12,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from sluice.kernels import cpu_glue
 from sluice.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from sluice.kernels.attention import AttentionMetadata, paged_attention_torch
 from sluice.kernels.paged_decode import paged_decode_triton
@@ -56,11 +58,15 @@ class Ops:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._triton:
             return rms_norm_triton(x, weight, eps, residual)
+        if x.is_cpu and x.dtype == torch.float32 and cpu_glue.ready():
+            return cpu_glue.add_rms_norm(x, weight, eps, residual)
         return rms_norm_torch(x, weight, eps, residual)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self._triton:
             return silu_and_mul_triton(x)
+        if x.is_cpu and x.dtype == torch.float32 and cpu_glue.ready():
+            return cpu_glue.silu_and_mul(x)
         return silu_and_mul_ref(x)
 
     def rotary_store_kv(
@@ -77,7 +83,36 @@ class Ops:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._triton:  # the kernel reads the cos/sin rows of each position itself
             return rotary_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        if rope is not None and q.is_cpu and q.dtype == torch.float32 and cpu_glue.ready():
+            return cpu_glue.rotary_store_kv(q, k, v, rope, k_cache, v_cache, slot_mapping)
         return rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rope)
+
+    def qkv_rotary_store_kv(
+        self,
+        qkv: torch.Tensor,  # [T, (Hq + 2 * Hkv) * D]: a fused projection's [q | k | v] columns
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`rotary_store_kv` on the columns of a fused qkv projection; returns the rotated q
+        [T, Hq, D]. The native CPU kernel takes qkv whole (one call, no split/view ops)."""
+        if (not self._triton and rope is not None and qkv.is_cpu and qkv.dtype == torch.float32
+                and k_cache.dtype == torch.float32 and cpu_glue.ready()):
+            return cpu_glue.qkv_rotary_store(qkv, num_heads, num_kv_heads, head_dim, rope, k_cache, v_cache,
+                                             slot_mapping)
+        num_tokens, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        q, _ = self.rotary_store_kv(
+            q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim), positions, cos_sin_cache, k_cache, v_cache,
+            slot_mapping, rope)
+        return q
 
     def rope_rows(self, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -104,16 +104,20 @@ class Attention(nn.Module):
     def forward(self, ops: Ops, x: torch.Tensor, rope: RopeInputs, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj.forward(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj.forward(x)  # [T, (Hq + 2 * Hkv) * D]
         if self.q_norm is not None and self.k_norm is not None:
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             # Qwen3: per-head RMSNorm, run as rows of [T * H, D] through the same fused op.
             q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.eps)[0].view_as(q)
             k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.eps)[0].view_as(k)
-        q, _ = ops.rotary_store_kv(q, k, v, rope.positions, rope.cos_sin_cache, k_cache, v_cache,
-                                   meta.slot_mapping, rope.rows)
+            q, _ = ops.rotary_store_kv(q, k, v, rope.positions, rope.cos_sin_cache, k_cache, v_cache,
+                                       meta.slot_mapping, rope.rows)
+        else:  # one op on the fused projection (one native call on the CPU)
+            q = ops.qkv_rotary_store_kv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.positions,
+                                        rope.cos_sin_cache, k_cache, v_cache, meta.slot_mapping, rope.rows)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
 
