@@ -10,8 +10,9 @@ position seq_lens[b] - q_len_b + i and attends causally to positions 0..that pos
 
 Two torch implementations live here: `paged_attention_ref`, a per-sequence loop that is the
 ground truth every other implementation is tested against, and `paged_attention_torch`, the
-batched CPU hot path (padded gather + one fused masked attention call per group of sequences,
-decodes through the native kernel of `cpu_decode.py` once it is built) that `Ops("torch")` uses.
+batched CPU hot path (padded gather + one fused masked attention call per group of sequences;
+decodes through the native kernel of `cpu_decode.py` and prefill chunks through that of
+`cpu_prefill.py` once they are built) that `Ops("torch")` uses.
 The Triton kernels live in `paged_decode.py` and `paged_prefill.py`.
 """
 
@@ -24,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels import cpu_decode
+from sluice.kernels import cpu_decode, cpu_prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,10 +132,19 @@ class _GroupPlan(NamedTuple):
 class _StepPlan(NamedTuple):
     groups: list[_GroupPlan]  # what the torch path attends, group by group
     native: _NativeDecodes | None  # decodes the native kernel attends (None: none, or no kernel)
+    # [P, 4] int64 (sequence, first token row, rows, context length): the chunks the native
+    # prefill kernel attends (None: none, or no kernel).
+    prefill: torch.Tensor | None = None
+    all_native_decodes: bool = False  # a decode-only batch, all of it through the decode kernel
 
 
-def _native_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return q.is_cpu and q.dtype == torch.float32 and k_cache.dtype == torch.float32 and cpu_decode.ready()
+def _native_kernels(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[bool, bool]:
+    """Whether the native decode and prefill kernels apply (float32 on the CPU, built, not
+    switched off): asked once per step, when its plan is built, so every layer of a step takes
+    the same path and `ready()` is not asked per layer."""
+    if not (q.is_cpu and q.dtype == torch.float32 and k_cache.dtype == torch.float32):
+        return False, False
+    return cpu_decode.ready(), cpu_prefill.ready()
 
 
 def paged_attention_torch(
@@ -151,34 +161,38 @@ def paged_attention_torch(
     padded [G, L, Hkv, D] tensor and runs one fused `scaled_dot_product_attention` with an
     additive mask; the query heads that share a KV head are stacked as extra query rows, so K/V
     are never repeated. The plan (grouping, block indices, masks) depends only on the metadata:
-    the first layer of a step builds it and the others reuse it. Float32 on the CPU, once the native
-    kernel is built (`cpu_decode.ready()`), the decodes go to it instead, gather-free: all of a
-    decode-only batch, and the decode rows of a mixed one (its chunks still take the groups).
+    the first layer of a step builds it and the others reuse it. Float32 on the CPU, the native
+    kernels take over once built, gather-free: the decodes go to `cpu_decode` (all of a
+    decode-only batch, the decode rows of a mixed one) and the chunks to `cpu_prefill` (causal,
+    masked upper triangle skipped); whatever they do not take still runs in the groups.
     """
-    native = _native_kernel_applies(q, k_cache)
-    if native and meta.is_decode_only:
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    key = (num_q_heads, num_kv_heads, head_dim, block_size, q.device, q.dtype, k_cache.dtype)
+    plan = meta.plan_cache.get(key)
+    if plan is None:
+        native_decodes, native_prefill = _native_kernels(q, k_cache)
+        plan = _build_plan(meta, num_q_heads, num_kv_heads, head_dim, block_size, q.device, native_decodes,
+                           native_prefill)
+        meta.plan_cache[key] = plan
+    if plan.all_native_decodes:
         # Gather-free: the native kernel reads each sequence's K/V blocks where they lie (faster
         # than the padded gather + SDPA at every batch size measured, 1-128 sequences).
         return cpu_decode.paged_decode_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    key = (num_q_heads, num_kv_heads, head_dim, block_size, q.device, native)
-    plan = meta.plan_cache.get(key)
-    if plan is None:
-        plan = _build_plan(meta, num_q_heads, num_kv_heads, head_dim, block_size, q.device, native)
-        meta.plan_cache[key] = plan
     num_tokens = q.shape[0]
     groups = plan.groups
-    if plan.native is None and len(groups) == 1 and groups[0].token_index is None \
+    if plan.native is None and plan.prefill is None and len(groups) == 1 and groups[0].token_index is None \
             and groups[0].num_pieces == num_tokens:
         # A decode-only batch in one group (the common step): the result rows are the output.
         return _attend_group(q, k_cache, v_cache, groups[0], scale).to(q.dtype)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if plan.native is not None:  # a mixed batch's decodes: the kernel, the chunks below
         rows = plan.native.token_index
         attn = cpu_decode.paged_decode_cpu(q.index_select(0, rows), k_cache, v_cache, plan.native.block_tables,
                                            plan.native.seq_lens, scale)
         out.index_copy_(0, rows, attn)
+    if plan.prefill is not None:  # the chunks: written into their rows of `out` in place
+        cpu_prefill.paged_prefill_cpu(q, k_cache, v_cache, meta.block_tables, plan.prefill, scale, out)
     for group in groups:
         attn = _attend_group(q, k_cache, v_cache, group, scale)  # [G * R, Hq, D]
         if group.token_index is None:
@@ -199,8 +213,18 @@ def _build_plan(
     block_size: int,
     device: torch.device,
     native_decodes: bool,
+    native_prefill: bool = False,
 ) -> _StepPlan:
+    if native_decodes and meta.is_decode_only:
+        return _StepPlan([], None, None, all_native_decodes=True)
     starts = meta.query_start_loc_host
+    prefill = None
+    if native_prefill:
+        # One piece per chunk, whole: the kernel needs no element budget (it never pads).
+        spec = [(b, starts[b], starts[b + 1] - starts[b], meta.seq_lens_host[b]) for b in range(meta.num_seqs)
+                if starts[b + 1] - starts[b] > 1]
+        if spec:
+            prefill = torch.tensor(spec, dtype=torch.int64)
     decodes: list[_Piece] = []
     chunks: list[_Piece] = []
     for b in range(meta.num_seqs):
@@ -208,6 +232,8 @@ def _build_plan(
         if q_len == 1:
             decodes.append(_Piece(b, starts[b], 1, seq_len))
             continue
+        if prefill is not None:
+            continue  # the native prefill kernel's
         # Rows per piece so that one piece alone fits the budget (at least one row).
         kv_cost = 2 * seq_len * num_kv_heads * head_dim
         rows = max(1, (_GROUP_ELEMENT_BUDGET - kv_cost) // max(num_q_heads * seq_len, 1))
@@ -224,7 +250,7 @@ def _build_plan(
     for bucket in [*_bucket_by_length(decodes, block_size, num_kv_heads * head_dim), chunks]:
         for group in _split_by_budget(bucket, num_q_heads, num_kv_heads, head_dim):
             plan.append(_plan_group(meta, group, num_q_heads // num_kv_heads, block_size, device))
-    return _StepPlan(plan, native)
+    return _StepPlan(plan, native, prefill)
 
 
 # What one more group costs (its own gather, mask and attention call), in the currency of padded
