@@ -249,7 +249,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "sluice": {},
     }
     if config.device == "cpu":
-        from sluice.kernels import cpu_decode, cpu_glue
+        from sluice.kernels import cpu_decode, cpu_glue, cpu_prefill
 
         # Built here, outside every timing, so the engines' decode steps use it from the first
         # one (a C++ compile the first time on a machine; an engine alone only starts that
@@ -257,6 +257,8 @@ def run_bench(args: argparse.Namespace) -> int:
         report["config"]["cpu_decode_kernel"] = (cpu_decode.ready() if args.no_kernel_build
                                                  else cpu_decode.build())
         report["config"]["cpu_glue_kernel"] = cpu_glue.ready() if args.no_kernel_build else cpu_glue.build()
+        report["config"]["cpu_prefill_kernel"] = (cpu_prefill.ready() if args.no_kernel_build
+                                                  else cpu_prefill.build())
         report["matmul_peak"] = bench_peer.matmul_peak(model_cfg)
         print(f"fp32 matmul peak {report['matmul_peak']['gflops']:.1f} GFLOP/s (best of the model's GEMM shapes)")
     peer = None

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sluice.kernels import cpu_decode, cpu_glue
+from sluice.kernels import cpu_decode, cpu_glue, cpu_prefill
 from sluice.kernels.attention import AttentionMetadata
 from sluice.kernels.ops import Ops
 from sluice.protocol import PositionLogprobs
@@ -68,6 +68,7 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float32:
             cpu_decode.build_in_background()  # decodes take the torch path until it is built
             cpu_glue.build_in_background()  # so do RMSNorm, rotary and SiLU * up
+            cpu_prefill.build_in_background()  # and prompt chunks' attention
         log.info("engine: kernel backend %s on %s (%s)", backend, self.device, config.resolved_dtype)
 
         model_cfg = ModelConfig.from_dir(Path(config.model))
