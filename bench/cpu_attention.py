@@ -85,7 +85,7 @@ def main() -> int:
     parser.add_argument("--baseline", help="a built .so of another version of the kernel, timed as a third side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not cpu_decode.build():
+    if not cpu_decode.KERNEL.build():
         raise SystemExit("the CPU decode kernel cannot be built here")
     kernel = cpu_decode.KERNEL.module
     scale = HEAD_DIM ** -0.5

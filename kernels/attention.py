@@ -144,7 +144,7 @@ def _native_kernels(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[bool, bool]
     the same path and `ready()` is not asked per layer."""
     if not (q.is_cpu and q.dtype == torch.float32 and k_cache.dtype == torch.float32):
         return False, False
-    return cpu_decode.ready(), cpu_prefill.ready()
+    return cpu_decode.KERNEL.ready(), cpu_prefill.KERNEL.ready()
 
 
 def paged_attention_torch(

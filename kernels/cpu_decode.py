@@ -17,8 +17,9 @@ sequences, over (sequence, KV head) pairs, on ATen's thread pool. Without AVX2, 
 head_dim that is not a multiple of 8, plain loops the compiler vectorises do the same passes.
 
 It is built by `kernels/cpu_build.py` (a niced C++ compile in its own process, cached per CPU)
-and imported by `ready()`; `sluice worker` starts the build in the background at start-up
-(`build_in_background`), `sluice bench engine` and the kernel tests wait for it (`build`). Not
+and imported by `KERNEL.ready()`; `sluice worker` starts the build in the background at start-up
+and `sluice bench engine` waits for it (kernels/native.py lists every native kernel), as the
+kernel tests do (`KERNEL.build()`). Not
 built yet, not buildable, or SLUICE_CPU_DECODE_KERNEL=0: the torch path runs; the kernel is a
 speed-up, never a requirement. CUDA decodes use the Triton kernel instead (the model code is the
 same; only `Ops` differs). Float32 only; the same arithmetic as the reference in another
@@ -317,23 +318,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode);
 KERNEL = NativeKernel("sluice_cpu_paged_decode", _SOURCE, __name__, switch="SLUICE_CPU_DECODE_KERNEL")
 
 
-def build() -> bool:
-    """Builds the kernel if needed (waiting for the compile) and loads it; False where it cannot."""
-    return KERNEL.build()
-
-
-def build_in_background() -> None:
-    """Starts the build without waiting (a worker at start-up); the torch path runs meanwhile."""
-    KERNEL.build_in_background()
-
-
-def ready() -> bool:
-    """Whether the kernel can run now: loaded, or built by any process and loaded now. Never compiles."""
-    return KERNEL.ready()
-
-
 def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, Hq, D] float32, one decode token per sequence -> [B, Hq, D]. Call only if `ready()`."""
+    """q: [B, Hq, D] float32, one decode token per sequence -> [B, Hq, D]. Call only if `KERNEL.ready()`."""
     assert KERNEL.module is not None
     return KERNEL.module.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)

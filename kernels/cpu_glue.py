@@ -264,22 +264,7 @@ KERNEL = NativeKernel("sluice_cpu_glue", _SOURCE, __name__, switch="SLUICE_CPU_G
 _LANES = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
-def build() -> bool:
-    """Builds the kernels if needed (waiting for the compile) and loads them; False where they cannot."""
-    return KERNEL.build()
-
-
-def build_in_background() -> None:
-    """Starts the build without waiting (a worker at start-up); the torch path runs meanwhile."""
-    KERNEL.build_in_background()
-
-
-def ready() -> bool:
-    """Whether the kernels can run now: loaded, or built by any process and loaded now. Never compiles."""
-    return KERNEL.ready()
-
-
-# The wrappers below: float32 CPU tensors only, and only once `ready()` (Ops checks both).
+# The wrappers below: float32 CPU tensors only, and only once `KERNEL.ready()` (Ops checks both, once a step).
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,8 +21,8 @@ head_dim). A chunk after cached context (chunked prefill) and mixed batches of s
 sequences' chunks are the same thing: each piece's rows sit at positions context_len - rows ..
 context_len - 1. Float32; the same arithmetic as the reference in another summation order.
 
-Built and loaded like `cpu_decode.py` (kernels/cpu_build.py): `build()`, `build_in_background()`,
-`ready()` never compiles; SLUICE_CPU_PREFILL_KERNEL=0 (or not built): the torch path runs.
+Built and loaded like `cpu_decode.py` (kernels/cpu_build.py, kernels/native.py): `KERNEL.ready()`
+never compiles; SLUICE_CPU_PREFILL_KERNEL=0 (or not built): the torch path runs.
 """
 
 from __future__ import annotations
@@ -51,23 +51,23 @@ _SOURCE = r"""
 static constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp for x <= 0 (scores minus their running max), Cephes' expf polynomial (within ~2 ulp of
-// expf); below -87 it is 0, so a masked score (-inf) gives exactly 0.
-static inline float exp_scalar(float x) {
-  if (x < -87.0f) return 0.0f;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+// expf), once for every backend S: below -87 it is 0, so a masked score (-inf) gives exactly 0.
+// S supplies floor, fnma (c - a * b), pow2 (2^n of an integral n) and zero_below (0 where x < -87).
+template <class S>
+static inline typename S::V exp_poly(typename S::V x) {
+  using V = typename S::V;
+  const V clamped = S::max(x, S::set1(-87.0f));
+  const V n = S::floor(S::fma(clamped, S::set1(1.44269504088896341f), S::set1(0.5f)));
+  V r = S::fnma(n, S::set1(0.693359375f), clamped);
+  r = S::fma(n, S::set1(2.12194440e-4f), r);
+  V p = S::set1(1.9875691500e-4f);
+  p = S::fma(p, r, S::set1(1.3981999507e-3f));
+  p = S::fma(p, r, S::set1(8.3334519073e-3f));
+  p = S::fma(p, r, S::set1(4.1665795894e-2f));
+  p = S::fma(p, r, S::set1(1.6666665459e-1f));
+  p = S::fma(p, r, S::set1(5.0000001201e-1f));
+  p = S::fma(S::mul(p, r), r, S::add(r, S::set1(1.0f)));
+  return S::zero_below(x, S::mul(p, S::pow2(n)));
 }
 
 // A vector backend: W lanes; ROWS x NV accumulators in the score micro-kernel (KT = NV * W keys
@@ -86,7 +86,16 @@ struct Plain {
   static V mul(V a, V b) { return a * b; }
   static float hmax(V v) { return v; }
   static float hsum(V v) { return v; }
-  static V exp(V x) { return exp_scalar(x); }
+  static V floor(V x) { return std::floor(x); }
+  static V fnma(V a, V b, V c) { return c - a * b; }
+  static V pow2(V n) {
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+  }
+  static V zero_below(V x, V v) { return x < -87.0f ? 0.f : v; }
+  static V exp(V x) { return exp_poly<Plain>(x); }
 };
 
 #ifdef SLUICE_AVX2
@@ -114,22 +123,13 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
   }
-  static V exp(V x) {
-    const V under = _mm256_cmp_ps(x, set1(-87.0f), _CMP_LT_OQ);
-    x = _mm256_max_ps(x, set1(-87.0f));
-    const V n = _mm256_floor_ps(fma(x, set1(1.44269504088896341f), set1(0.5f)));
-    V r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
-    r = fma(n, set1(2.12194440e-4f), r);
-    V p = set1(1.9875691500e-4f);
-    p = fma(p, r, set1(1.3981999507e-3f));
-    p = fma(p, r, set1(8.3334519073e-3f));
-    p = fma(p, r, set1(4.1665795894e-2f));
-    p = fma(p, r, set1(1.6666665459e-1f));
-    p = fma(p, r, set1(5.0000001201e-1f));
-    p = fma(mul(p, r), r, add(r, set1(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, mul(p, _mm256_castsi256_ps(e)));
+  static V floor(V x) { return _mm256_floor_ps(x); }
+  static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V pow2(V n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
   }
+  static V zero_below(V x, V v) { return _mm256_andnot_ps(_mm256_cmp_ps(x, set1(-87.0f), _CMP_LT_OQ), v); }
+  static V exp(V x) { return exp_poly<Avx2>(x); }
 };
 #endif
 
@@ -148,23 +148,15 @@ struct Avx512 {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static float hmax(V v) { return _mm512_reduce_max_ps(v); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
-  static V exp(V x) {
-    const __mmask16 under = _mm512_cmp_ps_mask(x, set1(-87.0f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, set1(-87.0f));
-    const V n = _mm512_roundscale_ps(fma(x, set1(1.44269504088896341f), set1(0.5f)),
-                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    V r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
-    r = fma(n, set1(2.12194440e-4f), r);
-    V p = set1(1.9875691500e-4f);
-    p = fma(p, r, set1(1.3981999507e-3f));
-    p = fma(p, r, set1(8.3334519073e-3f));
-    p = fma(p, r, set1(4.1665795894e-2f));
-    p = fma(p, r, set1(1.6666665459e-1f));
-    p = fma(p, r, set1(5.0000001201e-1f));
-    p = fma(mul(p, r), r, add(r, set1(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), mul(p, _mm512_castsi512_ps(e)));
+  static V floor(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V pow2(V n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
   }
+  static V zero_below(V x, V v) {
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(x, set1(-87.0f), _CMP_LT_OQ)), v);
+  }
+  static V exp(V x) { return exp_poly<Avx512>(x); }
 };
 #endif
 
@@ -315,7 +307,7 @@ static void attend_tile(const Problem& pr, const Piece& pc, int64_t h, int64_t i
         sum = B::add(sum, p);
       }
       if (old != mx) {
-        const float corr = old == kNegInf ? 0.f : exp_scalar(old - mx);
+        const float corr = old == kNegInf ? 0.f : Plain::exp(old - mx);
         sc.l[r] *= corr;
         float* ar = acc + r * D;
         for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
@@ -380,7 +372,8 @@ static void run(const Problem& pr, const std::vector<Piece>& pieces) {
         const Task& task = tasks[t];
         const Piece& pc = pieces[task.piece];
         const int64_t per_head = (pc.context_len + KT - 1) / KT * KT * D;
-        attend_tile<B>(pr, pc, task.head, task.i0, task.i1, keys.data() + offset[task.piece] + task.head * per_head, sc);
+        attend_tile<B>(pr, pc, task.head, task.i0, task.i1,
+                       keys.data() + offset[task.piece] + task.head * per_head, sc);
       }
   });
 }
@@ -426,25 +419,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_prefill", &paged_prefill
 KERNEL = NativeKernel("sluice_cpu_paged_prefill", _SOURCE, __name__, switch="SLUICE_CPU_PREFILL_KERNEL")
 
 
-def build() -> bool:
-    """Builds the kernel if needed (waiting for the compile) and loads it; False where it cannot."""
-    return KERNEL.build()
-
-
-def build_in_background() -> None:
-    """Starts the build without waiting (a worker at start-up); the torch path runs meanwhile."""
-    KERNEL.build_in_background()
-
-
-def ready() -> bool:
-    """Whether the kernel can run now: loaded, or built by any process and loaded now. Never compiles."""
-    return KERNEL.ready()
-
-
 def paged_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       pieces: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """Writes into `out` [T, Hq, D] the attention of the query rows named by `pieces` [P, 4] int64
     (sequence row of `block_tables`, first token row, rows, context length including them) over
-    their sequences' cached K/V; q: [T, Hq, D] float32. Call only if `ready()`."""
+    their sequences' cached K/V; q: [T, Hq, D] float32. Call only if `KERNEL.ready()`."""
     assert KERNEL.module is not None
     KERNEL.module.paged_prefill(q.contiguous(), k_cache, v_cache, block_tables, pieces, scale, out)

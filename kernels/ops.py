@@ -2,9 +2,10 @@
 
 "torch" runs the plain torch implementations (the CPU engine's path; attention uses the
 batched `paged_attention_torch`); on float32 CPU tensors its small ops (RMSNorm, rotary + K/V
-store, SiLU * up) go to the native kernels of `cpu_glue.py` once they are built. "triton" runs the Triton kernels: on CUDA tensors normally,
-on CPU tensors only under TRITON_INTERPRET=1 (set before triton is first imported), which the
-tests use.
+store, SiLU * up) go to the native kernels of `cpu_glue.py` once they are built, which
+`begin_step` decides once per forward pass. "triton" runs the Triton kernels: on CUDA tensors
+normally, on CPU tensors only under TRITON_INTERPRET=1 (set before triton is first imported),
+which the tests use.
 """
 
 from __future__ import annotations
@@ -52,20 +53,28 @@ class Ops:
             raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
         self.backend: Backend = backend
         self._triton = backend == "triton"
+        self._native_glue = False  # this step's small ops run through cpu_glue (begin_step)
+
+    def begin_step(self, hidden: torch.Tensor, kv_dtype: torch.dtype) -> None:
+        """Decides, once per forward pass, whether its RMSNorm, rotary + K/V store and SiLU * up
+        run through the native CPU kernels: the torch backend, float32 CPU activations and K/V
+        cache, and the kernels built. Every layer of the step then takes the same path."""
+        self._native_glue = (not self._triton and hidden.is_cpu and hidden.dtype == torch.float32
+                             and kv_dtype == torch.float32 and cpu_glue.KERNEL.ready())
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._triton:
             return rms_norm_triton(x, weight, eps, residual)
-        if x.is_cpu and x.dtype == torch.float32 and cpu_glue.ready():
+        if self._native_glue:
             return cpu_glue.add_rms_norm(x, weight, eps, residual)
         return rms_norm_torch(x, weight, eps, residual)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self._triton:
             return silu_and_mul_triton(x)
-        if x.is_cpu and x.dtype == torch.float32 and cpu_glue.ready():
+        if self._native_glue:
             return cpu_glue.silu_and_mul(x)
         return silu_and_mul_ref(x)
 
@@ -83,7 +92,7 @@ class Ops:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._triton:  # the kernel reads the cos/sin rows of each position itself
             return rotary_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-        if rope is not None and q.is_cpu and q.dtype == torch.float32 and cpu_glue.ready():
+        if self._native_glue and rope is not None:
             return cpu_glue.rotary_store_kv(q, k, v, rope, k_cache, v_cache, slot_mapping)
         return rotary_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rope)
 
@@ -102,8 +111,7 @@ class Ops:
     ) -> torch.Tensor:
         """`rotary_store_kv` on the columns of a fused qkv projection; returns the rotated q
         [T, Hq, D]. The native CPU kernel takes qkv whole (one call, no split/view ops)."""
-        if (not self._triton and rope is not None and qkv.is_cpu and qkv.dtype == torch.float32
-                and k_cache.dtype == torch.float32 and cpu_glue.ready()):
+        if self._native_glue and rope is not None:
             return cpu_glue.qkv_rotary_store(qkv, num_heads, num_kv_heads, head_dim, rope, k_cache, v_cache,
                                              slot_mapping)
         num_tokens, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim

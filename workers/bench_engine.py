@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency-streams", type=positive_int_list, default=[1, 16],
                         help="concurrent streams of each latency point")
     parser.add_argument("--no-kernel-build", action="store_true",
-                        help="use the CPU decode kernel only if it is already built (no C++ compile)")
+                        help="use the native CPU kernels only if they are already built (no C++ compile)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved rounds of sluice and the peer; each reports its median run")
 
@@ -249,16 +249,12 @@ def run_bench(args: argparse.Namespace) -> int:
         "sluice": {},
     }
     if config.device == "cpu":
-        from sluice.kernels import cpu_decode, cpu_glue, cpu_prefill
+        from sluice.kernels import native
 
-        # Built here, outside every timing, so the engines' decode steps use it from the first
-        # one (a C++ compile the first time on a machine; an engine alone only starts that
-        # build in the background and takes the torch path until it is done).
-        report["config"]["cpu_decode_kernel"] = (cpu_decode.ready() if args.no_kernel_build
-                                                 else cpu_decode.build())
-        report["config"]["cpu_glue_kernel"] = cpu_glue.ready() if args.no_kernel_build else cpu_glue.build()
-        report["config"]["cpu_prefill_kernel"] = (cpu_prefill.ready() if args.no_kernel_build
-                                                  else cpu_prefill.build())
+        # Built here, outside every timing, so the engines' steps use them from the first one (a
+        # C++ compile the first time on a machine; an engine alone only starts those builds in
+        # the background and takes the torch path until they are done).
+        report["config"].update(native.build_all(compile_missing=not args.no_kernel_build))
         report["matmul_peak"] = bench_peer.matmul_peak(model_cfg)
         print(f"fp32 matmul peak {report['matmul_peak']['gflops']:.1f} GFLOP/s (best of the model's GEMM shapes)")
     peer = None

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sluice.kernels import cpu_decode, cpu_glue, cpu_prefill
+from sluice.kernels import native
 from sluice.kernels.attention import AttentionMetadata
 from sluice.kernels.ops import Ops
 from sluice.protocol import PositionLogprobs
@@ -66,9 +66,7 @@ class ModelRunner:
             )
         self.ops = Ops(backend)  # type: ignore[arg-type]
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            cpu_decode.build_in_background()  # decodes take the torch path until it is built
-            cpu_glue.build_in_background()  # so do RMSNorm, rotary and SiLU * up
-            cpu_prefill.build_in_background()  # and prompt chunks' attention
+            native.build_all_in_background()  # the torch path runs until each is built
         log.info("engine: kernel backend %s on %s (%s)", backend, self.device, config.resolved_dtype)
 
         model_cfg = ModelConfig.from_dir(Path(config.model))

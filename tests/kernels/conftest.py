@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from sluice.kernels.cpu_build import NativeKernel
 from sluice.kernels.testing import poisoned_allocations
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -50,3 +51,13 @@ def _poison_allocations() -> Iterator[None]:
     """Every floating torch.empty / empty_like is NaN-filled, so unwritten outputs fail."""
     with poisoned_allocations():
         yield
+
+
+@pytest.fixture(scope="module")
+def built(request: pytest.FixtureRequest) -> None:
+    """Builds the test module's `NATIVE_KERNEL` (a C++ compile, cached per CPU; a minute or more
+    on a loaded 2-core machine), which also makes the engine use it in later tests of the same
+    machine; skips where it cannot be built (no compiler), since the engine then runs the torch path."""
+    kernel: NativeKernel = request.module.NATIVE_KERNEL
+    if not kernel.build():
+        pytest.skip(f"native kernel {kernel.name} cannot be built here (no C++ compiler or ninja)")

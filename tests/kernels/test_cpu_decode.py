@@ -1,8 +1,6 @@
 """The CPU's gather-free paged decode kernel (kernels/cpu_decode.py) against the torch reference.
 
-The fixture builds the kernel (a C++ compile: a minute or more on a loaded 2-core machine; the
-binary is cached per CPU), which also makes the engine use it in later tests of the same machine;
-the tests skip where no compiler is available, since the engine then runs the torch path.
+The `built` fixture (conftest.py) builds the kernel; the tests skip where no compiler is available.
 """
 
 from __future__ import annotations
@@ -24,10 +22,7 @@ from sluice.kernels.testing import make_metadata, make_paged_batch
 pytestmark = [pytest.mark.kernels, pytest.mark.timeout(1800)]
 
 
-@pytest.fixture(scope="module")
-def built() -> None:
-    if not cpu_decode.build():
-        pytest.skip("the CPU decode kernel cannot be built here (no C++ compiler or ninja)")
+NATIVE_KERNEL = cpu_decode.KERNEL  # built by the `built` fixture (conftest.py)
 
 
 def _decode_case(hq: int, hkv: int, head_dim: int, block_size: int, lengths: list[int], seed: int):  # type: ignore[no-untyped-def]
@@ -83,8 +78,8 @@ def test_a_mixed_batch_sends_its_decodes_to_the_kernel(built: None) -> None:
 
 def test_the_switch_turns_the_kernel_off(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLUICE_CPU_DECODE_KERNEL", "0")
-    assert not cpu_decode.ready()
-    cpu_decode.build_in_background()  # does nothing while off
+    assert not cpu_decode.KERNEL.ready()
+    cpu_decode.KERNEL.build_in_background()  # does nothing while off
     assert cpu_decode.KERNEL._building is None
     batch = make_paged_batch([(1, 40), (3, 9)], block_size=16, num_q_heads=9, num_kv_heads=3, head_dim=64)
     paged_attention_torch(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
@@ -136,7 +131,8 @@ def test_an_engine_process_loads_the_built_kernel_without_compiling(built: None,
     shutil.copy(cpu_decode.KERNEL.path(), target)
     (target.parent / "lock").touch()  # as a SIGKILLed build of torch's loader leaves it
     (target.parent / "build.lock").touch()
-    check = "from sluice.kernels import cpu_decode; cpu_decode.build_in_background(); print(cpu_decode.ready())"
+    check = ("from sluice.kernels import cpu_decode; cpu_decode.KERNEL.build_in_background(); "
+             "print(cpu_decode.KERNEL.ready())")
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"

@@ -1,7 +1,6 @@
 """The native CPU glue kernels (kernels/cpu_glue.py) against the torch references they replace.
 
-The fixture builds the kernels (a C++ compile, cached per CPU); the tests skip where no compiler is
-available, since `Ops` then runs the torch path.
+The `built` fixture (conftest.py) builds the kernels; the tests skip where no compiler is available.
 """
 
 from __future__ import annotations
@@ -18,10 +17,7 @@ from sluice.kernels.rotary import rope_rows, rotary_store_kv_ref
 pytestmark = [pytest.mark.kernels, pytest.mark.timeout(1800)]
 
 
-@pytest.fixture(scope="module")
-def built() -> None:
-    if not cpu_glue.build():
-        pytest.skip("the CPU glue kernels cannot be built here (no C++ compiler or ninja)")
+NATIVE_KERNEL = cpu_glue.KERNEL  # built by the `built` fixture (conftest.py)
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -95,12 +91,25 @@ def test_silu_and_mul_matches_torch(built: None, threads: int, intermediate: int
 
 
 def test_ops_dispatch_and_switch(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ops('torch') takes the native path for float32 CPU tensors and the torch path otherwise."""
+    """Ops('torch') decides once per step: the native path for float32 CPU activations and K/V,
+    the torch path for other dtypes or with the switch off."""
     ops = Ops("torch")
-    x = torch.randn(4, 64, dtype=torch.float64)
-    weight = torch.randn(64, dtype=torch.float64)
-    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6)[0], rms_norm_torch(x, weight, 1e-6)[0])
-    assert ops.silu_and_mul(x).dtype == torch.float64
-    assert cpu_glue.ready()
+    x = torch.randn(4, 64)
+    weight = torch.randn(64)
+    ops.begin_step(x, torch.float32)
+    assert ops._native_glue
+    got = ops.rms_norm(x, weight, 1e-6)[0]
+    torch.testing.assert_close(got, rms_norm_torch(x, weight, 1e-6)[0])
+    wide = x.double()
+    ops.begin_step(wide, torch.float64)
+    assert not ops._native_glue
+    torch.testing.assert_close(ops.rms_norm(wide, weight.double(), 1e-6)[0],
+                               rms_norm_torch(wide, weight.double(), 1e-6)[0])
+    assert ops.silu_and_mul(wide).dtype == torch.float64
+    ops.begin_step(x, torch.bfloat16)  # a float32 model over a bfloat16 cache: the torch path
+    assert not ops._native_glue
     monkeypatch.setenv("SLUICE_CPU_GLUE_KERNEL", "0")
-    assert not cpu_glue.ready()
+    assert not cpu_glue.KERNEL.ready()
+    ops.begin_step(x, torch.float32)
+    assert not ops._native_glue
+    assert not Ops("triton")._native_glue

@@ -1,8 +1,6 @@
 """The CPU's causal paged prefill kernel (kernels/cpu_prefill.py) against the torch reference.
 
-The fixture builds the kernel (a C++ compile: a minute or more on a loaded 2-core machine; the
-binary is cached per CPU), which also makes the engine use it in later tests of the same machine;
-the tests skip where no compiler is available, since the engine then runs the torch path.
+The `built` fixture (conftest.py) builds the kernel; the tests skip where no compiler is available.
 """
 
 from __future__ import annotations
@@ -17,10 +15,7 @@ from sluice.kernels.testing import make_paged_batch, poisoned_allocations
 pytestmark = [pytest.mark.kernels, pytest.mark.timeout(1800)]
 
 
-@pytest.fixture(scope="module")
-def built() -> None:
-    if not cpu_prefill.build():
-        pytest.skip("the CPU prefill kernel cannot be built here (no C++ compiler or ninja)")
+NATIVE_KERNEL = cpu_prefill.KERNEL  # built by the `built` fixture (conftest.py)
 
 
 def _pieces(seqs: list[tuple[int, int]]) -> torch.Tensor:
@@ -97,14 +92,14 @@ def test_the_torch_backend_sends_chunks_to_the_kernel(built: None) -> None:
     (plan,) = batch.meta.plan_cache.values()
     assert plan.prefill is not None and plan.prefill.tolist() == [[1, 1, 17, 60], [3, 19, 200, 250], [4, 219, 5, 5]]
     assert all(group.rows_per_piece == 1 for group in plan.groups)  # decodes only, if any
-    assert (plan.native is not None) == cpu_decode.ready()
+    assert (plan.native is not None) == cpu_decode.KERNEL.ready()
 
 
 def test_the_switch_turns_the_kernel_off(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """SLUICE_CPU_PREFILL_KERNEL=0: the chunks take the padded SDPA groups as before."""
     monkeypatch.setenv("SLUICE_CPU_PREFILL_KERNEL", "0")
-    assert not cpu_prefill.ready()
-    cpu_prefill.build_in_background()  # does nothing while off
+    assert not cpu_prefill.KERNEL.ready()
+    cpu_prefill.KERNEL.build_in_background()  # does nothing while off
     assert cpu_prefill.KERNEL._building is None
     batch = make_paged_batch([(1, 40), (30, 39)], block_size=16, num_q_heads=9, num_kv_heads=3, head_dim=64)
     out = paged_attention_torch(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)

@@ -187,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final normalised hidden states [T, H]."""
         x = F.embedding(input_ids, self.embed_tokens)
+        self.ops.begin_step(x, kv_caches[0][0].dtype)
         residual: torch.Tensor | None = None
         rope = RopeInputs(positions, self.cos_sin_cache, self.ops.rope_rows(positions, self.cos_sin_cache))
         # Submodules are called through `.forward`: a decode step makes ~210 module calls, and at one
