@@ -13,6 +13,8 @@ The tokens of both sides are compared too: a lever that changes them is reported
 Levers:
   pack           pre-packed oneDNN weights (kernels/linear.py pack_weight) vs the plain weights
   decode-kernel  the gather-free CPU decode kernel (kernels/cpu_decode.py) vs the torch path
+  openmp         the native kernels as built (-fopenmp: at::parallel_for on every thread) vs the
+                 same sources built without -fopenmp (every parallel_for on one thread)
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from engine_run import add_engine_run_args, engine_run
 
-from sluice.kernels import cpu_decode
+from sluice.kernels import cpu_build, cpu_decode, native
 from sluice.workers.engine import LLMEngine
 from sluice.workers.model.llama import Linear
 
@@ -48,7 +52,7 @@ def _pack_lever(engine: LLMEngine) -> Callable[[bool], None]:
 
 
 def _decode_kernel_lever(engine: LLMEngine) -> Callable[[bool], None]:
-    if not cpu_decode.build():
+    if not cpu_decode.KERNEL.build():
         raise SystemExit("the CPU decode kernel cannot be built here")
 
     def set_on(on: bool) -> None:
@@ -60,8 +64,28 @@ def _decode_kernel_lever(engine: LLMEngine) -> Callable[[bool], None]:
     return set_on
 
 
+def _openmp_lever(engine: LLMEngine) -> Callable[[bool], None]:
+    from torch.utils.cpp_extension import load_inline
+
+    if not all(native.build_all().values()):
+        raise SystemExit("the native CPU kernels cannot be built here")
+    built: dict[str, Any] = {key: kernel.module for key, kernel in native.KERNELS.items()}
+    serial: dict[str, Any] = {}
+    flags = [flag for flag in cpu_build._CFLAGS if flag != "-fopenmp"]
+    for key, kernel in native.KERNELS.items():
+        print(f"building {kernel.name} without -fopenmp ...", flush=True)
+        serial[key] = load_inline(name=f"{kernel.name}_serial", cpp_sources=[kernel.source],
+                                  build_directory=tempfile.mkdtemp(prefix="ab-serial-"), extra_cflags=flags)
+
+    def set_on(on: bool) -> None:
+        for key, kernel in native.KERNELS.items():
+            kernel.module = (built if on else serial)[key]
+
+    return set_on
+
+
 LEVERS: dict[str, Callable[[LLMEngine], Callable[[bool], None]]] = {
-    "pack": _pack_lever, "decode-kernel": _decode_kernel_lever}
+    "pack": _pack_lever, "decode-kernel": _decode_kernel_lever, "openmp": _openmp_lever}
 
 
 def main() -> int:
