@@ -50,6 +50,8 @@ COMMIT_RETRY_MAX_S = 5.0  # a failing commit is retried at most this far apart
 STOP_TIMEOUT_S = 5.0  # stopping a Kafka client (a last commit, leaving the group) takes at most this
 START_WAIT_S = 5.0  # how long a consumer waits for its topic's partitions to show in the metadata
 ACCEPTOR_HEADER = "sluice-acceptor"  # the replica that accepted (and wrote) a request
+# The fetch wait of the topics whose records are all dispatched when accepted (`dispatched_at_acceptance`).
+DISPATCHED_FETCH_WAIT_MS = 250
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(GenerateRequest)
@@ -78,6 +80,23 @@ class QueueUnavailable(Exception):
 
 def topic_name(settings: KafkaSettings, priority: Priority) -> str:
     return f"{settings.topic_prefix}.requests.{priority.label}"
+
+
+def dispatched_at_acceptance(priority: Priority) -> bool:
+    """Whether every record of this class's topic is a stream or whole response, dispatched by the
+    replica that accepted it (batch lines are all of the batch class): its consumer only finishes
+    or holds them (gateway/takeover.py), so they need not be fetched soon after their write."""
+    return priority is not Priority.BATCH
+
+
+def fetch_wait_ms(settings: KafkaSettings, priority: Priority) -> int:
+    """How long a fetch of this class's topic may wait at the broker. Tansu parks every fetch for
+    the whole wait, so each consumer fetches about 1000/wait times a second, loaded or idle, and
+    each fetch costs the broker and the gateway CPU on the gateway's core; `kafka.fetch_max_wait_ms`
+    bounds the admission of batch lines, which only the batch topic holds."""
+    if dispatched_at_acceptance(priority):
+        return max(settings.fetch_max_wait_ms, DISPATCHED_FETCH_WAIT_MS)
+    return settings.fetch_max_wait_ms
 
 
 def group_base(settings: KafkaSettings) -> str:
@@ -419,7 +438,7 @@ class ClassConsumer:
             auto_offset_reset="earliest",
             max_partition_fetch_bytes=s.max_request_bytes,
             fetch_max_bytes=max(s.max_request_bytes, 50 * 2**20),
-            fetch_max_wait_ms=s.fetch_max_wait_ms,
+            fetch_max_wait_ms=fetch_wait_ms(s, self.priority),
             session_timeout_ms=s.session_timeout_ms,
             heartbeat_interval_ms=s.heartbeat_interval_ms,
         )

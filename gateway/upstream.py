@@ -186,8 +186,11 @@ class UpstreamLink:
         return self.num_waiting + sent_since
 
     def has_room_for(self, priority: Priority, max_waiting: int) -> bool:
+        waiting = self.est_waiting
+        if waiting < max_waiting:  # the rule's first case, decided without listing the unstarted
+            return True  # jobs: a kind "openai" server with hundreds in flight is asked per dispatch
         unstarted = [job.request.priority for job in self.inflight.values() if not job.started]
-        return has_room(self.est_waiting, unstarted, priority, max_waiting)
+        return has_room(waiting, unstarted, priority, max_waiting)
 
     @property
     def load(self) -> float:
@@ -263,15 +266,19 @@ class UpstreamLink:
                 del self._streams[rid]
 
     async def _relay(self, stream: _Stream, response: StreamedResponse) -> None:
-        """Server-sent events to deltas, until [DONE]; the final delta carries the server's usage."""
+        """Server-sent events to deltas, until [DONE]; the final delta carries the server's usage.
+
+        Each event is relayed as it arrives, within the connection's read callback
+        (`StreamedResponse.each_event`): a token costs no step of this task."""
         request = stream.request
         prompt_tokens = len(request.prompt_token_ids)
         finish: str | None = None
         usage: dict[str, Any] = {}
-        async for data in response.events():
+
+        def on_event(data: bytes) -> bool:
+            nonlocal finish, usage
             if data == b"[DONE]":
-                await response.drain(DRAIN_AFTER_DONE_S)  # the end of the body: the connection is reused
-                break
+                return True  # the rest of the body is awaited, so the connection is reused
             event = _decode(data)
             if not isinstance(event, dict):
                 raise UpstreamError(f"upstream {self.spec.name!r} sent an unreadable event")
@@ -293,6 +300,9 @@ class UpstreamLink:
                         first_token_time=first, token_times=(now,) * count))
                 if choice.get("finish_reason"):
                     finish = str(choice["finish_reason"])
+            return False
+
+        await response.each_event(on_event, drain_s=DRAIN_AFTER_DONE_S)
         if finish is None:
             raise UpstreamError(f"upstream {self.spec.name!r} ended the stream before the request finished")
         completion = usage.get("completion_tokens")

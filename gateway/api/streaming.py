@@ -295,6 +295,23 @@ class SSEStream:
             flight.finish(aborted=aborted and flight.finish_reason is None)
 
 
+class _TextEvent:
+    """The event of a delta that is text alone, the most frequent by far: this stream's one chunk
+    encoded once with empty text, and the text's JSON string put in its place per delta. The same
+    bytes as encoding the whole chunk each time (msgspec writes a string the same way alone as
+    inside a struct), for one short string instead of the envelope's structs and fields."""
+
+    __slots__ = ("_head", "_tail")
+
+    def __init__(self, empty: bytes, field: bytes) -> None:
+        # The text field is the choice's, after the envelope's strings (id, model) in the chunk.
+        at = empty.rindex(field) + len(field) - 2  # just before its empty string ""
+        self._head, self._tail = empty[:at], empty[at + 2 :]
+
+    def with_text(self, text: str) -> bytes:
+        return self._head + _encode(text) + self._tail
+
+
 def stream_chat(flight: Flight, *, resumed: bool = False) -> SSEStream:
     """`resumed`: continuing a stream another replica started (gateway/takeover.py): no role chunk."""
     prepared = flight.prepared
@@ -305,12 +322,16 @@ def stream_chat(flight: Flight, *, resumed: bool = False) -> SSEStream:
         choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
         return sse(replace(template, choices=[choice]))
 
+    text_event = _TextEvent(chunk(ChunkDelta(content="")), b'"content":""')
+
     def frames(delta: RequestDelta) -> Iterator[bytes]:
         logprobs = None
         if sampling.logprobs and delta.logprobs:
             logprobs = ChoiceLogprobs(content=chat_logprobs(prepared.tokenizer, delta.logprobs, sampling.top_logprobs))
-        if delta.text or logprobs is not None:
+        if logprobs is not None:
             yield chunk(ChunkDelta(content=delta.text), None, logprobs)
+        elif delta.text:
+            yield text_event.with_text(delta.text)
         if delta.finish_reason is not None:
             yield chunk(ChunkDelta(), _finish(delta.finish_reason))
 
@@ -324,6 +345,9 @@ def stream_completion(flight: Flight, *, offset: int = 0) -> SSEStream:
     prepared = flight.prepared
     sampling = prepared.request.sampling
     template = _template(flight, CompletionChunk)
+    text_event = _TextEvent(
+        sse(replace(template, choices=[CompletionChoice(index=0, text="", logprobs=None, finish_reason=None)])),
+        b'"text":""')
     # offset: of the next delta's text in the whole completion
 
     def frames(delta: RequestDelta) -> Iterator[bytes]:
@@ -331,7 +355,11 @@ def stream_completion(flight: Flight, *, offset: int = 0) -> SSEStream:
         logprobs = None
         if sampling.logprobs and delta.logprobs:
             logprobs = completion_logprobs(prepared.tokenizer, delta.logprobs, sampling.top_logprobs, offset)
-        if delta.text or logprobs is not None or delta.finish_reason is not None:
+        if logprobs is None and delta.finish_reason is None:
+            if delta.text:
+                yield text_event.with_text(delta.text)
+                offset += len(delta.text)
+        else:
             choice = CompletionChoice(
                 index=0, text=delta.text, logprobs=logprobs, finish_reason=_finish(delta.finish_reason)
             )
