@@ -7,7 +7,10 @@ streams for `--seconds`, and samples the gateway process meanwhile: with the bui
 (`--py-spy PATH`). Prints the samples by part of the gateway (the event loop idle, aiokafka, the
 upstream's HTTP client, the HTTP server, ...), the top frames by own and inclusive time, and
 the request records' split of the time to first token (arrival -> dispatch -> first token).
-Writes the raw collapsed stacks to `--out`.
+Also prints the CPU per finished request of the gateway process and of its children (the
+embedded broker) apart, and the samples by their innermost sluice function (its own time and the
+library calls it makes, e.g. `upstream.py:_relay` with the msgspec decode under it): the place to
+cut. Writes the raw collapsed stacks to `--out`.
 
     python bench/profile_upstream_gateway.py --streams 50 --seconds 15
 """
@@ -73,6 +76,32 @@ def read_collapsed(path: Path) -> collections.Counter[str]:
     return counts
 
 
+def _sluice_frame(frame: str) -> bool:
+    """A frame of sluice's own code, as py-spy names it: "func (sluice/gateway/x.py:12)" (the
+    built-in sampler's frames carry no directory, so with it every sample has none)."""
+    return ("(sluice/" in frame or "/sluice/" in frame) and "site-packages" not in frame
+
+
+def _short(frame: str) -> str:
+    """py-spy's "func (/a/b/file.py:12)" -> "file.py:func"; the sampler's frames are short already."""
+    if frame.endswith(")") and " (" in frame:
+        func, _, where = frame[:-1].rpartition(" (")
+        return f"{where.rsplit('/', 1)[-1].rsplit(':', 1)[0]}:{func}"
+    return frame
+
+
+def by_sluice_function(counts: collections.Counter[str], top: int) -> list[str]:
+    """Samples by their innermost sluice frame (its own time and the library code it called);
+    samples with no sluice frame by their innermost frame."""
+    owners: collections.Counter[str] = collections.Counter()
+    total = sum(counts.values())
+    for stack, count in counts.items():
+        frames = stack.split(";")
+        owner = next((f for f in reversed(frames) if _sluice_frame(f)), None)
+        owners[_short(owner) if owner is not None else "(no sluice frame) " + _short(frames[-1])] += count
+    return [f"  {100 * n / max(total, 1):5.1f}%  {frame}" for frame, n in owners.most_common(top)]
+
+
 def summarize(counts: collections.Counter[str], top: int) -> str:
     own: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
@@ -90,6 +119,8 @@ def summarize(counts: collections.Counter[str], top: int) -> str:
     lines = [f"{total} samples ({busy} in Python code)", "", "by part (% of all samples, % of those in Python code):"]
     lines += [f"  {100 * n / total:5.1f}%  {100 * n / max(busy, 1) if p not in (LOOP, PARTS[0][0]) else 0:5.1f}%  {p}"
               for p, n in parts.most_common()]
+    lines += ["", "by innermost sluice function (its own time and the library calls under it):"]
+    lines += by_sluice_function(counts, top)
     lines += ["", "own time:"]
     lines += [f"  {100 * n / total:5.1f}%  {frame}" for frame, n in own.most_common(top)]
     lines += ["", "inclusive:"]
@@ -121,6 +152,15 @@ def ttft_split(record_log: Path, since: float) -> str:
     return (f"records: {len(ttfts)}; arrival->dispatch p50 {ms(waits, 50)} p99 {ms(waits, 99)} ms; "
             f"dispatch->first token p50 {ms(firsts, 50)} p99 {ms(firsts, 99)} ms; "
             f"gateway TTFT p50 {ms(ttfts, 50)} p99 {ms(ttfts, 99)} ms")
+
+
+def _cpu_split(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the gateway process alone and of its descendants (the broker)."""
+    whole = procs.tree_cpu_s(pid)
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return {"gateway": own, "its children (broker)": whole - own}
 
 
 def main() -> int:
@@ -165,7 +205,9 @@ def main() -> int:
                                             "raw", "--rate", str(args.rate), "--duration", str(int(args.seconds)),
                                             "--output", str(out), "--nonblocking"],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                cpu_before = _cpu_split(stack.process.pid)
                 results, wall = run_loop(closed_loop(target, args.streams, duration_s=args.seconds))
+                cpu_after = _cpu_split(stack.process.pid)
                 if spy is not None:
                     spy.wait(timeout=60)
                 else:
@@ -179,6 +221,9 @@ def main() -> int:
                 print(f"{ok}/{len(results)} ok in {wall:.1f} s ({ok / wall:.1f} req/s) at {args.streams} streams; "
                       f"placement: {placement.describe()}")
                 print(ttft_split(stack.record_log, started))
+                print("CPU per finished request: " + ", ".join(
+                    f"{name} {1000 * (cpu_after[name] - cpu_before[name]) / max(ok, 1):.2f} ms"
+                    for name in cpu_after))
         finally:
             backend.stop()
     if spy is not None and spy.returncode != 0:
