@@ -298,13 +298,18 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   // Whole sequences per task while there are enough of them (each block is then read as one
   // contiguous run of all its heads); (sequence, KV head) pairs when there are few, so two
   // threads still share one long sequence.
+  // A batch with under ~256K floats of K/V in all (one short sequence) runs inline: waking a pool
+  // thread costs more than the split saves.
+  int64_t kv_floats = 0;
+  for (int64_t b = 0; b < B; ++b) kv_floats += std::max<int32_t>(lp[b], 0) * Hkv * D * 2;
+  const bool inline_all = kv_floats < (int64_t{1} << 18);
   if (B >= 4 * at::get_num_threads()) {
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, B, inline_all ? B : 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t b = begin; b < end; ++b) attend(job(b), 0, Hkv, scratch);
     });
   } else {
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, B * Hkv, inline_all ? B * Hkv : 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t i = begin; i < end; ++i) attend(job(i / Hkv), i % Hkv, i % Hkv + 1, scratch);
     });
