@@ -45,17 +45,30 @@ def kafka(broker: EmbeddedBroker, produce_timeout_s: float) -> KafkaSettings:
                          partitions=2, produce_timeout_s=produce_timeout_s)
 
 
-async def the_stream(gw: FaultGateway) -> StreamSubmission:
-    """The one stream the gateway holds (registered at submit, before its append)."""
-    await wait_for(lambda: len(gw.backend._streams) == 1, 60, "the request to be submitted")
-    return next(iter(gw.backend._streams.values()))
+async def the_stream(opened: list[StreamSubmission]) -> StreamSubmission:
+    """The stream the gateway registered for the request (at submit, before its append). Taken
+    as it is opened, not looked up in the backend's table: a short job can run to its end, and
+    leave that table, between two polls (the append is still unacknowledged then)."""
+    await wait_for(lambda: len(opened) == 1, 60, "the request to be submitted")
+    return opened[0]
 
 
-def post_meanwhile(gw: FaultGateway, body: dict[str, Any], headers: dict[str, str]) -> asyncio.Task[Any]:
+def post_meanwhile(gw: FaultGateway, body: dict[str, Any],
+                   headers: dict[str, str]) -> tuple[asyncio.Task[Any], list[StreamSubmission]]:
     """The request, sent from a thread of its own: the Litestar test client blocks its caller's
-    event loop until the app (running in its portal's thread) has answered."""
+    event loop until the app (running in its portal's thread) has answered; with the streams the
+    backend opens from now on (its `_open_stream`, observed, not replaced)."""
+    opened: list[StreamSubmission] = []
+    open_stream = gw.backend._open_stream
+
+    def observed(request: Any) -> StreamSubmission:
+        stream = open_stream(request)
+        opened.append(stream)
+        return stream
+
+    gw.backend._open_stream = observed  # type: ignore[method-assign]
     call = gw.client.post("/v1/completions", json=body, headers=headers, timeout=180)
-    return asyncio.create_task(asyncio.to_thread(asyncio.run, call))
+    return asyncio.create_task(asyncio.to_thread(asyncio.run, call)), opened
 
 
 def queued(stream: StreamSubmission) -> list[RequestDelta]:
@@ -77,8 +90,8 @@ async def test_a_stream_runs_before_its_append_is_acknowledged_but_nothing_reach
                 "stream": True, "stream_options": {"include_usage": True}}
         assert (await gw.client.post("/v1/completions", json=body, headers=auth, timeout=120)).status_code == 200
         with paused(own_broker):
-            answer = post_meanwhile(gw, body, auth)
-            stream = await the_stream(gw)
+            answer, opened = post_meanwhile(gw, body, auth)
+            stream = await the_stream(opened)
             # Dispatched and generated to the end at the worker while the record is unacknowledged.
             await wait_for(lambda s=stream, d=gw.backend.dispatcher: s.job is not None and s.request_id not in d,
                            120, "the job to run to its end at the worker")
@@ -106,8 +119,8 @@ async def test_a_failed_append_aborts_the_dispatched_job_and_answers_503(
         warm = {**body, "max_tokens": 2}
         assert (await gw.client.post("/v1/completions", json=warm, headers=auth, timeout=120)).status_code == 200
         with paused(own_broker):
-            answer = post_meanwhile(gw, body, auth)
-            stream = await the_stream(gw)
+            answer, opened = post_meanwhile(gw, body, auth)
+            stream = await the_stream(opened)
             await wait_for(lambda s=stream: s.job is not None and s.job.started, 60,
                            "the job to produce tokens at the worker")
             response = await asyncio.wait_for(answer, 120)
