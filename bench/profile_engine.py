@@ -25,11 +25,12 @@ from typing import Any
 from engine_run import add_engine_run_args, engine_run
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from sluice.kernels import cpu_decode, cpu_glue, cpu_prefill
+from sluice.kernels import cpu_decode, cpu_gemv, cpu_glue, cpu_prefill
 
 # The native kernels' entry points: pybind calls, which the profiler does not see as operators
 # (their time would land in the step's self time); each is wrapped in a labelled range instead.
 _NATIVE_ENTRY_POINTS = [(cpu_decode, "paged_decode_cpu"), (cpu_prefill, "paged_prefill_cpu"),
+                        (cpu_gemv, "skinny_linear"),
                         (cpu_glue, "add_rms_norm"), (cpu_glue, "qkv_rotary_store"), (cpu_glue, "silu_and_mul")]
 
 
