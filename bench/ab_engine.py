@@ -13,6 +13,7 @@ The tokens of both sides are compared too: a lever that changes them is reported
 Levers:
   pack           pre-packed oneDNN weights (kernels/linear.py pack_weight) vs the plain weights
   decode-kernel  the gather-free CPU decode kernel (kernels/cpu_decode.py) vs the torch path
+  gemv-kernel    the skinny projections of 1-4 rows (kernels/cpu_gemv.py) vs oneDNN's packed GEMM
   openmp         the native kernels as built (-fopenmp: at::parallel_for on every thread) vs the
                  same sources built without -fopenmp (every parallel_for on one thread)
 """
@@ -31,7 +32,8 @@ from typing import Any
 
 from engine_run import add_engine_run_args, engine_run
 
-from sluice.kernels import cpu_build, cpu_decode, native
+from sluice.kernels import cpu_build, cpu_decode, cpu_gemv, native
+from sluice.kernels.cpu_build import NativeKernel
 from sluice.workers.engine import LLMEngine
 from sluice.workers.model.llama import Linear
 
@@ -51,17 +53,21 @@ def _pack_lever(engine: LLMEngine) -> Callable[[bool], None]:
     return set_on
 
 
-def _decode_kernel_lever(engine: LLMEngine) -> Callable[[bool], None]:
-    if not cpu_decode.KERNEL.build():
-        raise SystemExit("the CPU decode kernel cannot be built here")
+def _switch_lever(kernel: NativeKernel) -> Callable[[LLMEngine], Callable[[bool], None]]:
+    """A native kernel on or off through its switch (the engine asks `KERNEL.ready()` each step)."""
+    def lever(engine: LLMEngine) -> Callable[[bool], None]:
+        if not kernel.build():
+            raise SystemExit(f"{kernel.name} cannot be built here")
 
-    def set_on(on: bool) -> None:
-        if on:
-            os.environ.pop(cpu_decode.KERNEL.switch, None)
-        else:
-            os.environ[cpu_decode.KERNEL.switch] = "0"
+        def set_on(on: bool) -> None:
+            if on:
+                os.environ.pop(kernel.switch, None)
+            else:
+                os.environ[kernel.switch] = "0"
 
-    return set_on
+        return set_on
+
+    return lever
 
 
 def _openmp_lever(engine: LLMEngine) -> Callable[[bool], None]:
@@ -71,7 +77,7 @@ def _openmp_lever(engine: LLMEngine) -> Callable[[bool], None]:
         raise SystemExit("the native CPU kernels cannot be built here")
     built: dict[str, Any] = {key: kernel.module for key, kernel in native.KERNELS.items()}
     serial: dict[str, Any] = {}
-    flags = [flag for flag in cpu_build._CFLAGS if flag != "-fopenmp"]
+    flags = [flag for flag in cpu_build.COMPILE_FLAGS if flag != "-fopenmp"]
     for key, kernel in native.KERNELS.items():
         print(f"building {kernel.name} without -fopenmp ...", flush=True)
         serial[key] = load_inline(name=f"{kernel.name}_serial", cpp_sources=[kernel.source],
@@ -85,7 +91,8 @@ def _openmp_lever(engine: LLMEngine) -> Callable[[bool], None]:
 
 
 LEVERS: dict[str, Callable[[LLMEngine], Callable[[bool], None]]] = {
-    "pack": _pack_lever, "decode-kernel": _decode_kernel_lever, "openmp": _openmp_lever}
+    "pack": _pack_lever, "decode-kernel": _switch_lever(cpu_decode.KERNEL),
+    "gemv-kernel": _switch_lever(cpu_gemv.KERNEL), "openmp": _openmp_lever}
 
 
 def main() -> int:

@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 # parallel_for runs on one thread (measured: 2 threads then ran the decode kernel no faster than
 # one; with it, 1.8-2.1x). The module links libgomp.so.1 by soname, so inside a torch process it
 # binds to the libgomp torch has already loaded: one OpenMP runtime and one thread pool.
-_CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fopenmp")
-_LDFLAGS = ("-fopenmp",)
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fopenmp")
+LINK_FLAGS = ("-fopenmp",)
 _BUILD_TIMEOUT_S = 1800  # a build takes ~40 s of CPU; minutes of wall time on a loaded machine
 _LOOK_EVERY_S = 1.0  # how often ready() looks for a module a build may have finished meanwhile
 
@@ -85,7 +85,7 @@ class NativeKernel:
         return os.environ.get(self.switch, "1") == "0"
 
     def path(self) -> Path:
-        key = "\n".join([cpu_key(), torch.__version__, sys.version, " ".join(_CFLAGS + _LDFLAGS), self.source])
+        key = "\n".join([cpu_key(), torch.__version__, sys.version, " ".join(COMPILE_FLAGS + LINK_FLAGS), self.source])
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         return cache_root() / f"{self.name}-{digest}" / f"{self.name}.so"
 
@@ -167,7 +167,7 @@ def _build_here(kernel: NativeKernel) -> None:
         scratch = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
         try:
             load_inline(name=kernel.name, cpp_sources=[kernel.source], build_directory=str(scratch),
-                        extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+                        extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(LINK_FLAGS), verbose=False)
             os.replace(scratch / f"{kernel.name}.so", target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
