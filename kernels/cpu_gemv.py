@@ -131,13 +131,14 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `skinny_linear` takes this call: 1-`MAX_ROWS` float32 CPU rows, K a multiple of 8,
     and the kernel loaded with its AVX2 path. Cheap enough for every projection of a step."""
     global _vectorised
-    if not (x.shape[0] <= MAX_ROWS and x.ndim == 2 and x.shape[1] % 8 == 0 and KERNEL.ready()):
+    # The tensors first: a CUDA worker never loads the CPU kernel.
+    if not (x.shape[0] <= MAX_ROWS and x.ndim == 2 and x.shape[1] % 8 == 0 and x.is_cpu and weight.is_cpu
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and KERNEL.ready()):
         return False
     if _vectorised is None:
         assert KERNEL.module is not None
         _vectorised = bool(KERNEL.module.vectorised())
-    return (_vectorised and x.is_cpu and x.dtype == torch.float32 and weight.is_cpu
-            and weight.dtype == torch.float32)
+    return _vectorised
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -268,10 +268,16 @@ def test_rolling_restart_under_50_streams_loses_nothing(
     assert "rolling restart stopped" not in cluster.output()
     after = [cluster.replica_pid(i) for i in range(2)]
     assert not set(after) & set(before)  # both replicas were restarted
-    for i in range(2):  # each drained with streams open, and every one of them ended there
+    # Each replica drained, and every stream open at its drain ended there. At least one of them
+    # had streams open: with short demo-model streams a replica can hit an instant with none (its
+    # clients between two requests), which is a pass of the drain too, not a loss.
+    last_open = []
+    for i in range(2):
         drains = re.findall(r"draining \(SIGTERM\): (\d+) open request", cluster.replica_log(i))
-        assert drains and int(drains[-1]) > 0, cluster.replica_log(i)
+        assert drains, cluster.replica_log(i)
+        last_open.append(int(drains[-1]))
         assert "drain timeout" not in cluster.replica_log(i)
+    assert max(last_open) > 0, last_open
     assert failures == []
     assert len(results) > 2 * CLIENTS
     wrong = [(prompt, text) for prompt, text in results if text != references[prompt]]
