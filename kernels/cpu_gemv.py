@@ -16,10 +16,15 @@ relative; the exactness tests' near-tie rule covers what that may move, as for o
 AVX2 + FMA and K a multiple of 8 only (`applies`); elsewhere `linear` keeps oneDNN or F.linear.
 
 Built and loaded like kernels/cpu_decode.py (kernels/native.py lists it);
-SLUICE_CPU_GEMV_KERNEL=0 turns it off.
+Opt-in for now: `linear` hands over only with SLUICE_CPU_GEMV_KERNEL=1. With it, a lone stream
+(1-4 rows, this kernel) and a busy batch (oneDNN) sum in different orders, so a greedy near-tie
+can resolve differently by batch composition; until that is measured on the real model the
+default keeps oneDNN for every row count.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -131,6 +136,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `skinny_linear` takes this call: 1-`MAX_ROWS` float32 CPU rows, K a multiple of 8,
     and the kernel loaded with its AVX2 path. Cheap enough for every projection of a step."""
     global _vectorised
+    if os.environ.get(KERNEL.switch) != "1":  # opt-in (module docstring)
+        return False
     # The tensors first: a CUDA worker never loads the CPU kernel.
     if not (x.shape[0] <= MAX_ROWS and x.ndim == 2 and x.shape[1] % 8 == 0 and x.is_cpu and weight.is_cpu
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and KERNEL.ready()):

@@ -48,9 +48,10 @@ def test_skinny_linear_matches_torch(vectorised: None, threads: int, rows: int, 
                                .float(), rtol=2e-5, atol=2e-5 * k ** 0.5)
 
 
-def test_linear_hands_over_only_what_the_kernel_takes(vectorised: None) -> None:
+def test_linear_hands_over_only_what_the_kernel_takes(vectorised: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to MAX_ROWS float32 rows with K % 8 == 0 go to the kernel; more rows, another K or dtype
     take oneDNN / F.linear: the result is the projection either way."""
+    monkeypatch.setenv(cpu_gemv.KERNEL.switch, "1")  # opt-in
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 64, generator=gen)
     packed = pack_weight(weight)
@@ -75,3 +76,8 @@ def test_bad_arguments_are_refused_not_misread(vectorised: None) -> None:
         module.skinny_linear(torch.randn(1, 64), torch.randn(8, 32), None)  # shapes
     with pytest.raises(RuntimeError):
         module.skinny_linear(torch.randn(1, 64), torch.randn(8, 64), torch.randn(7))  # bias length
+
+
+def test_linear_keeps_onednn_unless_opted_in(vectorised: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cpu_gemv.KERNEL.switch, raising=False)
+    assert not cpu_gemv.applies(torch.randn(1, 64), torch.randn(8, 64))
