@@ -57,7 +57,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, K], weight: [N, K], bias: [N] or None -> [T, N]. `packed`: `pack_weight(weight)`."""
-    if x.shape[0] <= cpu_gemv.MAX_ROWS and cpu_gemv.applies(x, weight):
+    if cpu_gemv.applies(x, weight):
         return cpu_gemv.skinny_linear(x, weight, bias)
     # A packed weight exists only where oneDNN applies (pack_weight), so the hot path (121 calls a
     # decode step on the real model) skips the checks.

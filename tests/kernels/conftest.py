@@ -61,3 +61,12 @@ def built(request: pytest.FixtureRequest) -> None:
     kernel: NativeKernel = request.module.NATIVE_KERNEL
     if not kernel.build():
         pytest.skip(f"native kernel {kernel.name} cannot be built here (no C++ compiler or ninja)")
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """torch's intra-op threads for one test: 1 and 2 (the native kernels split work over them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

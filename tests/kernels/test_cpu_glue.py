@@ -20,14 +20,6 @@ pytestmark = [pytest.mark.kernels, pytest.mark.timeout(1800)]
 NATIVE_KERNEL = cpu_glue.KERNEL  # built by the `built` fixture (conftest.py)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("hidden", [576, 37, 64, 1000])
 @pytest.mark.parametrize("rows", [1, 3, 130])
 @pytest.mark.parametrize("with_residual", [False, True])
