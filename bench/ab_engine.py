@@ -60,10 +60,7 @@ def _switch_lever(kernel: NativeKernel) -> Callable[[LLMEngine], Callable[[bool]
             raise SystemExit(f"{kernel.name} cannot be built here")
 
         def set_on(on: bool) -> None:
-            if on:
-                os.environ.pop(kernel.switch, None)
-            else:
-                os.environ[kernel.switch] = "0"
+            os.environ[kernel.switch] = "1" if on else "0"  # "1": also an opt-in kernel's (cpu_gemv) on
 
         return set_on
 
