@@ -60,7 +60,7 @@ def _switch_lever(kernel: NativeKernel) -> Callable[[LLMEngine], Callable[[bool]
             raise SystemExit(f"{kernel.name} cannot be built here")
 
         def set_on(on: bool) -> None:
-            os.environ[kernel.switch] = "1" if on else "0"  # "1": also an opt-in kernel's (cpu_gemv) on
+            os.environ[kernel.switch] = "1" if on else "0"
 
         return set_on
 

@@ -25,25 +25,23 @@ from typing import Any
 from engine_run import add_engine_run_args, engine_run
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from sluice.kernels import cpu_decode, cpu_gemv, cpu_glue, cpu_prefill
-
-# The native kernels' entry points: pybind calls, which the profiler does not see as operators
-# (their time would land in the step's self time); each is wrapped in a labelled range instead.
-_NATIVE_ENTRY_POINTS = [(cpu_decode, "paged_decode_cpu"), (cpu_prefill, "paged_prefill_cpu"),
-                        (cpu_gemv, "skinny_linear"),
-                        (cpu_glue, "add_rms_norm"), (cpu_glue, "qkv_rotary_store"), (cpu_glue, "silu_and_mul")]
+from sluice.kernels import native
 
 
 def _label_native_kernels() -> None:
-    for module, name in _NATIVE_ENTRY_POINTS:
-        fn: Callable[..., Any] = getattr(module, name)
+    """Wraps every native kernel's entry points in a labelled range: pybind calls, which the
+    profiler does not see as operators (their time would land in the step's self time)."""
+    for kernel in native.KERNELS.values():
+        module = sys.modules[kernel.defined_in]
+        for name in kernel.entry_points:
+            fn: Callable[..., Any] = getattr(module, name)
 
-        @functools.wraps(fn)
-        def labelled(*args: Any, _fn: Callable[..., Any] = fn, _label: str = f"native::{name}") -> Any:
-            with record_function(_label):
-                return _fn(*args)
+            @functools.wraps(fn)
+            def labelled(*args: Any, _fn: Callable[..., Any] = fn, _label: str = f"native::{name}") -> Any:
+                with record_function(_label):
+                    return _fn(*args)
 
-        setattr(module, name, labelled)
+            setattr(module, name, labelled)
 
 
 def run_queue_delay_s() -> float:

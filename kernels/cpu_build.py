@@ -70,11 +70,14 @@ def cpu_key() -> str:
 class NativeKernel:
     """One C++ kernel module: where it is cached, how it is built, and the loaded module."""
 
-    def __init__(self, name: str, source: str, defined_in: str, switch: str) -> None:
+    def __init__(self, name: str, source: str, defined_in: str, switch: str,
+                 entry_points: tuple[str, ...]) -> None:
         self.name = name  # the extension's module name (its PyInit_ symbol)
         self.source = source
         self.defined_in = defined_in  # the Python module holding this object, for the build process
         self.switch = switch  # environment variable; "0" turns the kernel off
+        # The functions of `defined_in` that call into the module (bench/profile_engine labels them).
+        self.entry_points = entry_points
         self.module: Any | None = None
         self._failed: Path | None = None  # a built file that would not load: not retried
         self._next_look = 0.0

@@ -320,7 +320,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode); }
 """
 
-KERNEL = NativeKernel("sluice_cpu_paged_decode", _SOURCE, __name__, switch="SLUICE_CPU_DECODE_KERNEL")
+KERNEL = NativeKernel("sluice_cpu_paged_decode", _SOURCE, __name__, switch="SLUICE_CPU_DECODE_KERNEL",
+                      entry_points=("paged_decode_cpu",))
 
 
 def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

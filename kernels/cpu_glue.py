@@ -261,7 +261,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-KERNEL = NativeKernel("sluice_cpu_glue", _SOURCE, __name__, switch="SLUICE_CPU_GLUE_KERNEL")
+KERNEL = NativeKernel("sluice_cpu_glue", _SOURCE, __name__, switch="SLUICE_CPU_GLUE_KERNEL",
+                      entry_points=("add_rms_norm", "rotary_store_kv", "qkv_rotary_store", "silu_and_mul"))
 
 # torch's Vectorized<float> width at its dispatch level: SiLU takes the same exp on the same ranges.
 _LANES = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 0)

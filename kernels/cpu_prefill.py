@@ -416,7 +416,8 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_prefill", &paged_prefill); }
 """
 
-KERNEL = NativeKernel("sluice_cpu_paged_prefill", _SOURCE, __name__, switch="SLUICE_CPU_PREFILL_KERNEL")
+KERNEL = NativeKernel("sluice_cpu_paged_prefill", _SOURCE, __name__, switch="SLUICE_CPU_PREFILL_KERNEL",
+                      entry_points=("paged_prefill_cpu",))
 
 
 def paged_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

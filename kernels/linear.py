@@ -6,9 +6,10 @@ calls too) picks its kernels from the CPU's features, and on the model's shapes 
 576..3072 columns, T from 1 to 2048) it ran ~1.3x faster here. It is the same float32 arithmetic
 in another summation order: results move by float32 rounding (~1e-6 relative), as a different
 batch shape already moves them under MKL, which the exactness tests' near-tie rule covers.
-On CUDA, in other dtypes, or in a torch built without oneDNN, this is `F.linear`. At 1-4 rows
-(a decode step of a few sequences) the native skinny kernel (kernels/cpu_gemv.py) takes the call
-where it is built: there the weights' read from DRAM is the whole cost, and it streams them faster.
+On CUDA, in other dtypes, or in a torch built without oneDNN, this is `F.linear`. The model calls
+it through `Ops.linear`, which hands 1-4 rows (a decode step of a few sequences) to the native
+skinny kernel (kernels/cpu_gemv.py) where it is built: there the weights' read from DRAM is the
+whole cost, and that kernel streams them faster.
 
 Pre-packed weights (`pack_weight`): given a plain [N, K] weight, oneDNN reorders it into its
 blocked layout on every call; at decode sizes (1-64 rows) that reorder is a large part of the
@@ -25,8 +26,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-
-from sluice.kernels import cpu_gemv
 
 # The row count oneDNN is told to expect when it picks the packed layout; any row count runs on
 # it. Decode batches are the hot case; 64 gave the best layout for 4-128 rows in the benchmark.
@@ -57,8 +56,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, K], weight: [N, K], bias: [N] or None -> [T, N]. `packed`: `pack_weight(weight)`."""
-    if cpu_gemv.applies(x, weight):
-        return cpu_gemv.skinny_linear(x, weight, bias)
     # A packed weight exists only where oneDNN applies (pack_weight), so the hot path (121 calls a
     # decode step on the real model) skips the checks.
     if packed is not None or _onednn_applies(x, weight):

@@ -14,9 +14,10 @@ from typing import Literal
 
 import torch
 
-from sluice.kernels import cpu_glue
+from sluice.kernels import cpu_gemv, cpu_glue
 from sluice.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from sluice.kernels.attention import AttentionMetadata, paged_attention_torch
+from sluice.kernels.linear import linear
 from sluice.kernels.paged_decode import paged_decode_triton
 from sluice.kernels.paged_prefill import paged_prefill_triton
 from sluice.kernels.rmsnorm import rms_norm_torch, rms_norm_triton
@@ -53,14 +54,27 @@ class Ops:
             raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
         self.backend: Backend = backend
         self._triton = backend == "triton"
-        self._native_glue = False  # this step's small ops run through cpu_glue (begin_step)
+        # This step's native CPU paths (begin_step): small ops through cpu_glue, skinny projections
+        # through cpu_gemv.
+        self._native_glue = False
+        self._skinny = False
 
     def begin_step(self, hidden: torch.Tensor, kv_dtype: torch.dtype) -> None:
-        """Decides, once per forward pass, whether its RMSNorm, rotary + K/V store and SiLU * up
-        run through the native CPU kernels: the torch backend, float32 CPU activations and K/V
-        cache, and the kernels built. Every layer of the step then takes the same path."""
-        self._native_glue = (not self._triton and hidden.is_cpu and hidden.dtype == torch.float32
-                             and kv_dtype == torch.float32 and cpu_glue.KERNEL.ready())
+        """Decides, once per forward pass, which native CPU kernels it runs: its RMSNorm, rotary +
+        K/V store and SiLU * up through cpu_glue, and its projections of 1-4 rows (and the head's,
+        in the same step) through cpu_gemv. Both need the torch backend, float32 CPU activations
+        and the kernel built; cpu_glue also a float32 K/V cache. Every layer of the step then
+        takes the same path."""
+        cpu_float32 = not self._triton and hidden.is_cpu and hidden.dtype == torch.float32
+        self._native_glue = cpu_float32 and kv_dtype == torch.float32 and cpu_glue.KERNEL.ready()
+        self._skinny = cpu_float32 and cpu_gemv.ready()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               packed: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, K] @ weight [N, K]^T (+ bias) -> [T, N]; `packed`: `linear.pack_weight(weight)`."""
+        if self._skinny and cpu_gemv.takes(x):
+            return cpu_gemv.skinny_linear(x, weight, bias)
+        return linear(x, weight, bias, packed)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

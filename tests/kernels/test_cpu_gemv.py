@@ -1,4 +1,4 @@
-"""The native skinny projection (kernels/cpu_gemv.py) against torch's, and `linear`'s hand-over to it.
+"""The native skinny projection (kernels/cpu_gemv.py) against torch's, and `Ops.linear`'s hand-over to it.
 
 The `built` fixture (conftest.py) builds the kernel; the tests skip where no compiler is available.
 """
@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from sluice.kernels import cpu_gemv
-from sluice.kernels.linear import linear, pack_weight
+from sluice.kernels.linear import pack_weight
+from sluice.kernels.ops import Ops
 
 pytestmark = [pytest.mark.kernels, pytest.mark.timeout(1800)]
 
@@ -41,18 +42,29 @@ def test_skinny_linear_matches_torch(vectorised: None, threads: int, rows: int, 
 
 
 def test_linear_hands_over_only_what_the_kernel_takes(vectorised: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Up to MAX_ROWS float32 rows with K % 8 == 0 go to the kernel; more rows, another K or dtype
-    take oneDNN / F.linear: the result is the projection either way."""
-    monkeypatch.setenv(cpu_gemv.KERNEL.switch, "1")  # opt-in
+    """In a float32 CPU step, up to MAX_ROWS rows with K % 8 == 0 go to the kernel; more rows or
+    another K take oneDNN, and a float64 step never asks: the result is the projection either way."""
+    monkeypatch.delenv(cpu_gemv.KERNEL.switch, raising=False)  # on by default
+    calls: list[int] = []
+    kernel = cpu_gemv.skinny_linear
+
+    def recorded(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])  # the real kernel runs; the wrapper only records the hand-over
+        return kernel(x, w, b)
+
+    monkeypatch.setattr(cpu_gemv, "skinny_linear", recorded)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 64, generator=gen)
     packed = pack_weight(weight)
+    ops = Ops("torch")
     for rows, k, dtype in [(1, 64, torch.float32), (4, 64, torch.float32), (5, 64, torch.float32),
                            (2, 60, torch.float32), (2, 64, torch.float64)]:
         w = weight[:, :k].contiguous().to(dtype)
         x = torch.randn(rows, k, generator=gen).to(dtype)
-        assert cpu_gemv.applies(x, w) == (rows <= cpu_gemv.MAX_ROWS and k == 64 and dtype == torch.float32)
-        out = linear(x, w, None, packed if k == 64 and dtype == torch.float32 else None)
+        ops.begin_step(x, dtype)
+        calls.clear()
+        out = ops.linear(x, w, None, packed if k == 64 and dtype == torch.float32 else None)
+        assert calls == ([rows] if rows <= cpu_gemv.MAX_ROWS and k == 64 and dtype == torch.float32 else [])
         torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
@@ -70,6 +82,11 @@ def test_bad_arguments_are_refused_not_misread(vectorised: None) -> None:
         module.skinny_linear(torch.randn(1, 64), torch.randn(8, 64), torch.randn(7))  # bias length
 
 
-def test_linear_keeps_onednn_unless_opted_in(vectorised: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_switch_turns_the_kernel_off(vectorised: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(cpu_gemv.KERNEL.switch, raising=False)
-    assert not cpu_gemv.applies(torch.randn(1, 64), torch.randn(8, 64))
+    assert cpu_gemv.ready()
+    monkeypatch.setenv(cpu_gemv.KERNEL.switch, "0")
+    assert not cpu_gemv.ready()
+    ops = Ops("torch")
+    ops.begin_step(torch.randn(1, 64), torch.float32)
+    assert not ops._skinny

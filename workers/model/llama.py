@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.kernels.attention import AttentionMetadata
-from sluice.kernels.linear import linear, pack_weight
+from sluice.kernels.linear import pack_weight
 from sluice.kernels.ops import Ops
 from sluice.workers.model.config import ModelConfig, RopeConfig
 
@@ -39,8 +39,8 @@ class Linear(nn.Module):
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+    def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias, self.packed)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -104,7 +104,7 @@ class Attention(nn.Module):
     def forward(self, ops: Ops, x: torch.Tensor, rope: RopeInputs, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj.forward(x)  # [T, (Hq + 2 * Hkv) * D]
+        qkv = self.qkv_proj.forward(ops, x)  # [T, (Hq + 2 * Hkv) * D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -119,7 +119,7 @@ class Attention(nn.Module):
             q = ops.qkv_rotary_store_kv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.positions,
                                         rope.cos_sin_cache, k_cache, v_cache, meta.slot_mapping, rope.rows)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
+        return self.o_proj.forward(ops, out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -130,7 +130,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype, device)
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        return self.down_proj.forward(ops, ops.silu_and_mul(self.gate_up_proj.forward(ops, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -201,4 +201,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] (only rows that sample) -> logits [N, V] in float32."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, head, None, self._packed_head).float()
+        return self.ops.linear(hidden, head, None, self._packed_head).float()

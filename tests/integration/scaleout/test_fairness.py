@@ -174,9 +174,12 @@ async def test_interactive_overtakes_a_batch_backlog_accepted_on_other_replicas(
     batch_name, chat_name = f"nightly-{tag}", f"chat-{tag}"
     batch_key = cluster.new_tenant(batch_name, priority_ceiling="batch", default_class="batch")[2]
     chat_key = cluster.new_tenant(chat_name, priority_ceiling="interactive", default_class="interactive")[2]
-    lines = 160  # 20 run before the interactive requests and a few dozen while they go: plenty left
+    # 20 run before the interactive requests and a few dozen while they go; the rest is cancelled.
+    # Sized for a fast engine, not a slow one: with the skinny decode kernel (kernels/cpu_gemv.py)
+    # CI saw 160 lines of 16 tokens gone before the 6th request.
+    lines, line_tokens = 400, 48
     client = openai.OpenAI(api_key=batch_key, base_url=cluster.replicas[1].base_url + "/v1", max_retries=3)
-    uploaded = await asyncio.to_thread(client.files.create, file=("backlog.jsonl", batch_file(lines, 16)),
+    uploaded = await asyncio.to_thread(client.files.create, file=("backlog.jsonl", batch_file(lines, line_tokens)),
                                        purpose="batch")
     batch = await asyncio.to_thread(client.batches.create, input_file_id=uploaded.id,
                                     endpoint="/v1/completions", completion_window="24h")
