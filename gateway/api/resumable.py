@@ -126,10 +126,15 @@ class _Pump:
         self.done = False
         self.ending = ABANDONED  # the log's last event when the pump is cancelled
         self.task: asyncio.Future[None] | None = None
+        self._started = False  # `run` has begun (a task cancelled before that would skip it whole)
+        self._cancel_on_start = False
         self._timer: asyncio.TimerHandle | None = None
         self._arm(max(grace_s, FIRST_ATTACH_S))  # until the POST's own follower starts
 
     async def run(self, stream: SSEStream) -> None:
+        self._started = True
+        if self._cancel_on_start and self.task is not None:
+            self.task.cancel()  # delivered at the stream's first wait, within its cleanup's reach
         cancelled = False
         try:
             await stream.run(self.emit)  # its own cleanup aborts an unfinished request at its worker
@@ -193,8 +198,16 @@ class _Pump:
 
     def _abandon(self) -> None:
         log.info("stream %s: no client within its grace (%gs); aborting", self.response_id, self.grace_s)
-        if self.task is not None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Stops the generation. A task cancelled before its first step never runs `run`, so its
+        cleanup (the abort at the worker, the log's end, the hub forgetting it) would be skipped:
+        a task not started yet is let start and cancels itself."""
+        if self._started and self.task is not None:
             self.task.cancel()
+        else:
+            self._cancel_on_start = True
 
 
 class StreamHub:
@@ -241,8 +254,7 @@ class StreamHub:
         pumps = list(self._pumps.values())
         for pump in pumps:
             pump.ending = INTERRUPTED
-            if pump.task is not None:
-                pump.task.cancel()
+            pump.cancel()
         await asyncio.gather(*(p.task for p in pumps if p.task is not None), return_exceptions=True)
 
     def forget(self, pump: _Pump) -> None:

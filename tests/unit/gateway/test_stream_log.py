@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
-from sluice.gateway.api.resumable import check_idempotency_key, disconnect_grace, parse_last_event_id
+from sluice.gateway.api.generation import Flight
+from sluice.gateway.api.resumable import (
+    ABANDONED,
+    INTERRUPTED,
+    StreamHub,
+    check_idempotency_key,
+    disconnect_grace,
+    parse_last_event_id,
+)
+from sluice.gateway.api.streaming import SSEStream
 from sluice.gateway.errors import OpenAIError
 from sluice.gateway.stream_log import LocalStreamLog, LogTrimmed
 
@@ -99,3 +111,42 @@ def test_header_rules() -> None:
     for bad in ("", "x" * 256, "ключ", "a\nb"):
         with pytest.raises(OpenAIError):
             check_idempotency_key(bad)
+
+
+class _Stream:
+    """Stands in for an `SSEStream` (a SimpleNamespace for its `Flight`): the fault here, a shutdown
+    landing between a stream's start and its task's first step, cannot be provoked at will with
+    real processes. It records whether its cleanup (where the real one aborts at the worker) ran."""
+
+    def __init__(self) -> None:
+        self.cleaned_up = False
+
+    def begin(self, emit: Callable[[bytes], None]) -> None:
+        emit(b"data: opening\n\n")
+
+    async def run(self, emit: Callable[[bytes], None]) -> None:
+        try:
+            await asyncio.Event().wait()  # the generation, until cancelled
+        finally:
+            self.cleaned_up = True
+
+
+@pytest.mark.parametrize("how", ["stop", "abandon"])
+async def test_a_pump_cancelled_before_its_first_step_still_cleans_up(how: str) -> None:
+    log = LocalStreamLog()
+    hub = StreamHub(log, asyncio.ensure_future)
+    await log.create("r1", "tenant-a", None)
+    stream = _Stream()
+    flight = SimpleNamespace(request_id="r1", unlogged_tokens=[])
+    hub.start(cast(Flight, flight), cast(SSEStream, stream), grace_s=0.0)
+    pump = hub.pump("r1")
+    assert pump is not None and pump.task is not None
+    if how == "stop":
+        await hub.stop()  # in the step that started it: its task has not run yet
+    else:
+        pump.cancel()
+        await asyncio.gather(pump.task, return_exceptions=True)
+    assert stream.cleaned_up and hub.running == 0
+    page = await log.read("r1", -1, wait_s=0)
+    assert page is not None and page.ended
+    assert page.frames == [b"data: opening\n\n", INTERRUPTED if how == "stop" else ABANDONED]
