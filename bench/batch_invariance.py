@@ -72,11 +72,22 @@ def compare(model: str, prompts: list[list[int]], first: list[list[int]], second
     return {"identical": len(first) - len(differ), "of": len(first), "differ": differ}
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a count of at least 1 (anything else is a one-line usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=_positive, default=64)
+    parser.add_argument("--threads", type=_positive, default=2)
     parser.add_argument("--switch", default="SLUICE_CPU_GEMV_KERNEL", help="the native kernel switch to flip")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -87,7 +98,10 @@ def main() -> int:
     native.build_all()
     prompts = chat_prompts(args.model)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", max_num_seqs=len(prompts)))
+    # No prefix cache: each run computes its own K/V (a batch reusing the lone runs' prompt blocks
+    # would not batch its prefill, and the second setting would reuse the first's).
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", max_num_seqs=len(prompts),
+                                    enable_prefix_caching=False))
     runs: dict[str, dict[str, list[list[int]]]] = {}
     for setting in ("0", "1"):
         os.environ[args.switch] = setting

@@ -19,7 +19,7 @@ Built and loaded like kernels/cpu_decode.py (kernels/native.py lists it); SLUICE
 turns it off. Batch composition: a lone stream (1-4 rows, this kernel) and a busy batch (oneDNN)
 sum in different orders, so a greedy near-tie could resolve differently by what a stream is
 batched with. Measured on SmolLM2-135M-Instruct (`bench/batch_invariance.py`, 16 chat prompts
-x 256 greedy tokens, each alone and all 16 together, the kernel off and on): all four runs gave
+x 256 greedy tokens, each alone and all 16 together, no prefix cache, the kernel off and on): all four runs gave
 the same 16 texts token for token.
 """
 
