@@ -212,7 +212,10 @@ async def test_a_stream_whose_lone_worker_dies_resumes_on_it_once_restarted(
     process = start_worker(demo_model_dir, port, "doomed", "--max-num-seqs", "2")
     try:
         await wait_for(lambda: "doomed" in backend.dispatcher.workers, 120, "the worker to register")
-        first = request("alice", Priority.STANDARD, 60)
+        # Long enough that the kill lands mid-stream: with the skinny decode kernel a demo-model
+        # worker finished 60 tokens before the kill (the job then never went back to the queue).
+        max_tokens = 400
+        first = request("alice", Priority.STANDARD, max_tokens)
         sub = await backend.submit(first)
         iterator = sub.__aiter__()
         head = [await asyncio.wait_for(iterator.__anext__(), 60)]
@@ -223,7 +226,7 @@ async def test_a_stream_whose_lone_worker_dies_resumes_on_it_once_restarted(
         rest = await asyncio.wait_for(drain_iter(iterator), 120)
         deltas = head + rest
         assert all(d.finish_reason is None for d in deltas[:-1]) and deltas[-1].error is None
-        assert deltas[-1].finish_reason == FinishReason.LENGTH and deltas[-1].num_output_tokens == 60
+        assert deltas[-1].finish_reason == FinishReason.LENGTH and deltas[-1].num_output_tokens == max_tokens
         assert len(sub.job.request.resume_token_ids) >= 1 and sub.job.attempts == 2
         again = await backend.submit(msgspec.structs.replace(first, request_id=f"{first.request_id}-again"))
         undisturbed = await asyncio.wait_for(drain(again), 120)
