@@ -16,6 +16,11 @@ Levers:
   gemv-kernel    the skinny projections of 1-4 rows (kernels/cpu_gemv.py) vs oneDNN's packed GEMM
   openmp         the native kernels as built (-fopenmp: at::parallel_for on every thread) vs the
                  same sources built without -fopenmp (every parallel_for on one thread)
+  speculation    prompt-lookup drafts (workers/speculative.py, the engine's default of 4) vs none
+
+`--chat` runs bench/batch_invariance.py's 16 chat prompts (English questions and summaries, the
+chat template applied) to their own end (EOS or --chat-max-tokens) instead of the random-token set:
+text that repeats itself far less than a small model's continuation of random ids.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from engine_run import add_engine_run_args, engine_run
 
 from sluice.kernels import cpu_build, cpu_decode, cpu_gemv, native
 from sluice.kernels.cpu_build import NativeKernel
+from sluice.protocol import SamplingParams
 from sluice.workers.engine import LLMEngine
 from sluice.workers.model.llama import Linear
 
@@ -67,6 +73,18 @@ def _switch_lever(kernel: NativeKernel) -> Callable[[LLMEngine], Callable[[bool]
     return lever
 
 
+def _speculation_lever(engine: LLMEngine) -> Callable[[bool], None]:
+    lookup = engine.scheduler.prompt_lookup
+    if lookup is None:
+        raise SystemExit("the engine was built with speculation off (num_speculative_tokens = 0)")
+    drafts = lookup.num_tokens
+
+    def set_on(on: bool) -> None:
+        lookup.num_tokens = drafts if on else 0
+
+    return set_on
+
+
 def _openmp_lever(engine: LLMEngine) -> Callable[[bool], None]:
     from torch.utils.cpp_extension import load_inline
 
@@ -89,7 +107,8 @@ def _openmp_lever(engine: LLMEngine) -> Callable[[bool], None]:
 
 LEVERS: dict[str, Callable[[LLMEngine], Callable[[bool], None]]] = {
     "pack": _pack_lever, "decode-kernel": _switch_lever(cpu_decode.KERNEL),
-    "gemv-kernel": _switch_lever(cpu_gemv.KERNEL), "openmp": _openmp_lever}
+    "gemv-kernel": _switch_lever(cpu_gemv.KERNEL), "openmp": _openmp_lever,
+    "speculation": _speculation_lever}
 
 
 def main() -> int:
@@ -98,12 +117,20 @@ def main() -> int:
     parser.add_argument("--lever", choices=sorted(LEVERS), required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--chat", action="store_true", help="chat prompts to their end, not random ids")
+    parser.add_argument("--chat-max-tokens", type=int, default=256)
     args = parser.parse_args()
     extra = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
     engine, prompts, params = engine_run(args, **extra)
+    if args.chat:
+        from batch_invariance import chat_prompts
+
+        prompts = chat_prompts(args.model)
+        params = [SamplingParams(max_tokens=args.chat_max_tokens, temperature=0.0)] * len(prompts)
     set_on = LEVERS[args.lever](engine)
     rates: dict[bool, list[float]] = {False: [], True: []}
     tokens: dict[bool, list[list[int]]] = {}
+    stats = engine.scheduler.stats
     for on in (False, True):  # warm-up each side outside the timing
         set_on(on)
         engine.generate(prompts[:2], params[:2])
@@ -111,13 +138,16 @@ def main() -> int:
         for on in ((False, True) if r % 2 == 0 else (True, False)):
             set_on(on)
             start = time.perf_counter()
+            steps, drafts, kept = stats.num_steps, stats.num_draft_tokens, stats.num_accepted_draft_tokens
             results = engine.generate(prompts, params)
             elapsed = time.perf_counter() - start
             produced = sum(len(x.token_ids) for x in results)
             rates[on].append(produced / elapsed)
             tokens.setdefault(on, [list(x.token_ids) for x in results])
             print(f"round {r + 1} lever {'on ' if on else 'off'} {produced / elapsed:8.1f} tok/s "
-                  f"({elapsed:.1f} s, load {Path('/proc/loadavg').read_text().split()[0]})", flush=True)
+                  f"({elapsed:.1f} s, {produced} tokens, {stats.num_steps - steps} steps, "
+                  f"{stats.num_accepted_draft_tokens - kept}/{stats.num_draft_tokens - drafts} drafts kept, "
+                  f"load {Path('/proc/loadavg').read_text().split()[0]})", flush=True)
     ratios = [b / a for a, b in zip(rates[False], rates[True], strict=True)]
     off, on_ = statistics.median(rates[False]), statistics.median(rates[True])
     same = sum(a == b for a, b in zip(tokens[False], tokens[True], strict=True))

@@ -95,8 +95,16 @@ def main() -> int:
     from vllm import LLM
 
     start = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype="float32", seed=0, max_model_len=spec["max_model_len"])
-    info = {"version": vllm.__version__, "dtype": "float32", "load_seconds": time.perf_counter() - start}
+    # speculative_tokens > 0: vLLM's own prompt-lookup method, set like sluice's defaults, for a
+    # like-for-like comparison with sluice's speculation.
+    speculative = int(spec.get("speculative_tokens", 0))
+    options: dict[str, Any] = {}
+    if speculative:
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative,
+                                         "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    llm = LLM(model=spec["model"], dtype="float32", seed=0, max_model_len=spec["max_model_len"], **options)
+    info = {"version": vllm.__version__, "dtype": "float32", "load_seconds": time.perf_counter() - start,
+            "speculative_config": options.get("speculative_config")}
     _timed_generate(llm, [spec["requests"][0][0]], 4)  # warm-up outside the timing, as sluice gets
     # One command per stdin line: "info", "throughput" or "latency", then a result file path.
     for line in sys.stdin:

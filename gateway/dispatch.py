@@ -409,11 +409,9 @@ class Dispatcher:
     def report(self, worker: EngineLink, capacity: WorkerCapacity) -> None:
         """An engine host's capacity report (on every change and as a heartbeat)."""
         worker.last_seen = time.monotonic()
-        preempted = capacity.num_preemptions - worker.capacity.num_preemptions
-        worker.capacity = capacity
+        before, worker.capacity = worker.capacity, capacity
         telemetry.observe_worker(capacity)
-        if preempted > 0:
-            telemetry.count_preemptions(worker.worker_id, preempted)
+        telemetry.count_engine_events(before, capacity)
         self._wake.set()
 
     def wake(self) -> None:

@@ -154,6 +154,8 @@ class EngineLink(ABC):
             "total_kv_blocks": cap.total_kv_blocks, "max_num_seqs": cap.max_num_seqs,
             "inflight": len(self.inflight), "load": round(self.load, 3),
             "num_preemptions": cap.num_preemptions,
+            "num_draft_tokens": cap.num_draft_tokens,
+            "num_accepted_draft_tokens": cap.num_accepted_draft_tokens,
             "last_heartbeat_age_s": round(time.monotonic() - self.last_seen, 3),
             "draining": draining, "kind": self.kind,
         }

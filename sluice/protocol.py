@@ -174,6 +174,8 @@ class WorkerCapacity(msgspec.Struct, frozen=True, kw_only=True, tag="capacity"):
     # it from what it sent to know how many are still in flight to the worker's waiting queue.
     num_received: int = 0
     num_preemptions: int = 0  # engine preemptions since the worker started (cumulative)
+    num_draft_tokens: int = 0  # speculative draft tokens verified since the worker started (cumulative)
+    num_accepted_draft_tokens: int = 0  # of those, kept (cumulative)
 
 
 class ServedModelInfo(msgspec.Struct, frozen=True, kw_only=True):

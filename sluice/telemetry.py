@@ -223,6 +223,10 @@ REQUESTS = _counter("sluice:requests_total", "Finished requests by class, tenant
 REJECTIONS = _counter("sluice:request_rejections_total", "Requests refused before admission (quotas, limits).",
                       ("tenant", "reason"))
 PREEMPTIONS = _counter("sluice:num_preemptions_total", "Requests preempted by a worker's engine.", ("worker",))
+SPEC_DRAFTS = _counter("sluice:spec_decode_num_draft_tokens_total",
+                       "Prompt-lookup draft tokens a worker's engine verified.", ("worker",))
+SPEC_ACCEPTED = _counter("sluice:spec_decode_num_accepted_tokens_total",
+                         "Of the draft tokens, those kept (each saved its request a step).", ("worker",))
 PREFIX_CACHE_QUERIES = _counter("sluice:prefix_cache_queries_total", "Prompt tokens looked up in the cache.",
                                 ("worker",))
 PREFIX_CACHE_HITS = _counter("sluice:prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
@@ -422,11 +426,15 @@ def observe_worker(capacity: WorkerCapacity) -> None:
     WORKER_WAITING.labels(worker=worker).set(capacity.num_waiting)
 
 
-def count_preemptions(worker: str, n: int) -> None:
-    if n < 0:
-        raise ValueError(f"preemption count must be non-negative, got {n}")
-    if n:
-        PREEMPTIONS.labels(worker=worker_label(worker)).inc(n)
+def count_engine_events(before: WorkerCapacity, after: WorkerCapacity) -> None:
+    """Count what a worker's engine did between two of its capacity reports (cumulative counts;
+    a count that went down is a restarted engine, and counts nothing)."""
+    worker = worker_label(after.worker_id)
+    for counter, old, new in ((PREEMPTIONS, before.num_preemptions, after.num_preemptions),
+                              (SPEC_DRAFTS, before.num_draft_tokens, after.num_draft_tokens),
+                              (SPEC_ACCEPTED, before.num_accepted_draft_tokens, after.num_accepted_draft_tokens)):
+        if new > old:
+            counter.labels(worker=worker).inc(new - old)
 
 
 def metrics_payload() -> tuple[bytes, str]:

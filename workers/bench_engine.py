@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent streams of each latency point")
     parser.add_argument("--no-kernel-build", action="store_true",
                         help="use the native CPU kernels only if they are already built (no C++ compile)")
+    parser.add_argument("--peer-speculative-tokens", type=int, default=0,
+                        help="run the peer with its own prompt-lookup speculation, this many draft tokens "
+                             "(default 0: the peer's defaults, no speculation)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved rounds of sluice and the peer; each reports its median run")
 
@@ -155,6 +158,8 @@ def run_sluice(args: argparse.Namespace, policy: str, requests: list[tuple[list[
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in requests]
     engine.generate(prompts[:2], params[:2])  # warm-up outside the timing
     steps_before = engine.scheduler.stats.num_steps
+    drafts_before = engine.scheduler.stats.num_draft_tokens
+    accepted_before = engine.scheduler.stats.num_accepted_draft_tokens
     start, cpu_start = time.perf_counter(), time.process_time()
     results = engine.generate(prompts, params)
     elapsed, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -165,6 +170,9 @@ def run_sluice(args: argparse.Namespace, policy: str, requests: list[tuple[list[
         # CPU seconds the run used: on a shared host the wall time also counts the waits for a core.
         "cpu_seconds": cpu_seconds, "output_tokens_per_cpu_s": produced / cpu_seconds if cpu_seconds else None,
         "steps": engine.scheduler.stats.num_steps - steps_before,
+        "speculative_tokens": engine.config.num_speculative_tokens,
+        "draft_tokens": engine.scheduler.stats.num_draft_tokens - drafts_before,
+        "accepted_draft_tokens": engine.scheduler.stats.num_accepted_draft_tokens - accepted_before,
         "preemptions": engine.scheduler.stats.num_preemptions, "num_kv_blocks": engine.runner.num_kv_blocks,
         "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None}
     if latency is not None:
@@ -196,7 +204,7 @@ def steady_decode_scheduler(num_running: int, policy: str, steps: int) -> Schedu
 def schedule_and_update(scheduler: Scheduler, now: float) -> SchedulerOutput:
     """One engine step without a model: every sampled position gets token 1."""
     out = scheduler.schedule(now)
-    sampled = {c.request.request_id: 1 for c in out.chunks if c.sample}
+    sampled = {c.request.request_id: (1,) * c.num_sample_rows for c in out.chunks if c.sample}
     scheduler.update(out, RunnerOutput(sampled_token_ids=sampled), now)
     return out
 
@@ -219,6 +227,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise CLIError("--num-requests must be positive")
     if args.repeat < 1:
         raise CLIError("--repeat must be positive")
+    if args.peer_speculative_tokens < 0:
+        raise CLIError("--peer-speculative-tokens must be 0 (off) or positive")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or any(p not in POLICIES for p in policies):
         raise CLIError(f"--policies must be a comma-separated subset of {', '.join(POLICIES)}")
@@ -262,10 +272,12 @@ def run_bench(args: argparse.Namespace) -> int:
         max_len = max(len(p) + o for p, o in requests) + 1
         if latency is not None:
             max_len = max(max_len, latency.longest() + 1)
-        peer = bench_peer.VllmPeer(args.peer_venv, args.model, requests, latency, torch.get_num_threads(), max_len)
+        peer = bench_peer.VllmPeer(args.peer_venv, args.model, requests, latency, torch.get_num_threads(), max_len,
+                                   args.peer_speculative_tokens)
         peer_info = peer.call("info")  # waits for its load and warm-up: nothing is timed beside it
         report["peers"] = {"vllm": {"version": peer_info["version"], "dtype": peer_info["dtype"],
-                                    "load_seconds": peer_info["load_seconds"]}}
+                                    "load_seconds": peer_info["load_seconds"],
+                                    "speculative_config": peer_info.get("speculative_config")}}
         print(f"vllm {peer_info['version']} loaded in {peer_info['load_seconds']:.0f} s")
     try:
         _run_engines(args, report, policies, requests, latency, peer)
@@ -313,6 +325,7 @@ def _run_engines(args: argparse.Namespace, report: dict[str, Any], policies: lis
             runs[policy].append(result)
             print(f"sluice {policy:<13} {result['output_tokens_per_s']:10.1f} output tok/s "
                   f"({result['steps']} steps, {result['preemptions']} preemptions, "
+                  f"{result['accepted_draft_tokens']}/{result['draft_tokens']} drafts kept, "
                   f"{result['cpu_seconds']:.1f} s CPU in {result['seconds']:.1f} s)")
         if peer is not None:
             peer_runs.append(peer.call("throughput"))

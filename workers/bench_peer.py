@@ -96,11 +96,12 @@ class VllmPeer:
     """vLLM loaded once in its own interpreter (bench/vllm_runner.py); each call runs one command."""
 
     def __init__(self, venv: Path, model_dir: str, requests: Requests, latency: LatencyPoints | None,
-                 threads: int, max_model_len: int) -> None:
+                 threads: int, max_model_len: int, speculative_tokens: int = 0) -> None:
         python = vllm_python(venv)
         self._tmp = tempfile.TemporaryDirectory(prefix="sluice-vllm-")
         spec_path = Path(self._tmp.name) / "spec.json"
         spec = {"model": str(Path(model_dir).resolve()), "threads": threads, "max_model_len": max_model_len,
+                "speculative_tokens": speculative_tokens,
                 "requests": requests, "latency_output_tokens": latency.output_tokens if latency else 0,
                 "latency": {name: {"first": f, "full": full}
                             for name, (f, full) in (latency.prompts if latency else {}).items()}}

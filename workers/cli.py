@@ -74,6 +74,7 @@ _ENGINE_FLAGS = (
     ("max_num_batched_tokens", "max_num_batched_tokens"), ("max_num_seqs", "max_num_seqs"),
     ("max_prefill_chunk", "max_prefill_chunk"), ("max_model_len", "max_model_len"),
     ("num_kv_blocks", "num_kv_blocks"), ("kernel_backend", "kernel_backend"),
+    ("speculative_tokens", "num_speculative_tokens"),
 )
 
 
@@ -93,6 +94,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_policy: bool =
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kernel-backend", default=None, choices=KERNEL_BACKENDS)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--speculative-tokens", type=int, default=None,
+                        help="prompt-lookup draft tokens verified per decode step (0 = off; default 4)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
 
 

@@ -33,6 +33,15 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
 
 
+def _speculation(num_tokens: int, lookup_min: int, lookup_max: int) -> None:
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_speculative_tokens must be 0 (off) or a positive integer, got {num_tokens!r}")
+    _positive("prompt_lookup_min", lookup_min)
+    _positive("prompt_lookup_max", lookup_max)
+    if lookup_min > lookup_max:
+        raise ValueError(f"prompt_lookup_min ({lookup_min}) must not exceed prompt_lookup_max ({lookup_max})")
+
+
 def _block_size(value: int) -> None:
     # Kernels index a block with tl.arange(0, BLOCK_SIZE), which needs a power of two.
     _positive("block_size", value)
@@ -63,6 +72,13 @@ class EngineConfig:
     policy: str = "chunked"  # "chunked" | "prefill_first" | "static"
     max_prefill_chunk: int | None = None  # cap on one request's prefill chunk per step; None = budget
     enable_prefix_caching: bool = True
+    # Prompt-lookup speculation (workers/speculative.py): up to this many draft tokens per decode,
+    # copied from where the request's last n tokens (n from prompt_lookup_max down to
+    # prompt_lookup_min) occurred before in its prompt or output, and verified in the same step.
+    # Output is unchanged (a draft is kept only where it equals what the sampler picks); 0 = off.
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
     kernel_backend: str = "auto"  # "auto" = triton on cuda, torch on cpu
     use_cuda_graphs: bool = True
     seed: int = 0
@@ -85,6 +101,7 @@ class EngineConfig:
         _optional_positive("max_model_len", self.max_model_len)
         _one_of("policy", self.policy, POLICIES)
         _optional_positive("max_prefill_chunk", self.max_prefill_chunk)
+        _speculation(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         _one_of("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
@@ -120,6 +137,9 @@ class SchedulerConfig:
     max_model_len: int
     max_prefill_chunk: int | None = None
     enable_prefix_caching: bool = True
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
         _one_of("policy", self.policy, POLICIES)
@@ -129,6 +149,7 @@ class SchedulerConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_model_len", self.max_model_len)
         _optional_positive("max_prefill_chunk", self.max_prefill_chunk)
+        _speculation(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         # The pool may hold fewer tokens than max_model_len: prompts that do not fit are refused
         # at add_request, and a request that outgrows the whole pool finishes with "length".
 
@@ -152,4 +173,7 @@ class SchedulerConfig:
             max_model_len=max_model_len,
             max_prefill_chunk=cfg.max_prefill_chunk,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            num_speculative_tokens=cfg.num_speculative_tokens,
+            prompt_lookup_max=cfg.prompt_lookup_max,
+            prompt_lookup_min=cfg.prompt_lookup_min,
         )

@@ -29,6 +29,7 @@ _REPLACEMENT = "\ufffd"
 class DetokenizerOutput:
     text: str  # new text safe to emit
     stopped: bool  # a stop string matched; nothing after it will ever be emitted
+    num_tokens: int  # of the tokens given, those read: all, or up to the one that completed the stop
 
 
 class IncrementalDetokenizer:
@@ -57,14 +58,14 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, token_ids: Sequence[int]) -> DetokenizerOutput:
         if self.stopped:
-            return DetokenizerOutput("", True)
+            return DetokenizerOutput("", True, 0)
         old_len = len(self._text)
-        for token_id in token_ids:
+        for i, token_id in enumerate(token_ids):
             self._ids.append(token_id)
             self._text += self._decode_new(final=False)
             if self._stop and self._check_stop(old_len):
-                return DetokenizerOutput(self._emit(len(self._text)), True)
-        return DetokenizerOutput(self._emit(len(self._text) - self._held_stop_prefix()), False)
+                return DetokenizerOutput(self._emit(len(self._text)), True, i + 1)
+        return DetokenizerOutput(self._emit(len(self._text) - self._held_stop_prefix()), False, len(token_ids))
 
     def flush(self) -> str:
         """At the end of a request (not by stop string): the text held back so far."""

@@ -216,7 +216,7 @@ class LLMEngine:
             runner_output = self._execute_isolating(scheduled, deltas)
         changed = self.scheduler.update(scheduled, runner_output, time.time())
         for request in changed:
-            deltas.append(self._process(request, runner_output.logprobs.get(request.request_id)))
+            deltas.append(self._process(request, runner_output.logprobs.get(request.request_id, ())))
         return deltas
 
     def _execute_isolating(self, scheduled: SchedulerOutput, deltas: list[RequestDelta]) -> RunnerOutput:
@@ -227,8 +227,8 @@ class LLMEngine:
         raise (the worker exits and is restarted)."""
         log.warning("an engine step failed; running its %d chunk(s) one by one", len(scheduled.chunks),
                     exc_info=True)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, PositionLogprobs] = {}
+        sampled: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, tuple[PositionLogprobs, ...]] = {}
         failed = 0
         for chunk in scheduled.chunks:
             try:
@@ -255,26 +255,30 @@ class LLMEngine:
             raise RuntimeError(f"{MAX_FAILED_STEPS} engine steps in a row failed for every request")
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    def _process(self, request: Request, logprob: PositionLogprobs | None) -> RequestDelta:
+    def _process(self, request: Request, logprobs: tuple[PositionLogprobs, ...]) -> RequestDelta:
+        """The delta of a request's new tokens (one, or several when it kept draft tokens);
+        `logprobs`: those of the step's sampled tokens, where asked."""
         rid = request.request_id
         detok = self._detokenizers[rid]
         start = self._num_reported[rid]
         new_ids = tuple(request.output_token_ids[start:])
-        self._num_reported[rid] = request.num_output_tokens
         result = detok.add_tokens(new_ids)
         text = result.text
         finish: FinishReason | None = None
         if result.stopped:
+            if result.num_tokens < len(new_ids):  # kept drafts ran past the stop string
+                new_ids = new_ids[:result.num_tokens]
+                request.truncate_output(start + result.num_tokens)
             if not request.is_finished:
                 self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED)
             finish = FinishReason.STOP
         elif request.is_finished:
             text += detok.flush()
             finish = request.finish_reason
-        logprobs = (logprob,) if (logprob is not None and new_ids) else ()
+        self._num_reported[rid] = request.num_output_tokens
         # The times of the tokens made here (a resumed request has none for its resumed tokens).
         times = tuple(request.token_times[-len(new_ids):]) if new_ids else ()
-        delta = self._delta(request, new_ids, text, logprobs, finish, times)
+        delta = self._delta(request, new_ids, text, logprobs[:len(new_ids)], finish, times)
         if finish is not None:
             self._forget(rid)
         return delta

@@ -115,8 +115,11 @@ class EngineHost:
         return self._thread is not None and self._thread.is_alive() and not self._failed.is_set()
 
     def capacity(self, num_received: int = 0) -> WorkerCapacity:
+        stats = self.engine.scheduler.stats
         return msgspec.structs.replace(self.engine.capacity(self.worker_id), num_received=num_received,
-                                       num_preemptions=self.engine.scheduler.stats.num_preemptions)
+                                       num_preemptions=stats.num_preemptions,
+                                       num_draft_tokens=stats.num_draft_tokens,
+                                       num_accepted_draft_tokens=stats.num_accepted_draft_tokens)
 
     # ---- the loop (the engine thread) ----------------------------------------------------------
 

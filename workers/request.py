@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 from sluice.protocol import FinishReason, GenerateRequest, Priority, SamplingParams
+from sluice.workers.speculative import NgramIndex
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,6 +56,7 @@ class Request:
         "eos_token_ids",
         "first_scheduled_time",
         "first_token_time",
+        "ngram_index",
         "num_cached_tokens",
         "num_committed_blocks",
         "num_computed_tokens",
@@ -111,6 +113,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_committed_blocks = 0  # leading blocks already offered to the prefix cache
         self.num_preemptions = 0
+        self.ngram_index: NgramIndex | None = None  # speculation's index of its tokens (scheduler's)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
@@ -160,6 +163,13 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_times.append(now)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output after its first `num_output_tokens` tokens: a finished request whose
+        last step produced tokens past its stop string."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self._all_token_ids[-drop:], self.output_token_ids[-drop:], self.token_times[-drop:]
 
     def __repr__(self) -> str:
         return (

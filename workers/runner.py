@@ -27,7 +27,7 @@ from sluice.workers.model.config import ModelConfig
 from sluice.workers.model.cuda_graphs import DecodeGraphRunner
 from sluice.workers.model.llama import LlamaForCausalLM
 from sluice.workers.model.loader import load_model
-from sluice.workers.sampler import SampleRow, sample
+from sluice.workers.sampler import Continued, SampleRow, sample
 from sluice.workers.scheduler import RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -153,8 +153,10 @@ class ModelRunner:
         sample_chunks = [(b, c) for b, c in enumerate(chunks) if c.sample]
         if not sample_chunks:
             return RunnerOutput(sampled_token_ids={})
-        # Row of each sampling chunk's last token: query_start_loc[b + 1] - 1.
-        last_rows = [meta.query_start_loc_host[b + 1] - 1 for b, _ in sample_chunks]
+        # A sampling chunk samples at its last num_sample_rows rows: its last token and each draft.
+        last_rows = [row for b, c in sample_chunks
+                     for row in range(meta.query_start_loc_host[b + 1] - c.num_sample_rows,
+                                      meta.query_start_loc_host[b + 1])]
         if len(last_rows) < hidden.shape[0]:  # else every row samples (a decode-only step): no gather
             hidden = hidden[torch.tensor(last_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)  # [N, V]
@@ -163,12 +165,21 @@ class ModelRunner:
             req = c.request
             seed = None if req.sampling.greedy else self._seed(req.request_id, req.sampling.seed)
             rows.append(SampleRow(req.sampling, req.prompt_token_ids, req.output_token_ids, seed))
+            for j in range(1, c.num_sample_rows):  # after draft j - 1: as if drafts[:j] were output
+                output = Continued(req.output_token_ids, c.draft_token_ids[:j])
+                rows.append(SampleRow(req.sampling, req.prompt_token_ids, output, seed))
         out = sample(logits, rows)
-        sampled = {c.request.request_id: t for (_, c), t in zip(sample_chunks, out.token_ids, strict=True)}
-        logprobs: dict[str, PositionLogprobs] = {
-            c.request.request_id: lp
-            for (_, c), lp in zip(sample_chunks, out.logprobs, strict=True) if lp is not None
-        }
+        sampled: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, tuple[PositionLogprobs, ...]] = {}
+        i = 0
+        for _, c in sample_chunks:
+            n = c.num_sample_rows
+            rid = c.request.request_id
+            sampled[rid] = tuple(out.token_ids[i:i + n])
+            row_logprobs = out.logprobs[i:i + n]
+            if row_logprobs[0] is not None:
+                logprobs[rid] = tuple(lp for lp in row_logprobs if lp is not None)
+            i += n
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def _prepare(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -179,7 +190,7 @@ class ModelRunner:
         q_lens = np.empty(len(chunks), dtype=np.int64)
         seq_lens = np.empty(len(chunks), dtype=np.int64)
         for b, c in enumerate(chunks):
-            token_ids.extend(c.request.all_token_ids[c.start:c.start + c.num_tokens])
+            token_ids.extend(c.input_token_ids())
             q_lens[b] = c.num_tokens
             seq_lens[b] = c.start + c.num_tokens
         max_blocks = int((seq_lens.max() + bs - 1) // bs)

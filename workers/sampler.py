@@ -18,7 +18,7 @@ report -inf for tokens that truncation removed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,26 @@ class SampleRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # its length is the position of the token sampled now
     seed: int | None  # the request's seed (the runner draws one for an unseeded request); required unless greedy
+
+
+class Continued(Sequence[int]):
+    """`base` followed by `extra`, without copying `base`: a draft row's output so far (the
+    request's output, then the drafts before that row)."""
+
+    __slots__ = ("_base", "_extra")
+
+    def __init__(self, base: Sequence[int], extra: Sequence[int]) -> None:
+        self._base, self._extra = base, extra
+
+    def __len__(self) -> int:
+        return len(self._base) + len(self._extra)
+
+    def __getitem__(self, index):  # type: ignore[override]  # int or slice, as for a list
+        return [*self._base, *self._extra][index]
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._base
+        yield from self._extra
 
 
 @dataclass(frozen=True, slots=True)

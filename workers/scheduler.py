@@ -10,6 +10,11 @@ policies share one mechanism so their trade-offs can be measured on identical lo
   only (no decodes); otherwise it decodes every running request (vLLM v0 / TGI without chunking).
 - static: a batch is admitted only when nothing runs; it then decodes until every member finishes.
 
+Speculation (config.num_speculative_tokens > 0, any policy): a running request scheduled for just
+its last token also gets prompt-lookup draft tokens (workers/speculative.py) within the budget and
+the blocks already free (never preempting for a guess); `update` keeps the drafts that equal the
+tokens sampled before them.
+
 Ranks: a request's rank is (priority, arrival_time, arrival_seq); smaller is served first and
 preempted last. Running requests are kept sorted by rank, so the preemption victim is always the
 tail of the list (lowest priority, latest arrival). Preemption is by recompute: the victim's blocks
@@ -33,6 +38,7 @@ from sluice.workers.scheduler_output import (
     SchedulerStats,
     StepBuilder,
 )
+from sluice.workers.speculative import NgramIndex, PromptLookup
 
 __all__ = ["RunnerOutput", "ScheduledChunk", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -56,6 +62,9 @@ class Scheduler:
         self._running: list[Request] = []  # sorted by rank, most urgent first
         self._next_seq = 0
         self._finished_in_schedule: list[Request] = []  # ended by schedule(), reported by update()
+        self._lookup = (PromptLookup(config.num_speculative_tokens, config.prompt_lookup_min,
+                                     config.prompt_lookup_max)
+                        if config.num_speculative_tokens else None)
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -78,6 +87,11 @@ class Scheduler:
     @property
     def num_total_blocks(self) -> int:
         return self.block_manager.num_blocks
+
+    @property
+    def prompt_lookup(self) -> PromptLookup | None:
+        """The draft proposer (None: speculation off); its `num_tokens` may be changed between steps."""
+        return self._lookup
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -169,20 +183,61 @@ class Scheduler:
                 raise RuntimeError(
                     f"update() for request {request.request_id} does not match the last schedule()"
                 )
-            request.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.block_manager.cache_computed_blocks(request)
             if not chunk.sample:
+                request.num_computed_tokens = chunk.start + chunk.num_tokens
+                self.block_manager.cache_computed_blocks(request)
                 continue
-            token_id = runner_output.sampled_token_ids.get(request.request_id)
-            if token_id is None:
-                raise ValueError(f"the runner output has no sampled token for request {request.request_id}")
-            request.append_output(token_id, now)
-            status = self._stop_status(request, token_id)
+            sampled = runner_output.sampled_token_ids.get(request.request_id)
+            if sampled is None or len(sampled) != chunk.num_sample_rows:
+                raise ValueError(f"the runner output has no sampled token for request {request.request_id}"
+                                 if sampled is None else
+                                 f"the runner sampled {len(sampled)} tokens for request "
+                                 f"{request.request_id}, not {chunk.num_sample_rows}")
+            status = self._append_verified(request, sampled, chunk.draft_token_ids, now)
+            # The K/V of the last token and of every kept draft is valid; a rejected draft's slot is
+            # written again before num_computed_tokens reaches it.
+            request.num_computed_tokens = request.num_tokens - 1
+            self.block_manager.cache_computed_blocks(request)
             if status is not None:
                 del self._requests[request.request_id]
                 self._retire(request, status)
             changed.append(request)
         return changed
+
+    def _append_verified(self, request: Request, sampled: tuple[int, ...], drafts: tuple[int, ...],
+                         now: float) -> RequestStatus | None:
+        """Append sampled[0], then sampled[j] while drafts[j - 1] == sampled[j - 1] (the draft was
+        the token the model picks, so what was sampled after it is valid). Stops at a stop token or
+        the length limit; returns the finish status, if any."""
+        kept = 0
+        status: RequestStatus | None = None
+        for token_id in sampled:
+            request.append_output(token_id, now)
+            status = self._stop_status(request, token_id)
+            if status is not None or kept == len(drafts) or drafts[kept] != token_id:
+                break
+            kept += 1
+        if drafts and self._lookup is not None and request.ngram_index is not None:
+            self._lookup.record(request.ngram_index, len(drafts), kept)
+            self.stats.num_draft_tokens += len(drafts)
+            self.stats.num_accepted_draft_tokens += kept
+        return status
+
+    def _drafts(self, request: Request, budget: int) -> tuple[int, ...]:
+        """Prompt-lookup guesses at the tokens after a decoding request's last one (may be empty)."""
+        if self._lookup is None:
+            return ()
+        # A step yields at most 1 + len(drafts) tokens: stay within max_tokens and the context.
+        limit = min(budget - 1, request.sampling.max_tokens - request.num_output_tokens - 1,
+                    self.config.max_model_len - request.num_tokens - 1)
+        if limit <= 0:
+            return ()
+        if request.ngram_index is None:
+            request.ngram_index = NgramIndex()
+        drafts = self._lookup.propose(request.ngram_index, request.all_token_ids, limit)
+        if drafts and not self.block_manager.allocate(request, request.num_tokens + len(drafts)):
+            return ()  # no free block for the guesses: never preempt for them
+        return drafts
 
     # ---- policy building blocks ----------------------------------------------------------------
 
@@ -214,7 +269,8 @@ class Scheduler:
             if n > 0:
                 if not self._allocate_or_preempt(step, request, request.num_computed_tokens + n):
                     return  # the request preempted itself: it was the tail, nothing follows it
-                step.add(request, n, now)
+                decoding = request.num_computed_tokens + n == request.num_tokens and n == 1
+                step.add(request, n, now, self._drafts(request, step.budget) if decoding else ())
             i += 1
 
     def _allocate_or_preempt(self, step: StepBuilder, request: Request, num_tokens: int) -> bool:

@@ -63,8 +63,9 @@ def test_cpu_decode_matches_reference(built: None, hq: int, hkv: int, head_dim: 
 
 
 def test_a_mixed_batch_sends_its_decodes_to_the_kernel(built: None) -> None:
-    """Prefill chunks and decodes in one batch: the decodes go to the kernel, the chunks to the
-    padded SDPA groups; together they equal the reference, and the switch turns the kernel off."""
+    """Prefill chunks and decodes in one batch: the decodes go to the kernel, and so do the rows of a
+    short chunk (a decode with its drafts), each over the context up to its own position; the long
+    chunk goes to the padded SDPA groups; together they equal the reference."""
     seqs = [(1, 40), (17, 60), (1, 3), (1, 250), (5, 5), (1, 16)]
     batch = make_paged_batch(seqs, block_size=16, num_q_heads=9, num_kv_heads=3, head_dim=64)
     scale = 0.125
@@ -72,7 +73,8 @@ def test_a_mixed_batch_sends_its_decodes_to_the_kernel(built: None) -> None:
     out = paged_attention_torch(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     (plan,) = batch.meta.plan_cache.values()
-    assert plan.native is not None and plan.native.token_index.tolist() == [0, 18, 19, 25]
+    assert plan.native is not None and plan.native.token_index.tolist() == [0, 18, 19, 20, 21, 22, 23, 24, 25]
+    assert plan.native.seq_lens.tolist() == [40, 3, 250, 1, 2, 3, 4, 5, 16]
     assert all(group.rows_per_piece > 1 for group in plan.groups)
 
 

@@ -1,6 +1,10 @@
 """Resumed requests (worker failover): an engine given prompt + the first k output tokens of a run
 (`resume_token_ids`) goes on exactly as that run did: same token ids, same text deltas, same
-finish reason and usage; for greedy and for seeded sampling; with stop strings."""
+finish reason and usage; for greedy and for seeded sampling; with stop strings.
+
+The delta-by-delta checks run without speculation, so that each delta is one token and k indexes
+deltas; with speculation a resumed run keeps other drafts than the first (its steps fall
+elsewhere), and the last test checks that its tokens and text are still the same."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ PROMPT = "The keeper writes the level"
 @pytest.fixture(scope="module")
 def engine(demo_model_dir: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(demo_model_dir), max_model_len=256, num_kv_blocks=64,
-                                  max_num_batched_tokens=128, max_num_seqs=8))
+                                  max_num_batched_tokens=128, max_num_seqs=8, num_speculative_tokens=0))
 
 
 def run(engine: LLMEngine, rid: str, sampling: SamplingParams, resume: list[int] | None = None,
@@ -96,3 +100,21 @@ def test_resume_validation(engine: LLMEngine) -> None:
     engine.add_request("v", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), resume_token_ids=[eos])
     while engine.has_work:
         engine.step()
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_resume_with_speculation_gives_the_same_tokens_and_text(demo_model_dir: Path, seeded: bool) -> None:
+    engine = LLMEngine(EngineConfig(model=str(demo_model_dir), max_model_len=256, num_kv_blocks=64,
+                                    max_num_batched_tokens=128, max_num_seqs=8, num_speculative_tokens=4))
+    sampling = (SamplingParams(max_tokens=60, temperature=1.0, top_p=0.95, seed=99, ignore_eos=True) if seeded
+                else SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    undisturbed = run(engine, "u", sampling)
+    ids = [t for d in undisturbed for t in d.token_ids]
+    text = "".join(d.text for d in undisturbed)
+    assert engine.scheduler.stats.num_accepted_draft_tokens > 0 or seeded
+    for k in (1, 17, 40):
+        resumed = run(engine, f"r{k}", sampling, ids[:k])
+        assert [t for d in resumed for t in d.token_ids] == ids[k:]
+        resumed_text = "".join(d.text for d in resumed)
+        assert resumed_text and text.endswith(resumed_text)  # it goes on where the first run was
+        assert resumed[-1].num_output_tokens == len(ids) and resumed[-1].finish_reason == FinishReason.LENGTH

@@ -33,6 +33,7 @@ def make(
     max_model_len: int = 256,
     chunk: int | None = None,
     caching: bool = True,
+    speculative: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -44,6 +45,7 @@ def make(
             max_model_len=max_model_len,
             max_prefill_chunk=chunk,
             enable_prefix_caching=caching,
+            num_speculative_tokens=speculative,
         )
     )
 
@@ -69,11 +71,18 @@ def req(
 
 
 def step(
-    s: Scheduler, now: float = 0.0, token: Callable[[Request], int] = lambda r: TOKEN
+    s: Scheduler, now: float = 0.0, token: Callable[[Request], int] = lambda r: TOKEN,
+    agree: Callable[[], bool] = lambda: False,
 ) -> tuple[SchedulerOutput, list[Request]]:
+    """One step with a hand-made runner: each sampling row gets `token(request)`, except that a
+    draft's row samples the draft itself (it is verified) where `agree()` says so."""
     out = s.schedule(now)
     assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks)
-    sampled = {c.request.request_id: token(c.request) for c in out.chunks if c.sample}
+    sampled = {
+        c.request.request_id: tuple(
+            c.draft_token_ids[j] if j < len(c.draft_token_ids) and agree() else token(c.request)
+            for j in range(c.num_sample_rows))
+        for c in out.chunks if c.sample}
     changed = s.update(out, RunnerOutput(sampled), now)
     s.check_invariants()
     return out, changed
@@ -417,7 +426,7 @@ def test_abort_between_schedule_and_update_is_skipped() -> None:
     s.add_request(req("b", 4))
     out = s.schedule(0.0)
     s.abort("a")
-    changed = s.update(out, RunnerOutput({"a": 1, "b": 2}), 0.0)
+    changed = s.update(out, RunnerOutput({"a": (1,), "b": (2,)}), 0.0)
     assert [r.request_id for r in changed] == ["b"]
     s.check_invariants()
 
@@ -545,14 +554,16 @@ def test_prefix_caching_off_never_hits() -> None:
 # ---- randomized --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("speculative", [0, 3])
 @pytest.mark.parametrize("policy", ["chunked", "prefill_first", "static"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_workload_keeps_invariants_and_finishes(policy: str, seed: int) -> None:
+def test_random_workload_keeps_invariants_and_finishes(policy: str, seed: int, speculative: int) -> None:
     rng = random.Random(seed)
     # A pool of 64 tokens under a 96-token context: preemption, prefix hits and requests that
-    # outgrow the pool all happen.
+    # outgrow the pool all happen; with speculation, drafts are kept and rejected at random.
     s = make(policy, block_size=4, num_kv_blocks=16, budget=24, max_num_seqs=6, max_model_len=96,
-             chunk=rng.choice([None, 5, 8]))
+             chunk=rng.choice([None, 5, 8]), speculative=speculative)
+    agree = lambda: rng.random() < 0.7  # noqa: E731
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 12))] for _ in range(3)]
     live: set[str] = set()
     ended: dict[str, RequestStatus] = {}
@@ -583,7 +594,7 @@ def test_random_workload_keeps_invariants_and_finishes(policy: str, seed: int) -
             ended[rid] = RequestStatus.FINISHED_STOPPED
             s.check_invariants()
         else:
-            _, changed = step(s, now, token=lambda r: rng.randrange(40))
+            _, changed = step(s, now, token=lambda r: rng.randrange(40), agree=agree)
             for r in changed:
                 if r.is_finished:
                     assert r.request_id not in ended, "a request was reported finished twice"
@@ -593,7 +604,7 @@ def test_random_workload_keeps_invariants_and_finishes(policy: str, seed: int) -
         if not s.has_work:
             break
         now += 1.0
-        _, changed = step(s, now, token=lambda r: rng.randrange(40))
+        _, changed = step(s, now, token=lambda r: rng.randrange(40), agree=agree)
         for r in changed:
             if r.is_finished:
                 assert r.request_id not in ended
@@ -611,3 +622,5 @@ def test_random_workload_keeps_invariants_and_finishes(policy: str, seed: int) -
     assert s.stats.prefix_hit_tokens > 0
     if policy != "static":
         assert s.stats.num_preemptions > 0 and s.stats.num_priority_preemptions > 0
+    if speculative:
+        assert 0 < s.stats.num_accepted_draft_tokens < s.stats.num_draft_tokens

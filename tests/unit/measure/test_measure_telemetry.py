@@ -107,7 +107,8 @@ def test_metric_names_and_buckets_as_specified() -> None:
                  "sluice:num_requests_waiting", "sluice:num_requests_running", "sluice:kv_cache_usage_perc",
                  "sluice:prefix_cache_hit_rate", "sluice:prompt_tokens_total",
                  "sluice:generation_tokens_total", "sluice:request_rejections_total",
-                 "sluice:num_preemptions_total"):
+                 "sluice:num_preemptions_total", "sluice:spec_decode_num_draft_tokens_total",
+                 "sluice:spec_decode_num_accepted_tokens_total"):
         assert name in names, name
     assert 3.0 in telemetry.TTFT_BUCKETS
     assert 0.3 in telemetry.ITL_BUCKETS
@@ -119,18 +120,22 @@ def test_metric_names_and_buckets_as_specified() -> None:
 def test_gauges_and_counters_follow_their_inputs() -> None:
     telemetry.set_queue_depth("batch", 7)
     telemetry.set_running("interactive", 3)
-    telemetry.observe_worker(WorkerCapacity(worker_id="w-gauge", num_running=2, num_waiting=1,
-                                            free_kv_blocks=25, total_kv_blocks=100, max_num_seqs=8,
-                                            sent_at=0.0))
+    first = WorkerCapacity(worker_id="w-gauge", num_running=2, num_waiting=1, free_kv_blocks=25,
+                           total_kv_blocks=100, max_num_seqs=8, sent_at=0.0, num_preemptions=1)
+    telemetry.observe_worker(first)
     telemetry.count_rejection("tenant-rej", "rpm")
-    telemetry.count_preemptions("w-gauge", 2)
+    later = msgspec.structs.replace(first, num_preemptions=3, num_draft_tokens=10, num_accepted_draft_tokens=7)
+    telemetry.count_engine_events(first, later)
     assert _sample_value("sluice:num_requests_waiting", {"class": "batch"}) == 7
     assert _sample_value("sluice:num_requests_running", {"class": "interactive"}) == 3
     assert _sample_value("sluice:kv_cache_usage_perc", {"worker": "w-gauge"}) == pytest.approx(0.75)
     assert _sample_value("sluice:request_rejections_total", {"tenant": "tenant-rej", "reason": "rpm"}) == 1
     assert _sample_value("sluice:num_preemptions_total", {"worker": "w-gauge"}) == 2
-    with pytest.raises(ValueError):
-        telemetry.count_preemptions("w-gauge", -1)
+    assert _sample_value("sluice:spec_decode_num_draft_tokens_total", {"worker": "w-gauge"}) == 10
+    assert _sample_value("sluice:spec_decode_num_accepted_tokens_total", {"worker": "w-gauge"}) == 7
+    # A restarted worker's counts start again from 0: nothing is counted, nothing goes negative.
+    telemetry.count_engine_events(later, first)
+    assert _sample_value("sluice:num_preemptions_total", {"worker": "w-gauge"}) == 2
 
 
 def test_prefix_hit_rate_is_cached_over_prompt_tokens() -> None:
