@@ -26,6 +26,9 @@ from collections.abc import Sequence
 _PROBATION_TOKENS = 16
 _MIN_ACCEPTANCE = 0.15
 _PAUSE_STEPS = 16
+# Only the last this many tokens of a long prompt are indexed: about 4 dictionary entries per token
+# (n-grams of 1..4), so a request's index stays within a few MB whatever its context length.
+_MAX_LOOKBACK = 4096
 
 
 class NgramIndex:
@@ -49,7 +52,7 @@ class NgramIndex:
     def extend(self, tokens: Sequence[int], lookup_min: int, lookup_max: int) -> None:
         """Index every n-gram that ends before the last token (so a token follows it)."""
         ends = self._ends
-        for end in range(max(self._indexed, lookup_min), len(tokens)):
+        for end in range(max(self._indexed, lookup_min, len(tokens) - _MAX_LOOKBACK), len(tokens)):
             for n in range(lookup_min, min(lookup_max, end) + 1):
                 ends[tuple(tokens[end - n:end])] = end
         self._indexed = max(self._indexed, len(tokens))

@@ -65,6 +65,15 @@ def test_incremental_index_agrees_with_a_scan(seed: int) -> None:
         assert lookup.propose(index, tokens, limit=5) == _reference(tokens, 5, lookup_min, lookup_max)
 
 
+def test_a_long_prompt_is_indexed_over_its_last_tokens_only() -> None:
+    lookup = PromptLookup(3, 2, 4)
+    filler = list(range(1000, 6000))  # 5,000 distinct tokens
+    early = [1, 2, 3, 4, *filler, 1, 2]  # [1, 2] occurred only beyond the lookback
+    assert lookup.propose(NgramIndex(), early, limit=3) == ()
+    late = [*filler, 1, 2, 3, 4, *filler[:100], 1, 2]
+    assert lookup.propose(NgramIndex(), late, limit=3) == (3, 4, 1000)
+
+
 def test_draft_length_follows_what_was_kept_and_poor_drafting_pauses() -> None:
     lookup = PromptLookup(4, 1, 4)
     index = NgramIndex()
