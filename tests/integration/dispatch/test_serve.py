@@ -395,7 +395,8 @@ def test_serve_replicas_answers_on_every_port(tmp_path: Path, serve_env: dict[st
             line = printed_line(cluster, rf"^sluice serve: replica {i} on http://127.0.0.1:(\d+) "
                                          r"\(workers connect to 127.0.0.1:(\d+); log (\S+)\)$")
             assert int(line[1]) == port + i
-        printed_line(cluster, r"local worker\(s\) per model, each linked to all 2 replicas")  # after the replicas' lines
+        # After the replicas' lines:
+        printed_line(cluster, r"local worker\(s\) per model, each linked to all 2 replicas")
         bases = [f"http://127.0.0.1:{port + i}" for i in range(2)]
         for base in bases:
             deadline = time.monotonic() + 240
