@@ -150,6 +150,11 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def is_decoding(self) -> bool:
+        """Only its last (sampled) token lacks K/V: its next chunk is a decode of one token."""
+        return self.num_tokens - self.num_computed_tokens == 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
 

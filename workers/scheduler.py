@@ -244,7 +244,7 @@ class Scheduler:
     @staticmethod
     def _decode(request: Request, step: StepBuilder) -> int:
         """chunked, first pass: one token for requests that only lack their last token."""
-        return 1 if request.num_tokens - request.num_computed_tokens == 1 else 0
+        return 1 if request.is_decoding else 0
 
     def _prefill_chunk(self, request: Request, step: StepBuilder) -> int:
         """chunked, second pass: the next prefill chunk, capped by the budget and the chunk size."""
@@ -269,8 +269,8 @@ class Scheduler:
             if n > 0:
                 if not self._allocate_or_preempt(step, request, request.num_computed_tokens + n):
                     return  # the request preempted itself: it was the tail, nothing follows it
-                decoding = request.num_computed_tokens + n == request.num_tokens and n == 1
-                step.add(request, n, now, self._drafts(request, step.budget) if decoding else ())
+                drafts = self._drafts(request, step.budget) if n == 1 and request.is_decoding else ()
+                step.add(request, n, now, drafts)
             i += 1
 
     def _allocate_or_preempt(self, step: StepBuilder, request: Request, num_tokens: int) -> bool:

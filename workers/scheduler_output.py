@@ -90,7 +90,7 @@ class StepBuilder:
         """Schedule `num_tokens` of the request's own tokens, then `drafts` (a decode's guesses)."""
         start = request.num_computed_tokens
         entry = (request, start, num_tokens + len(drafts), drafts)
-        if num_tokens == 1 and start + 1 == request.num_tokens:
+        if num_tokens == 1 and request.is_decoding:
             self.decodes[request.request_id] = entry
         else:
             self.prefills[request.request_id] = entry

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from sluice.workers.request import RequestStatus
+from sluice.workers.scheduler import RunnerOutput, SchedulerOutput
 from sluice.workers.speculative import NgramIndex, PromptLookup
 
 from .test_scheduler import make, req, step
@@ -182,9 +183,8 @@ def test_the_step_budget_bounds_the_drafts() -> None:
     assert out.num_batched_tokens == 3 and out.chunks[0].draft_token_ids == (8, 9)
 
 
-def _sampled(out, tokens: dict[str, tuple[int, ...]]):
-    from sluice.workers.scheduler import RunnerOutput
-
+def _sampled(out: SchedulerOutput, tokens: dict[str, tuple[int, ...]]) -> RunnerOutput:
+    """The runner's answer to `out`, made by hand: `tokens` per sampling request, one per row."""
     for c in out.chunks:
         if c.sample:
             assert len(tokens[c.request.request_id]) == c.num_sample_rows
