@@ -74,6 +74,16 @@ def test_bad_size_lists_are_one_cli_line(flag: str, demo_model_dir: Path, capsys
     assert len(errors) == 1 and flag in errors[0]  # after argparse's usage lines
 
 
+@pytest.mark.parametrize(("flag", "message"), [("--peer-speculative-tokens", "--peer-speculative-tokens must be"),
+                                              ("--speculative-tokens", "num_speculative_tokens must be")])
+def test_bad_speculation_flags_are_one_cli_line(flag: str, message: str, demo_model_dir: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "engine", "--model", str(demo_model_dir), flag, "-1", "--skip-hf"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_scheduler_timing_runs_decodes(policy: str) -> None:
     """The steps the scheduler timing measures are pure decode steps of every running request."""

@@ -138,6 +138,11 @@ def test_engine_config_validation_and_resolution() -> None:
         ({"model": ""}, "model must be"),
         ({"kernel_backend": "cutlass"}, "kernel_backend"),
         ({"seed": -1}, "seed"),
+        ({"num_speculative_tokens": -1}, "num_speculative_tokens must be 0 \\(off\\) or a positive integer"),
+        ({"num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 0}, "prompt_lookup_min must be a positive integer"),
+        ({"prompt_lookup_max": "4"}, "prompt_lookup_max must be a positive integer"),
+        ({"prompt_lookup_min": 5}, "prompt_lookup_min \\(5\\) must not exceed prompt_lookup_max \\(4\\)"),
     ]:
         with pytest.raises(ValueError, match=message):
             EngineConfig(**{"model": "/models/tiny", **bad})  # type: ignore[arg-type]
