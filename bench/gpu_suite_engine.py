@@ -143,7 +143,9 @@ def _sync(device: str) -> None:
 
 
 def _decode_step_ms(engine, sampling, prompts: list[list[int]], tag: str, device: str) -> float:
-    """Median wall time of the steps taken once every request has its first token (pure decode)."""
+    """Median wall time of the pure decode steps of the whole batch: steps in which every request
+    got a token once all had their first. `sampling.max_tokens` must outlast the batch's chunked
+    prefill, or the first requests finish before the last start and no step is the whole batch."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, sampling)
     started: set[str] = set()
@@ -153,7 +155,7 @@ def _decode_step_ms(engine, sampling, prompts: list[list[int]], tag: str, device
         t0 = time.perf_counter()
         deltas = engine.step()
         _sync(device)
-        if all_started:
+        if all_started and sum(1 for d in deltas if d.token_ids) == len(prompts):
             times.append((time.perf_counter() - t0) * 1e3)
         started.update(d.request_id for d in deltas if d.token_ids)
     steady = times[2:] if len(times) > 4 else times  # the first steps at a batch size capture graphs
@@ -251,19 +253,20 @@ def _engine_cases(
         report.add(Row("engine", f"prefill {n} tokens", ms, rate / 1e12, "TFLOP/s", rate / peak,
                        note=f"{n / (ms * 1e-3):,.0f} tok/s"))  # fmt: skip
 
-    sampling = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
     for ctx in contexts:
         for batch in batches:
+            prefill_steps = -(-batch * ctx // max(prefill_lens))
+            sampling = SamplingParams(max_tokens=gen_tokens + prefill_steps, temperature=0.0, ignore_eos=True)
             name = f"decode B={batch} ctx={ctx}"
             if time.perf_counter() > deadline:
                 report.add(Row("engine", name, note="skipped: time budget spent"))
                 continue
-            if batch * (ctx + gen_tokens) > capacity:
+            if batch * (ctx + sampling.max_tokens) > capacity:
                 report.add(
                     Row(
                         "engine",
                         name,
-                        note=f"skipped: needs {batch * (ctx + gen_tokens)} KV slots > {capacity}",
+                        note=f"skipped: needs {batch * (ctx + sampling.max_tokens)} KV slots > {capacity}",
                     )
                 )
                 continue

@@ -170,7 +170,7 @@ def run_sluice(args: argparse.Namespace, policy: str, requests: list[tuple[list[
         # CPU seconds the run used: on a shared host the wall time also counts the waits for a core.
         "cpu_seconds": cpu_seconds, "output_tokens_per_cpu_s": produced / cpu_seconds if cpu_seconds else None,
         "steps": engine.scheduler.stats.num_steps - steps_before,
-        "speculative_tokens": engine.config.num_speculative_tokens,
+        "speculative_tokens": engine.config.resolved_num_speculative_tokens,
         "draft_tokens": engine.scheduler.stats.num_draft_tokens - drafts_before,
         "accepted_draft_tokens": engine.scheduler.stats.num_accepted_draft_tokens - accepted_before,
         "preemptions": engine.scheduler.stats.num_preemptions, "num_kv_blocks": engine.runner.num_kv_blocks,

@@ -95,7 +95,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_policy: bool =
     parser.add_argument("--kernel-backend", default=None, choices=KERNEL_BACKENDS)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--speculative-tokens", type=int, default=None,
-                        help="prompt-lookup draft tokens verified per decode step (0 = off; default 4)")
+                        help="prompt-lookup draft tokens per decode step (0 = off; default 4 on CPU, 0 on CUDA)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
 
 

@@ -56,6 +56,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+            if self.device.index is None:  # plain "cuda": the current device, named (set_device needs an index)
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)  # Triton launches on the current device
         self.dtype = _DTYPES[config.resolved_dtype]
         backend = config.resolved_kernel_backend

@@ -132,17 +132,21 @@ def install() -> None:
 
     AIOKafkaConnection.send = traced_conn_send
     upstream_http.UpstreamHTTP._send = traced_upstream_send  # type: ignore[method-assign]
-    events = upstream_http.StreamedResponse.events
+    each_event = upstream_http.StreamedResponse.each_event
 
-    async def traced_events(self: Any) -> Any:
+    async def traced_each_event(self: Any, on_event: Any, *, drain_s: float) -> None:
         first = True
-        async for payload in events(self):
+
+        def traced_on_event(payload: bytes) -> bool:
+            nonlocal first
             if first:
                 first = False
                 mark("upstream_first")
-            yield payload
+            return bool(on_event(payload))
 
-    upstream_http.StreamedResponse.events = traced_events  # type: ignore[method-assign]
+        await each_event(self, traced_on_event, drain_s=drain_s)
+
+    upstream_http.StreamedResponse.each_event = traced_each_event  # type: ignore[method-assign]
 
 
 def _profile(path: str) -> None:

@@ -125,9 +125,14 @@ def test_scheduler_config_rejects_bad_values(overrides: dict[str, object], messa
 
 def test_engine_config_validation_and_resolution() -> None:
     cfg = EngineConfig(model="/models/tiny")
-    assert (cfg.resolved_dtype, cfg.resolved_kernel_backend) == ("float32", "torch")
+    assert (cfg.resolved_dtype, cfg.resolved_kernel_backend, cfg.resolved_num_speculative_tokens) == (
+        "float32", "torch", 4)
     gpu = EngineConfig(model="/models/tiny", device="cuda:1")
-    assert (gpu.resolved_dtype, gpu.resolved_kernel_backend) == ("bfloat16", "triton")
+    # Speculation off on CUDA unless asked for: its verification steps run outside the CUDA graphs.
+    assert (gpu.resolved_dtype, gpu.resolved_kernel_backend, gpu.resolved_num_speculative_tokens) == (
+        "bfloat16", "triton", 0)
+    assert EngineConfig(model="m", device="cuda", num_speculative_tokens=3).resolved_num_speculative_tokens == 3
+    assert SchedulerConfig.from_engine_config(gpu, 10, 64).num_speculative_tokens == 0
     for bad, message in [
         ({"device": "tpu"}, "device must be"),
         ({"dtype": "int8"}, "dtype must be one of"),
