@@ -18,6 +18,7 @@ The Triton kernels live in `paged_decode.py` and `paged_prefill.py`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -105,11 +106,12 @@ class _Piece(NamedTuple):
 
 
 class _NativeDecodes(NamedTuple):
-    """The decodes of a mixed batch, for the native CPU kernel (kernels/cpu_decode.py)."""
+    """The decodes and short chunks of a mixed batch, for the native CPU kernel (kernels/cpu_decode.py)."""
 
-    token_index: torch.Tensor  # [N] int64: their query rows
-    block_tables: torch.Tensor  # [N, max_blocks] int32
-    seq_lens: torch.Tensor  # [N] int32
+    token_index: torch.Tensor  # [N] int64: their query rows, each sequence's consecutive
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32: context length including the query rows
+    query_start_loc: torch.Tensor | None  # [S + 1] int32 rows per sequence (None: one each)
 
 
 class _GroupPlan(NamedTuple):
@@ -135,7 +137,8 @@ class _StepPlan(NamedTuple):
     # [P, 4] int64 (sequence, first token row, rows, context length): the chunks the native
     # prefill kernel attends (None: none, or no kernel).
     prefill: torch.Tensor | None = None
-    all_native_decodes: bool = False  # a decode-only batch, all of it through the decode kernel
+    # Every sequence a decode or a short chunk: the whole batch through the decode kernel.
+    all_native_decodes: bool = False
 
 
 def _native_kernels(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[bool, bool]:
@@ -178,7 +181,8 @@ def paged_attention_torch(
     if plan.all_native_decodes:
         # Gather-free: the native kernel reads each sequence's K/V blocks where they lie (faster
         # than the padded gather + SDPA at every batch size measured, 1-128 sequences).
-        return cpu_decode.paged_decode_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        starts = None if meta.is_decode_only else meta.query_start_loc
+        return cpu_decode.paged_decode_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, starts)
     num_tokens = q.shape[0]
     groups = plan.groups
     if plan.native is None and plan.prefill is None and len(groups) == 1 and groups[0].token_index is None \
@@ -189,7 +193,7 @@ def paged_attention_torch(
     if plan.native is not None:  # a mixed batch's decodes: the kernel, the chunks below
         rows = plan.native.token_index
         attn = cpu_decode.paged_decode_cpu(q.index_select(0, rows), k_cache, v_cache, plan.native.block_tables,
-                                           plan.native.seq_lens, scale)
+                                           plan.native.seq_lens, scale, plan.native.query_start_loc)
         out.index_copy_(0, rows, attn)
     if plan.prefill is not None:  # the chunks: written into their rows of `out` in place
         cpu_prefill.paged_prefill_cpu(q, k_cache, v_cache, meta.block_tables, plan.prefill, scale, out)
@@ -215,12 +219,12 @@ def _build_plan(
     native_decodes: bool,
     native_prefill: bool = False,
 ) -> _StepPlan:
-    if native_decodes and meta.is_decode_only:
-        return _StepPlan([], None, None, all_native_decodes=True)
     starts = meta.query_start_loc_host
-    # With the native decode kernel, a short chunk (a decode and its speculative drafts) is attended
-    # as one decode per row, each over the context up to its own position.
+    # With the native decode kernel, a short chunk (a decode and its speculative drafts) goes to it
+    # too: its rows share one read of the sequence's K/V, each over the context up to its position.
     as_decodes = _SHORT_CHUNK_ROWS if native_decodes else 1
+    if native_decodes and meta.max_query_len <= as_decodes:
+        return _StepPlan([], None, None, all_native_decodes=True)
     prefill = None
     if native_prefill:
         # One piece per chunk, whole: the kernel needs no element budget (it never pads).
@@ -230,10 +234,14 @@ def _build_plan(
             prefill = torch.tensor(spec, dtype=torch.int64)
     decodes: list[_Piece] = []
     chunks: list[_Piece] = []
+    native_seqs: list[int] = []
     for b in range(meta.num_seqs):
         q_len, seq_len = starts[b + 1] - starts[b], meta.seq_lens_host[b]
         if q_len <= as_decodes:
-            decodes.extend(_Piece(b, starts[b] + i, 1, seq_len - q_len + i + 1) for i in range(q_len))
+            if native_decodes:
+                native_seqs.append(b)
+            else:
+                decodes.append(_Piece(b, starts[b], 1, seq_len))
             continue
         if prefill is not None:
             continue  # the native prefill kernel's
@@ -244,12 +252,14 @@ def _build_plan(
             n = min(rows, q_len - first)
             chunks.append(_Piece(b, starts[b] + first, n, seq_len - q_len + first + n))
     native = None
-    if native_decodes and decodes:
-        seqs = torch.tensor([p.seq for p in decodes], device=meta.block_tables.device)
-        native = _NativeDecodes(torch.tensor([p.token_start for p in decodes], device=device),
-                                meta.block_tables.index_select(0, seqs),
-                                torch.tensor([p.context_len for p in decodes], dtype=torch.int32, device=device))
-        decodes = []
+    if native_seqs:
+        rows = [starts[b + 1] - starts[b] for b in native_seqs]
+        seqs = torch.tensor(native_seqs, device=meta.block_tables.device)
+        native = _NativeDecodes(
+            torch.tensor([t for b in native_seqs for t in range(starts[b], starts[b + 1])], device=device),
+            meta.block_tables.index_select(0, seqs),
+            torch.tensor([meta.seq_lens_host[b] for b in native_seqs], dtype=torch.int32, device=device),
+            None if max(rows) == 1 else torch.tensor([0, *itertools.accumulate(rows)], dtype=torch.int32))
     plan: list[_GroupPlan] = []
     for bucket in [*_bucket_by_length(decodes, block_size, num_kv_heads * head_dim), chunks]:
         for group in _split_by_budget(bucket, num_q_heads, num_kv_heads, head_dim):

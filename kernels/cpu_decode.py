@@ -6,8 +6,10 @@ again: at 64 decoding sequences that copy was ~11% of a step and the attention c
 attention is memory-bound (each K/V element feeds one multiply-add per query head of its group:
 3 for SmolLM2-135M), so what counts is reading each cached row once, in place.
 
-This kernel walks each sequence's block table. Pass 1 scores every query head of a KV head's
-group against each row of a block while the block sits in L1 (AVX2/FMA: 8 rows per q vector
+This kernel walks each sequence's block table. A sequence brings one query row (a decode) or a
+few (a verification chunk: a decode and its speculative drafts, each row attending up to its own
+position); all its rows share one read of its K/V. Pass 1 scores every query head of a KV head's
+group, in every query row, against each row of a block while the block sits in L1 (AVX2/FMA: 8 rows per q vector
 load, one transposing horizontal sum for 8 scores); then an exact softmax per query head (max,
 exp, sum; the scores of one sequence are a few KiB); pass 2 walks the V blocks the same way,
 3 query heads x 32 dims of accumulators in registers, so each V vector load feeds 3 FMAs
@@ -64,14 +66,16 @@ static inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Where one sequence's work lives: its query heads, output rows and cached rows.
+// Where one sequence's work lives: its query rows, output rows and cached rows. A plain decode
+// has one query row; a verification chunk (a decode and its speculative drafts) has R, the last
+// R tokens of the sequence, and row r attends to the first L - (R - 1 - r) cached rows.
 struct Job {
-  const float* q;       // [Hq, D] this sequence's query
-  float* out;           // [Hq, D]
+  const float* q;       // [R, Hq, D] this sequence's query rows
+  float* out;           // [R, Hq, D]
   const float* k;       // cache base, [NB, BS, Hkv, D]
   const float* v;
   const int32_t* table; // [M] block ids
-  int64_t L, BS, Hkv, G, D;
+  int64_t L, R, BS, Hkv, G, D;
   float scale;
 };
 
@@ -183,23 +187,36 @@ static inline void prefetch_block(const float* base, int64_t n, int64_t row, int
 #endif
 }
 
-// KV heads h0..h1 of one sequence. Pass 1 walks its blocks once and scores every (head, query
-// head of its group) against each cached row while the block is in L1; then an exact softmax per
-// query head (max, exp, sum over the whole row of scores: the scores of all heads of a sequence
-// are a few KiB); pass 2 walks the V blocks once the same way. K and V are each read once, in
-// place: no gather, no padding.
+// KV heads h0..h1 of one sequence. Pass 1 walks its blocks once and scores every query vector of
+// those heads (each query head of a head's group, in each query row) against each cached row while
+// the block is in L1; then an exact softmax per query vector (max, exp, sum over its own causal
+// length; the scores of a sequence are a few KiB); pass 2 walks the V blocks once the same way,
+// a vector's rows past its causal length weighted by exact zeros. K and V are each read once, in
+// place, for all the query rows: no gather, no padding. Each row's result is what a one-row call
+// with its own length computes, bit for bit.
 static void attend(const Job& j, int64_t h0, int64_t h1, std::vector<float>& scratch) {
-  const int64_t G = j.G, D = j.D, L = j.L, BS = j.BS;
-  const int64_t row = j.Hkv * D;  // floats between consecutive slots of one block
-  const int64_t heads = (h1 - h0) * G;
+  const int64_t G = j.G, D = j.D, L = j.L, BS = j.BS, R = j.R;
+  const int64_t row = j.Hkv * D;       // floats between consecutive slots of one block
+  const int64_t q_row = j.Hkv * G * D; // floats between consecutive query rows (Hq * D)
+  const int64_t vecs = (h1 - h0) * G * R;
+  // Query vector i = ((h - h0) * G + g) * R + r: head h, group member g, query row r.
+  auto q_of = [&](int64_t i) {
+    const int64_t r = i % R, hg = h0 * G + i / R;
+    return j.q + r * q_row + hg * D;
+  };
+  auto out_of = [&](int64_t i) {
+    const int64_t r = i % R, hg = h0 * G + i / R;
+    return j.out + r * q_row + hg * D;
+  };
+  auto len_of = [&](int64_t i) { return std::max<int64_t>(L - (R - 1 - i % R), 0); };
   if (L <= 0) {  // nothing to attend to (not a decode the engine makes): zeros, not a NaN
-    std::fill(j.out + h0 * G * D, j.out + h1 * G * D, 0.f);
+    for (int64_t i = 0; i < vecs; ++i) std::fill(out_of(i), out_of(i) + D, 0.f);
     return;
   }
-  scratch.resize(heads * (L + D));
-  float* scores = scratch.data();           // [heads, L]
-  float* acc = scratch.data() + heads * L;  // [heads, D]
-  std::fill(acc, acc + heads * D, 0.f);
+  scratch.resize(vecs * (L + D));
+  float* scores = scratch.data();          // [vecs, L]
+  float* acc = scratch.data() + vecs * L;  // [vecs, D]
+  std::fill(acc, acc + vecs * D, 0.f);
 #ifdef SLUICE_AVX2
   const bool vec = D % 8 == 0;
 #else
@@ -212,26 +229,34 @@ static void attend(const Job& j, int64_t h0, int64_t h1, std::vector<float>& scr
     if (start + BS < L)
       prefetch_block<_MM_HINT_T0>(j.k + static_cast<int64_t>(j.table[b + 1]) * BS * row,
                                   std::min(BS, L - start - BS), row, h0 * D, (h1 - h0) * D);
-    for (int64_t h = h0; h < h1; ++h)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qr = j.q + (h * G + g) * D;
-        float* s = scores + ((h - h0) * G + g) * L + start;
+    for (int64_t i = 0; i < vecs; ++i) {
+      const int64_t m = std::min(n, len_of(i) - start);  // this vector's rows of the block
+      if (m <= 0) continue;
+      const float* kh = kb + (h0 + i / (G * R)) * D;
+      float* s = scores + i * L + start;
 #ifdef SLUICE_AVX2
-        if (vec) { block_scores(qr, kb + h * D, n, row, D, j.scale, s); continue; }
+      if (vec) { block_scores(q_of(i), kh, m, row, D, j.scale, s); continue; }
 #endif
-        block_scores_plain(qr, kb + h * D, n, row, D, j.scale, s);
-      }
+      block_scores_plain(q_of(i), kh, m, row, D, j.scale, s);
+    }
   }
-  std::vector<float> inv(heads);
-  for (int64_t i = 0; i < heads; ++i) {
+  std::vector<float> inv(vecs);
+  for (int64_t i = 0; i < vecs; ++i) {
     float* s = scores + i * L;
+    const int64_t Li = len_of(i);
+    if (Li == 0) {
+      std::fill(s, s + L, 0.f);
+      inv[i] = 0.f;
+      continue;
+    }
     float mx = s[0];
-    for (int64_t t = 1; t < L; ++t) mx = std::max(mx, s[t]);
+    for (int64_t t = 1; t < Li; ++t) mx = std::max(mx, s[t]);
     #pragma omp simd
-    for (int64_t t = 0; t < L; ++t) s[t] = exp_nonpositive(s[t] - mx);
+    for (int64_t t = 0; t < Li; ++t) s[t] = exp_nonpositive(s[t] - mx);
     float sum = 0.f;
     #pragma omp simd reduction(+:sum)
-    for (int64_t t = 0; t < L; ++t) sum += s[t];
+    for (int64_t t = 0; t < Li; ++t) sum += s[t];
+    std::fill(s + Li, s + L, 0.f);  // the rows after this query row's own token
     inv[i] = 1.f / sum;
   }
   for (int64_t start = 0, b = 0; start < L; start += BS, ++b) {
@@ -242,21 +267,21 @@ static void attend(const Job& j, int64_t h0, int64_t h1, std::vector<float>& scr
                                   std::min(BS, L - start - BS), row, h0 * D, (h1 - h0) * D);
     for (int64_t h = h0; h < h1; ++h) {
       const float* vh = vb + h * D;
-      const int64_t first = (h - h0) * G;
+      const int64_t first = (h - h0) * G * R, count = G * R;  // this head's query vectors
       if (!vec) {
-        for (int64_t g = 0; g < G; ++g)
-          block_values_plain(scores + (first + g) * L + start, vh, n, row, D, acc + (first + g) * D);
+        for (int64_t i = first; i < first + count; ++i)
+          block_values_plain(scores + i * L + start, vh, n, row, D, acc + i * D);
         continue;
       }
 #ifdef SLUICE_AVX2
-      // The group's query heads three at a time: 3 heads x 4 vectors = 12 accumulators (of 16 registers).
-      for (int64_t g = 0; g < G; g += 3) {
-        const int64_t gt = std::min<int64_t>(3, G - g);
+      // Three query vectors at a time: 3 x 4 vectors = 12 accumulators (of 16 registers).
+      for (int64_t i = first; i < first + count; i += 3) {
+        const int64_t gt = std::min<int64_t>(3, first + count - i);
         const float* p[3];
         float* a[3];
-        for (int64_t i = 0; i < gt; ++i) {
-          p[i] = scores + (first + g + i) * L + start;
-          a[i] = acc + (first + g + i) * D;
+        for (int64_t k = 0; k < gt; ++k) {
+          p[k] = scores + (i + k) * L + start;
+          a[k] = acc + (i + k) * D;
         }
         if (gt == 3) block_values_d<3>(p, vh, n, row, D, a);
         else if (gt == 2) block_values_d<2>(p, vh, n, row, D, a);
@@ -265,35 +290,46 @@ static void attend(const Job& j, int64_t h0, int64_t h1, std::vector<float>& scr
 #endif
     }
   }
-  for (int64_t i = 0; i < heads; ++i) {
-    float* out = j.out + (h0 * G + i) * D;
+  for (int64_t i = 0; i < vecs; ++i) {
+    float* out = out_of(i);
     const float* a = acc + i * D;
     #pragma omp simd
     for (int64_t d = 0; d < D; ++d) out[d] = a[d] * inv[i];
   }
 }
 
-// q [B, Hq, D], caches [NB, BS, Hkv, D], block_tables [B, M] int32, seq_lens [B] int32 -> out [B, Hq, D]
+// q [T, Hq, D], caches [NB, BS, Hkv, D], block_tables [B, M] int32, seq_lens [B] int32 (context
+// including the query rows), query_start_loc [B + 1] int32 (sequence b's query rows are
+// q[qsl[b]:qsl[b + 1]]; empty: one row each, T == B) -> out [T, Hq, D]
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                           double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
               v_cache.dtype() == torch::kFloat32, "float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous");
-  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 tables");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32 &&
+              query_start_loc.dtype() == torch::kInt32, "int32 tables");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  auto starts = query_start_loc.contiguous();
+  const int64_t B = tables.size(0), T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "shapes");
+  TORCH_CHECK(lens.size(0) == B, "one length per sequence");
+  const bool one_row = starts.numel() == 0;
+  TORCH_CHECK(one_row ? T == B : starts.size(0) == B + 1, "query rows");
   const int64_t G = Hq / Hkv, M = tables.size(1);
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* sp = one_row ? nullptr : starts.data_ptr<int32_t>();
+  if (sp != nullptr) TORCH_CHECK(sp[0] == 0 && sp[B] == T, "query_start_loc must span q");
   auto job = [&](int64_t b) {
-    return Job{qp + b * Hq * D, op + b * Hq * D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-               tp + b * M, lp[b], BS, Hkv, G, D, static_cast<float>(scale)};
+    const int64_t first = one_row ? b : sp[b], rows = one_row ? 1 : sp[b + 1] - sp[b];
+    return Job{qp + first * Hq * D, op + first * Hq * D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+               tp + b * M, lp[b], rows, BS, Hkv, G, D, static_cast<float>(scale)};
   };
   // Whole sequences per task while there are enough of them (each block is then read as one
   // contiguous run of all its heads); (sequence, KV head) pairs when there are few, so two
@@ -324,8 +360,15 @@ KERNEL = NativeKernel("sluice_cpu_paged_decode", _SOURCE, __name__, switch="SLUI
                       entry_points=("paged_decode_cpu",))
 
 
+_ONE_ROW_EACH = torch.empty(0, dtype=torch.int32)
+
+
 def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [B, Hq, D] float32, one decode token per sequence -> [B, Hq, D]. Call only if `KERNEL.ready()`."""
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     query_start_loc: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] float32 -> [T, Hq, D]. Without `query_start_loc` one decode row per sequence
+    (T == B); with it ([B + 1] int32), sequence b's rows are q[qsl[b]:qsl[b + 1]], its last tokens,
+    each attending causally (a verification chunk). Call only if `KERNEL.ready()`."""
     assert KERNEL.module is not None
-    return KERNEL.module.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale)
+    starts = _ONE_ROW_EACH if query_start_loc is None else query_start_loc
+    return KERNEL.module.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, starts, scale)

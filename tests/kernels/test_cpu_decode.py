@@ -63,9 +63,9 @@ def test_cpu_decode_matches_reference(built: None, hq: int, hkv: int, head_dim: 
 
 
 def test_a_mixed_batch_sends_its_decodes_to_the_kernel(built: None) -> None:
-    """Prefill chunks and decodes in one batch: the decodes go to the kernel, and so do the rows of a
-    short chunk (a decode with its drafts), each over the context up to its own position; the long
-    chunk goes to the padded SDPA groups; together they equal the reference."""
+    """Prefill chunks and decodes in one batch: the decodes go to the kernel, and so does a short
+    chunk (a decode with its drafts), as one sequence of 5 query rows; the long chunk goes to the
+    padded SDPA groups; together they equal the reference."""
     seqs = [(1, 40), (17, 60), (1, 3), (1, 250), (5, 5), (1, 16)]
     batch = make_paged_batch(seqs, block_size=16, num_q_heads=9, num_kv_heads=3, head_dim=64)
     scale = 0.125
@@ -74,8 +74,51 @@ def test_a_mixed_batch_sends_its_decodes_to_the_kernel(built: None) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     (plan,) = batch.meta.plan_cache.values()
     assert plan.native is not None and plan.native.token_index.tolist() == [0, 18, 19, 20, 21, 22, 23, 24, 25]
-    assert plan.native.seq_lens.tolist() == [40, 3, 250, 1, 2, 3, 4, 5, 16]
+    assert plan.native.seq_lens.tolist() == [40, 3, 250, 5, 16]
+    assert plan.native.query_start_loc is not None
+    assert plan.native.query_start_loc.tolist() == [0, 1, 2, 3, 8, 9]
     assert all(group.rows_per_piece > 1 for group in plan.groups)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (8, 2, 80, 16), (6, 3, 20, 4), (4, 2, 36, 1)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_verification_chunks_read_the_context_once_and_equal_one_row_calls(
+        built: None, hq: int, hkv: int, head_dim: int, block_size: int, threads: int) -> None:
+    """Sequences of 1-8 query rows (a decode and its drafts) in one call: each row equals, bit for
+    bit, a one-row call over the context up to its own position, and matches the reference; a
+    batch made only of such sequences goes through the kernel whole (no padded groups)."""
+    seqs = [(1, 40), (5, 300), (8, 8), (2, block_size + 1), (4, 37), (1, 1), (3, 700), (6, 64)]
+    batch = make_paged_batch(seqs, block_size=block_size, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                             seed=hq + head_dim)
+    q, k, v, meta, scale = batch.q, batch.k_cache, batch.v_cache, batch.meta, head_dim ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_decode.paged_decode_cpu(q, k, v, meta.block_tables, meta.seq_lens, scale, meta.query_start_loc)
+        starts = meta.query_start_loc_host
+        for b, (rows, seq_len) in enumerate(seqs):
+            for r in range(rows):
+                t = starts[b] + r
+                one = cpu_decode.paged_decode_cpu(q[t:t + 1], k, v, meta.block_tables[b:b + 1],
+                                                  torch.tensor([seq_len - rows + 1 + r], dtype=torch.int32), scale)
+                assert torch.equal(out[t:t + 1], one), (b, r)
+        torch.testing.assert_close(out, paged_attention_ref(q, k, v, meta, scale), rtol=1e-5, atol=1e-5)
+        assert torch.equal(paged_attention_torch(q, k, v, meta, scale), out)
+        (plan,) = meta.plan_cache.values()
+        assert plan.all_native_decodes and not plan.groups
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_query_rows_that_do_not_fit_the_call_are_refused(built: None) -> None:
+    batch = make_paged_batch([(2, 10), (1, 5)], block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=16)
+    with pytest.raises(RuntimeError, match="query_start_loc must span q"):
+        cpu_decode.paged_decode_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables,
+                                    batch.meta.seq_lens, 0.25, torch.tensor([0, 1, 2], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="query rows"):
+        cpu_decode.paged_decode_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables,
+                                    batch.meta.seq_lens, 0.25)
 
 
 def test_the_switch_turns_the_kernel_off(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
