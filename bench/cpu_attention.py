@@ -1,7 +1,7 @@
 """Operator-level A/B of the CPU decode attention: the native kernel against the torch path.
 
     python bench/cpu_attention.py [--threads 1] [--batches 1,4,16,32,64,128] [--rounds 7]
-        [--contexts drawn,128,512,1024] [--baseline path/to/another/sluice_cpu_paged_decode.so]
+        [--contexts drawn,128,512,1024] [--rows 5] [--baseline path/to/another/sluice_cpu_paged_decode.so]
 
 Real-model shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, block size 16),
 context lengths drawn like the engine bench's (a prompt of lognormal(80) tokens plus part of a
@@ -12,7 +12,8 @@ the per-step figure (x 30 layers), the kernel's K/V read rate (GB/s: the bytes o
 it attends to, over its median time) and the median of the per-round ratios (torch / kernel).
 `--contexts` adds fixed context lengths (every sequence that long) to the drawn ones; `--baseline`
 times another build of the kernel (e.g. main's, copied out of the kernel cache) as a third side
-and adds its GB/s and the median per-round ratio baseline / kernel.
+and adds its GB/s and the median per-round ratio baseline / kernel. `--rows R` gives every
+sequence R query rows (a decode and R - 1 speculative drafts: a verification chunk) instead of one.
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ def _torch_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: Atte
 
 def _native(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: AttentionMetadata,
             scale: float) -> torch.Tensor:
-    return kernel.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, scale)
+    starts = torch.empty(0, dtype=torch.int32) if meta.is_decode_only else meta.query_start_loc
+    try:
+        return kernel.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, starts, scale)
+    except TypeError:  # a baseline built before the kernel took query_start_loc: one row each
+        return kernel.paged_decode(q, k, v, meta.block_tables, meta.seq_lens, scale)
 
 
 def _load_baseline(path: str) -> Any:
@@ -82,6 +87,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=8, help="calls per side per round")
     parser.add_argument("--contexts", default="drawn",
                         help="'drawn' (lengths like the engine bench's) and/or fixed lengths, comma-separated")
+    parser.add_argument("--rows", type=int, default=1, help="query rows per sequence (1: plain decodes)")
     parser.add_argument("--baseline", help="a built .so of another version of the kernel, timed as a third side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -99,10 +105,11 @@ def main() -> int:
         drawn = _context_lengths(batch, rng) if context == "drawn" else [int(context)] * batch
         lengths = [n + args.extra_context for n in drawn]
         gen = torch.Generator().manual_seed(batch)
-        meta, _, num_blocks = make_metadata([(1, n) for n in lengths], BLOCK_SIZE, generator=gen, extra_blocks=64)
+        meta, _, num_blocks = make_metadata([(args.rows, max(n, args.rows)) for n in lengths], BLOCK_SIZE,
+                                            generator=gen, extra_blocks=64)
         layers = [(torch.randn(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM, generator=gen),
                    torch.randn(num_blocks, BLOCK_SIZE, HKV, HEAD_DIM, generator=gen)) for _ in range(args.layers)]
-        q = torch.randn(batch, HQ, HEAD_DIM, generator=gen)
+        q = torch.randn(batch * args.rows, HQ, HEAD_DIM, generator=gen)
         calls = [(q, *layers[i % args.layers]) for i in range(args.calls)]
 
         torch_path = functools.partial(_torch_path, meta=meta, scale=scale)
