@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -48,8 +49,21 @@ class Continued(Sequence[int]):
     def __len__(self) -> int:
         return len(self._base) + len(self._extra)
 
-    def __getitem__(self, index):  # type: ignore[override]  # int or slice, as for a list
-        return [*self._base, *self._extra][index]
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return [*self][index]
+        size = len(self)
+        position = index + size if index < 0 else index
+        if not 0 <= position < size:
+            raise IndexError("Continued index out of range")
+        split = len(self._base)
+        return self._base[position] if position < split else self._extra[position - split]
 
     def __iter__(self) -> Iterator[int]:
         yield from self._base

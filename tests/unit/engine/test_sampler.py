@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sluice.protocol import SamplingParams
-from sluice.workers.sampler import SampleRow, apply_penalties, sample, uniform
+from sluice.workers.sampler import Continued, SampleRow, apply_penalties, sample, uniform
 
 pytestmark = pytest.mark.unit
 
@@ -149,3 +149,18 @@ def test_invalid_params_raise_value_error(bad: dict) -> None:
 def test_mismatched_rows_raise() -> None:
     with pytest.raises(ValueError, match="logit rows"):
         sample(_logits(2), [_row(SamplingParams(temperature=0.0))])
+
+
+def test_continued_reads_like_the_list_it_stands_for() -> None:
+    """A draft row's output so far: the request's output then the drafts before the row, read
+    without copying the output (indexing, negative indices, slices, iteration, length)."""
+    base, extra = [5, 6, 7], (8, 9)
+    joined = Continued(base, extra)
+    whole = [*base, *extra]
+    assert len(joined) == 5 and list(joined) == whole
+    assert [joined[i] for i in range(-5, 5)] == [whole[i] for i in range(-5, 5)]
+    assert joined[1:4] == whole[1:4] and joined[::-2] == whole[::-2]
+    for bad in (5, -6):
+        with pytest.raises(IndexError):
+            joined[bad]
+    assert list(Continued([], ())) == [] and Continued([], (3,))[0] == 3
