@@ -253,13 +253,13 @@ def _build_plan(
             chunks.append(_Piece(b, starts[b] + first, n, seq_len - q_len + first + n))
     native = None
     if native_seqs:
-        rows = [starts[b + 1] - starts[b] for b in native_seqs]
+        num_rows = [starts[b + 1] - starts[b] for b in native_seqs]
         seqs = torch.tensor(native_seqs, device=meta.block_tables.device)
         native = _NativeDecodes(
             torch.tensor([t for b in native_seqs for t in range(starts[b], starts[b + 1])], device=device),
             meta.block_tables.index_select(0, seqs),
             torch.tensor([meta.seq_lens_host[b] for b in native_seqs], dtype=torch.int32, device=device),
-            None if max(rows) == 1 else torch.tensor([0, *itertools.accumulate(rows)], dtype=torch.int32))
+            None if max(num_rows) == 1 else torch.tensor([0, *itertools.accumulate(num_rows)], dtype=torch.int32))
     plan: list[_GroupPlan] = []
     for bucket in [*_bucket_by_length(decodes, block_size, num_kv_heads * head_dim), chunks]:
         for group in _split_by_budget(bucket, num_q_heads, num_kv_heads, head_dim):
