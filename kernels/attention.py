@@ -237,6 +237,8 @@ def _build_plan(
     native_seqs: list[int] = []
     for b in range(meta.num_seqs):
         q_len, seq_len = starts[b + 1] - starts[b], meta.seq_lens_host[b]
+        if q_len == 0:
+            continue  # no query rows this step: nothing to attend
         if q_len <= as_decodes:
             if native_decodes:
                 native_seqs.append(b)

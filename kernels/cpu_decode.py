@@ -9,10 +9,11 @@ attention is memory-bound (each K/V element feeds one multiply-add per query hea
 This kernel walks each sequence's block table. A sequence brings one query row (a decode) or a
 few (a verification chunk: a decode and its speculative drafts, each row attending up to its own
 position); all its rows share one read of its K/V. Pass 1 scores every query head of a KV head's
-group, in every query row, against each row of a block while the block sits in L1 (AVX2/FMA: 8 rows per q vector
-load, one transposing horizontal sum for 8 scores); then an exact softmax per query head (max,
-exp, sum; the scores of one sequence are a few KiB); pass 2 walks the V blocks the same way,
-3 query heads x 32 dims of accumulators in registers, so each V vector load feeds 3 FMAs
+group, in every query row, against each row of a block while the block sits in L1 (AVX2/FMA: 8
+rows per q vector load, one transposing horizontal sum for 8 scores); then an exact softmax per
+query vector over its own causal length (max, exp, sum; the scores of one sequence are a few
+KiB); pass 2 walks the V blocks the same way, 3 query vectors x 32 dims of accumulators in
+registers, so each V vector load feeds 3 FMAs
 (its V blocks were requested into L2 during pass 1; the next block of each pass into L1). Work
 is split over sequences (all their heads: each block is one contiguous read) or, with few
 sequences, over (sequence, KV head) pairs, on ATen's thread pool. Without AVX2, or with a

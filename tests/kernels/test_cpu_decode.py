@@ -78,6 +78,14 @@ def test_a_mixed_batch_sends_its_decodes_to_the_kernel(built: None) -> None:
     assert plan.native.query_start_loc is not None
     assert plan.native.query_start_loc.tolist() == [0, 1, 2, 3, 8, 9]
     assert all(group.rows_per_piece > 1 for group in plan.groups)
+    # A sequence with no query rows in the step has nothing to attend and no kernel entry.
+    batch = make_paged_batch([(1, 40), (0, 7), (3, 9), (17, 30)], block_size=16, num_q_heads=9, num_kv_heads=3,
+                             head_dim=64)
+    out = paged_attention_torch(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    torch.testing.assert_close(out, paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale),
+                               rtol=1e-5, atol=1e-5)
+    (plan,) = batch.meta.plan_cache.values()
+    assert plan.native is not None and plan.native.seq_lens.tolist() == [40, 9]
 
 
 @pytest.mark.parametrize(("hq", "hkv", "head_dim", "block_size"),
