@@ -210,6 +210,7 @@ class Scheduler:
         the token the model picks, so what was sampled after it is valid). Stops at a stop token or
         the length limit; returns the finish status, if any."""
         kept = 0
+        position = request.num_tokens
         status: RequestStatus | None = None
         for token_id in sampled:
             request.append_output(token_id, now)
@@ -217,10 +218,10 @@ class Scheduler:
             if status is not None or kept == len(drafts) or drafts[kept] != token_id:
                 break
             kept += 1
-        if drafts and self._lookup is not None and request.ngram_index is not None:
-            self._lookup.record(request.ngram_index, len(drafts), kept)
-            self.stats.num_draft_tokens += len(drafts)
-            self.stats.num_accepted_draft_tokens += kept
+        if self._lookup is not None and request.ngram_index is not None:
+            self._lookup.record(request.ngram_index, position, sampled, len(drafts), kept)
+        self.stats.num_draft_tokens += len(drafts)
+        self.stats.num_accepted_draft_tokens += kept
         return status
 
     def _drafts(self, request: Request, budget: int) -> tuple[int, ...]:
