@@ -57,15 +57,14 @@ class Outcome(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Proposal:
-    """A guess made for one step: `tokens` from a match of `match` tokens, the first `drafted` of
-    them sent as drafts, the one after them kept back to learn from (it is checked for free when
-    every draft is kept)."""
+    """A guess made for one step: `tokens` from a match of `match` tokens. The scheduler sends a
+    prefix of them as drafts (`PromptLookup.record` is told how many); the one after that prefix
+    is kept back to learn from (it is checked for free when every draft is kept)."""
 
     position: int  # the request's token count when it was made
     match: int
     outcome: Outcome
     tokens: tuple[int, ...]
-    drafted: int
 
 
 class NgramIndex:
@@ -151,7 +150,7 @@ class PromptLookup:
         drafted = 0
         while drafted < len(guess) and self.model.chance(index.outcome, match, drafted) >= self.min_keep_chance:
             drafted += 1
-        index.pending = Proposal(len(tokens), match, index.outcome, guess, drafted)
+        index.pending = Proposal(len(tokens), match, index.outcome, guess)
         return guess[:drafted]
 
     def record(self, index: NgramIndex, position: int, sampled: Sequence[int], drafted: int, kept: int) -> None:
