@@ -168,6 +168,8 @@ def main() -> int:
     parser.add_argument("--py-spy", default="", help="py-spy's path; default: the built-in sampler")
     parser.add_argument("--streams", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--ramp-s", type=float, default=0.0,
+                        help="stagger the streams' first requests over this many seconds (0: all at once)")
     parser.add_argument("--rate", type=int, default=200, help="samples per second")
     parser.add_argument("--out", default="gateway-profile.txt", help="collapsed stacks")
     parser.add_argument("--config-dir", default="config")
@@ -206,7 +208,7 @@ def main() -> int:
                                             "--output", str(out), "--nonblocking"],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 cpu_before = _cpu_split(stack.process.pid)
-                results, wall = run_loop(closed_loop(target, args.streams, duration_s=args.seconds))
+                results, wall = run_loop(closed_loop(target, args.streams, duration_s=args.seconds, ramp_s=args.ramp_s))
                 cpu_after = _cpu_split(stack.process.pid)
                 if spy is not None:
                     spy.wait(timeout=60)

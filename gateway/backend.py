@@ -98,6 +98,7 @@ class QueuedSubmission:
             return
         if delta.finish_reason is not None:
             self._finished = True
+            self._listener = None  # it holds its reader, which holds this: no cycle outlives the request
         listener(delta)
 
     def listen(self, listener: Callable[[RequestDelta], None]) -> None:
@@ -109,7 +110,8 @@ class QueuedSubmission:
             if delta.finish_reason is not None:
                 self._finished = True
             listener(delta)
-        self._listener = listener
+        if not self._finished:
+            self._listener = listener
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         while not self._finished:

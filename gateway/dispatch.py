@@ -57,7 +57,7 @@ from redis.exceptions import RedisError
 from sluice import telemetry
 from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
 from sluice.gateway.jobs import DeltaSink as DeltaSink  # re-exported: kafka_backend imports it from here
-from sluice.gateway.jobs import Job
+from sluice.gateway.jobs import Job, ended_sink
 from sluice.gateway.links import EngineLink, WorkerLink
 from sluice.gateway.shared import SharedState
 from sluice.gateway.slots import LocalSlots, RedisSlots, WorkerSlots
@@ -255,6 +255,7 @@ class Dispatcher:
         try:
             job.sink(delta)
         finally:
+            job.sink = ended_sink  # its sink's owner may hold the job: no cycle outlives the request
             self._on_finished(job, delta)
         self._wake.set()
 

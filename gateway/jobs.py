@@ -20,6 +20,11 @@ from sluice.protocol import GenerateRequest, RequestDelta
 DeltaSink = Callable[[RequestDelta], None]
 
 
+def ended_sink(delta: RequestDelta) -> None:
+    """A finished job's sink: nothing reaches it (its first sink is dropped, so no cycle through
+    the client's submission outlives the request)."""
+
+
 @dataclass(slots=True, eq=False)
 class Job:
     """One request the gateway is responsible for until its final delta."""

@@ -242,7 +242,10 @@ class StreamedResponse:
                     self._ended.exception()  # (marked as retrieved: `exc` is raised instead)
                 raise
             self._ended.set_exception(exc)
-        await self._ended  # the relay runs in `take` meanwhile, within the connection's callbacks
+        try:
+            await self._ended  # the relay runs in `take` meanwhile, within the connection's callbacks
+        finally:
+            self._take = None  # `take` holds this answer: no cycle is left for the collector
         if not stopped and pending.startswith(b"data:"):
             on_event(pending[5:].strip())
 
@@ -254,7 +257,10 @@ class StreamedResponse:
                 body.extend(piece)
 
         self._consume(take)
-        await self._ended
+        try:
+            await self._ended
+        finally:
+            self._take = None
         return bytes(body[:MAX_ERROR_BODY])
 
 

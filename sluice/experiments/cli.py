@@ -78,6 +78,9 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     side.add_argument("--fake-ttft-ms", type=float, default=50.0)
     side.add_argument("--fake-itl-ms", type=float, default=20.0)
     side.add_argument("--fake-tokens", type=int, default=32)
+    side.add_argument("--ramp-s", type=float,
+                      help="start each level's streams evenly over this many seconds (default: one request's "
+                           "length at the fake's timing; 0: all at once). Levels above 1 also run all at once")
     side.add_argument("--nice", type=int, default=0,
                       help="niceness of every bench process alike (negative on a busy shared machine, as root)")
     _common(overhead, "gateway-overhead")

@@ -46,16 +46,29 @@ GOALS = {"sluice_delta_ttft_p50_s_at_1_max": 0.003, "sluice_delta_ttft_p99_s_at_
 @dataclass(frozen=True, slots=True)
 class BenchPlan:
     levels: tuple[int, ...]
-    per_level: int | None  # None: max(3 x concurrency, 20)
+    per_level: int | None  # None: max(5 x concurrency, 20); all at once, max(3 x concurrency, 20)
     saturation_streams: int
     saturation_s: float
     ttft_ms: float
     itl_ms: float
     tokens: int
     nice: int = 0
+    ramp_s: float | None = None  # None: one request's length at the fake's timing
 
     def requests_at(self, concurrency: int) -> int:
+        return self.per_level or max(5 * concurrency, 20)
+
+    def burst_requests_at(self, concurrency: int) -> int:
         return self.per_level or max(3 * concurrency, 20)
+
+    @property
+    def stagger_s(self) -> float:
+        """Over how long each level's streams start (`closed_loop`'s `ramp_s`). By default one
+        request's length: arrivals are then spread as in a steady state of that many concurrent
+        streams. With 0 they all start in the same instant (measured besides as `burst`)."""
+        if self.ramp_s is not None:
+            return self.ramp_s
+        return (self.ttft_ms + (self.tokens - 1) * self.itl_ms) / 1000
 
 
 def request_body(tokens: int) -> bytes:
@@ -122,14 +135,24 @@ def measure_target(url: str, headers: tuple[tuple[str, str], ...], plan: BenchPl
     out: dict[str, Any] = {"levels": {}}
     for concurrency in plan.levels:
         meter.start()
-        results, wall = run_loop(closed_loop(target, concurrency, requests=plan.requests_at(concurrency)))
-        out["levels"][str(concurrency)] = {**level_stats(results, wall), **meter.per_request(len(results))}
+        ramp = plan.stagger_s if concurrency > 1 else 0.0
+        results, wall = run_loop(closed_loop(target, concurrency, requests=plan.requests_at(concurrency),
+                                             ramp_s=ramp))
+        row = out["levels"][str(concurrency)] = {**level_stats(results, wall), **meter.per_request(len(results))}
         if progress:
-            lvl = out["levels"][str(concurrency)]
-            print(f"  c={concurrency}: ttft p50 {_ms(lvl['ttft_p50_s'])} p99 {_ms(lvl['ttft_p99_s'])}, "
-                  f"{lvl['errors']} errors", flush=True)
+            print(f"  c={concurrency}: ttft p50 {_ms(row['ttft_p50_s'])} p99 {_ms(row['ttft_p99_s'])}, "
+                  f"{row['errors']} errors", flush=True)
+        if concurrency > 1 and plan.stagger_s > 0:
+            # The same level with every stream starting in the same instant: a burst to absorb.
+            meter.start()
+            results, wall = run_loop(closed_loop(target, concurrency, requests=plan.burst_requests_at(concurrency)))
+            burst = row["burst"] = {**level_stats(results, wall), **meter.per_request(len(results))}
+            if progress:
+                print(f"  c={concurrency}, all at once: ttft p50 {_ms(burst['ttft_p50_s'])} "
+                      f"p99 {_ms(burst['ttft_p99_s'])}, {burst['errors']} errors", flush=True)
     meter.start()
-    results, wall = run_loop(closed_loop(target, plan.saturation_streams, duration_s=plan.saturation_s))
+    results, wall = run_loop(closed_loop(target, plan.saturation_streams, duration_s=plan.saturation_s,
+                                         ramp_s=plan.stagger_s))
     window_start = min((r.sent for r in results), default=0.0) + 0.2 * wall
     counted = [r for r in results if r.ok and r.end >= window_start]
     span = max(r.end for r in results) - window_start if counted else 0.0
@@ -152,11 +175,19 @@ def add_deltas(summary: dict[str, Any]) -> None:
             continue
         for level, row in column["levels"].items():
             base = direct["levels"][level]
-            for key, base_key in (("delta_ttft_p50_s", "ttft_p50_s"), ("delta_ttft_p99_s", "ttft_p99_s"),
-                                  ("itl_added_s", "itl_mean_s"), ("delta_itl_p99_s", "itl_p99_s")):
-                row[key] = _minus(row[base_key], base[base_key])
+            _deltas(row, base)
+            if "burst" in row and "burst" in base:
+                _deltas(row["burst"], base["burst"])
     for row in direct["levels"].values():
-        row.update(delta_ttft_p50_s=0.0, delta_ttft_p99_s=0.0, itl_added_s=0.0, delta_itl_p99_s=0.0)
+        for each in (row, row.get("burst")):
+            if each is not None:
+                each.update(delta_ttft_p50_s=0.0, delta_ttft_p99_s=0.0, itl_added_s=0.0, delta_itl_p99_s=0.0)
+
+
+def _deltas(row: dict[str, Any], base: dict[str, Any]) -> None:
+    for key, base_key in (("delta_ttft_p50_s", "ttft_p50_s"), ("delta_ttft_p99_s", "ttft_p99_s"),
+                          ("itl_added_s", "itl_mean_s"), ("delta_itl_p99_s", "itl_p99_s")):
+        row[key] = _minus(row[base_key], base[base_key])
 
 
 def _minus(a: float | None, b: float | None) -> float | None:
@@ -173,6 +204,8 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
         out["delta_ttft_p50_at_1_met"] = at1["delta_ttft_p50_s"] <= GOALS["sluice_delta_ttft_p50_s_at_1_max"]
     if at200 and at200["delta_ttft_p99_s"] is not None:
         out["delta_ttft_p99_at_200_met"] = at200["delta_ttft_p99_s"] <= GOALS["sluice_delta_ttft_p99_s_at_200_max"]
+        if at200.get("burst", {}).get("delta_ttft_p99_s") is not None:
+            out["burst_delta_ttft_p99_at_200_s"] = at200["burst"]["delta_ttft_p99_s"]  # reported, no goal
     if litellm and sluice["saturated_rps"] and litellm["saturated_rps"]:
         out["rps_ratio_sluice_over_litellm"] = sluice["saturated_rps"] / litellm["saturated_rps"]
         out["rps_ratio_met"] = out["rps_ratio_sluice_over_litellm"] >= GOALS["sluice_over_litellm_saturated_rps_min"]
@@ -201,7 +234,13 @@ def run_side_by_side(plan: BenchPlan, vs: tuple[str, ...], config_dir: str, mode
                       "load_average_at_start": list(os.getloadavg()), "note": placement.describe(),
                       "nice": plan.nice},
         "plan": {"levels": list(plan.levels), "requests_per_level": {str(c): plan.requests_at(c) for c in plan.levels},
+                 "requests_per_level_all_at_once": {str(c): plan.burst_requests_at(c) for c in plan.levels if c > 1},
                  "saturation_streams": plan.saturation_streams, "saturation_s": plan.saturation_s,
+                 "ramp_s": plan.stagger_s,
+                 "arrivals": "each level's streams start evenly over ramp_s (one request's length by default), "
+                             "then each sends its next request when its last one ends (5 requests per stream: the "
+                             "first ones arrive while the others start). Levels above 1 are also run with "
+                             "every stream starting in the same instant ('burst', 3 requests per stream)",
                  "endpoint": "/v1/chat/completions (streamed)", "client": "sluice.loadgen.lean_client"},
         "goals": GOALS, "skipped": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -257,16 +296,20 @@ def format_table(summary: dict[str, Any]) -> str:
     for name in names:
         column = summary[name]
         for level, row in column["levels"].items():
-            lines.append(f"{name:<8} {level:>7} {_ms(row['ttft_p50_s']):>9} {_ms(row['ttft_p99_s']):>8} "
-                         f"{_ms(row['delta_ttft_p50_s']):>10} {_ms(row['delta_ttft_p99_s']):>8} "
-                         f"{_ms(row['itl_added_s']):>7} {row['rps'] or 0:>7.1f} "
-                         f"{_ms(row['cpu_per_request_s']):>8} {row['errors']:>4}")
+            for label, each in ((level, row), (f"{level} b", row.get("burst"))):
+                if each is None:
+                    continue
+                lines.append(f"{name:<8} {label:>7} {_ms(each['ttft_p50_s']):>9} {_ms(each['ttft_p99_s']):>8} "
+                             f"{_ms(each['delta_ttft_p50_s']):>10} {_ms(each['delta_ttft_p99_s']):>8} "
+                             f"{_ms(each['itl_added_s']):>7} {each['rps'] or 0:>7.1f} "
+                             f"{_ms(each['cpu_per_request_s']):>8} {each['errors']:>4}")
         sat = column["saturation"]
         lines.append(f"{name:<8} {'sat ' + str(sat['streams']):>7} {_ms(sat['ttft_p50_s']):>9} "
                      f"{_ms(sat['ttft_p99_s']):>8} {'':>10} {'':>8} {'':>7} {column['saturated_rps'] or 0:>7.1f} "
                      f"{_ms(column['cpu_per_request_s']):>8} {sat['errors']:>4}")
     for name, reason in summary["skipped"].items():
         lines.append(f"{name}: skipped ({reason})")
+    lines.append(f"streams start over {summary['plan']['ramp_s'] * 1000:.0f} ms; 'N b': all N at once")
     lines.append(f"placement: {summary['placement']['note']}")
     return "\n".join(lines)
 
@@ -276,11 +319,11 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         return BenchPlan(levels=tuple(args.concurrency or (1, 4)), per_level=args.requests_per_level or 6,
                          saturation_streams=args.saturation_streams or 8, saturation_s=args.saturation_s or 1.5,
                          ttft_ms=args.fake_ttft_ms, itl_ms=args.fake_itl_ms, tokens=min(args.fake_tokens, 8),
-                         nice=args.nice)
+                         nice=args.nice, ramp_s=args.ramp_s)
     return BenchPlan(levels=tuple(args.concurrency or (1, 50, 200)), per_level=args.requests_per_level,
                      saturation_streams=args.saturation_streams or 512, saturation_s=args.saturation_s or 12.0,
                      ttft_ms=args.fake_ttft_ms, itl_ms=args.fake_itl_ms, tokens=args.fake_tokens,
-                     nice=args.nice)
+                     nice=args.nice, ramp_s=args.ramp_s)
 
 
 def run_upstream_overhead_command(args: argparse.Namespace) -> int:
@@ -296,6 +339,8 @@ def run_upstream_overhead_command(args: argparse.Namespace) -> int:
     if args.requests_per_level is not None and args.requests_per_level < 1:
         raise CLIError("--requests-per-level must be positive")
     plan = plan_from_args(args)
+    if plan.ramp_s is not None and not 0 <= plan.ramp_s <= 60:
+        raise CLIError(f"--ramp-s must be between 0 and 60 seconds, got {plan.ramp_s:g}")
     if plan.saturation_streams < 1 or plan.saturation_s <= 0:
         raise CLIError("--saturation-streams and --saturation-s must be positive")
     targets = ("sluice", *vs) if not args.no_sluice else vs

@@ -163,9 +163,13 @@ class _Connection:
 
 
 async def closed_loop(target: Target, concurrency: int, *, requests: int | None = None,
-                      duration_s: float | None = None,
+                      duration_s: float | None = None, ramp_s: float = 0.0,
                       on_start: Callable[[], Awaitable[None]] | None = None) -> tuple[list[StreamResult], float]:
     """`concurrency` streams, each sending its next request when the last one ends.
+
+    `ramp_s` staggers the streams' first requests evenly over that many seconds (stream i starts
+    at i * ramp_s / concurrency): with 0 they all start at the same instant, a burst, and with
+    requests of equal length they stay in waves.
 
     Stops after `requests` in all, or (with `duration_s`) at the deadline, dropping what is in flight.
     Connections are opened before the clock starts, so connection set-up is not a request's TTFT.
@@ -182,7 +186,9 @@ async def closed_loop(target: Target, concurrency: int, *, requests: int | None 
     start = time.perf_counter()
     stop_at = start + duration_s if duration_s is not None else None
 
-    async def one_stream(conn: _Connection) -> None:
+    async def one_stream(conn: _Connection, delay_s: float) -> None:
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
         while True:
             if stop_at is None:
                 if remaining[0] <= 0:
@@ -200,7 +206,7 @@ async def closed_loop(target: Target, concurrency: int, *, requests: int | None 
                 conn.close()
                 await asyncio.sleep(0.05)  # a refusing server is not hammered in a tight loop
 
-    tasks = [asyncio.ensure_future(one_stream(c)) for c in connections]
+    tasks = [asyncio.ensure_future(one_stream(c, i * ramp_s / concurrency)) for i, c in enumerate(connections)]
     try:
         # Timed runs end at the deadline: requests still in flight are dropped (their connections
         # closed), so a target that queues hundreds of requests does not stretch the run.

@@ -17,6 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sluice.experiments.upstream_overhead import request_body
+from sluice.loadgen.lean_client import Target, closed_loop, run_loop
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[3]
@@ -69,6 +72,19 @@ def test_fake_refuses_bad_input(fake_url: str) -> None:
     assert httpx.get(f"{fake_url}/v1/nothing", timeout=10).status_code == 404
 
 
+def test_closed_loop_ramp_staggers_the_streams(fake_url: str) -> None:
+    port = int(fake_url.rsplit(":", 1)[1])
+    target = Target("127.0.0.1", port, "/v1/chat/completions", request_body(4))
+    results, _ = run_loop(closed_loop(target, 4, duration_s=0.6, ramp_s=0.4))
+    assert results and all(r.ok for r in results)
+    start = min(r.sent for r in results)
+    # Stream i starts i * 0.1 s after the first: at no send were more streams busy than had started.
+    for result in results:
+        busy = sum(1 for r in results if r.sent <= result.sent < r.end)
+        assert busy <= 1 + int((result.sent - start + 0.005) / 0.1), (busy, result.sent - start)
+    assert max(r.sent for r in results) - start >= 0.3  # and the last one did start
+
+
 def _bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path / "overhead.json"
     env = {**os.environ, "SLUICE_BENCH_LITELLM_VENV": str(tmp_path / "no-litellm")}
@@ -98,6 +114,12 @@ def test_bench_direct_and_sluice(tmp_path: Path) -> None:
     for name in ("direct", "sluice"):
         _check_column(summary[name], ("1", "3"))
     assert summary["direct"]["levels"]["1"]["delta_ttft_p50_s"] == 0.0
+    # Streams start spread over one request's length; above 1 stream the level also runs all at once.
+    assert summary["plan"]["ramp_s"] > 0
+    for name in ("direct", "sluice"):
+        assert "burst" not in summary[name]["levels"]["1"]
+        burst = summary[name]["levels"]["3"]["burst"]
+        assert all(key in burst for key in LEVEL_KEYS) and burst["errors"] == 0
     assert "litellm" not in summary and "no LiteLLM virtualenv" in summary["skipped"]["litellm"]
     assert summary["placement"]["gateway_cpus"] and summary["placement"]["client_cpus"]
     assert "delta_ttft_p50_at_1_met" in summary["verdict"]
