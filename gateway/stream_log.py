@@ -105,7 +105,10 @@ class StreamLog(Protocol):
 class _Entry:
     tenant: str
     key: str | None
-    frames: list[bytes] = field(default_factory=list)
+    # A list while events are appended; a tuple once ended: a tuple of bytes drops out of the
+    # cycle collector's sight, so the responses kept for resumption (thousands, each with its
+    # events) are not walked by every full collection.
+    frames: list[bytes] | tuple[bytes, ...] = field(default_factory=list)
     first: int = 0  # seq of frames[0]: the front is trimmed beyond max_events
     ended: bool = False
     expires: float = float("inf")  # monotonic; set at the end
@@ -121,7 +124,8 @@ class _Entry:
         start = after + 1
         if start < self.first:
             raise LogTrimmed
-        return Page(start, self.frames[start - self.first :], self.ended)
+        frames = self.frames[start - self.first :]
+        return Page(start, frames if isinstance(frames, list) else list(frames), self.ended)
 
     def wake(self) -> None:
         if not self.waiters:
@@ -223,10 +227,12 @@ class LocalStreamLog:
         entry = self._entries.get(response_id)
         if entry is None or entry.ended:
             return
-        entry.frames.append(frame)
-        if len(entry.frames) > self.max_events:
-            trim = len(entry.frames) - self.max_events
-            del entry.frames[:trim]
+        frames = entry.frames
+        assert isinstance(frames, list)  # a tuple only once ended
+        frames.append(frame)
+        if len(frames) > self.max_events:
+            trim = len(frames) - self.max_events
+            del frames[:trim]
             entry.first += trim
         entry.wake()
 
@@ -235,6 +241,7 @@ class LocalStreamLog:
         if entry is None or entry.ended:
             return
         entry.ended = True
+        entry.frames = tuple(entry.frames)
         entry.expires = time.monotonic() + self.retention_s
         if entry.key is not None:
             self._keys[(entry.tenant, entry.key)] = (response_id, entry.expires)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import cast
@@ -78,6 +79,22 @@ async def test_the_bound_trims_the_front_and_a_read_into_the_gap_says_so() -> No
     assert page is not None and page.frames == [b"2", b"3", b"4"]
     with pytest.raises(LogTrimmed):
         await log.read("r", 0, wait_s=0)
+
+
+async def test_an_ended_response_is_kept_out_of_the_collectors_sight() -> None:
+    # Thousands of ended responses are kept for resumption: a full collection must not walk their
+    # events (it runs with the GIL held, on the gateway's loop).
+    log = LocalStreamLog()
+    await log.create("r1", "tenant-a", None)
+    for frame in (b"a", b"b", b"c"):
+        log.append("r1", frame)
+    log.end("r1")
+    log.append("r1", b"late")  # ignored: the response ended
+    gc.collect()
+    frames = log._entries["r1"].frames
+    assert frames == (b"a", b"b", b"c") and not gc.is_tracked(frames)
+    page = await log.read("r1", 0, wait_s=0)
+    assert page is not None and (page.first, page.frames, page.ended) == (1, [b"b", b"c"], True)
 
 
 async def test_keys_are_per_tenant_and_expire_with_the_response() -> None:
