@@ -76,12 +76,15 @@ def ttft(results: list[StreamResult]) -> dict[str, float | None]:
 
 
 def run_levels(targets: list[tuple[str, Target, Path | None]], levels: list[int], repeats: int,
-               saturation_s: float, cpu: dict[str, Callable[[], float]]) -> dict[str, dict[str, Any]]:
+               saturation_s: float, cpu: dict[str, Callable[[], float]],
+               ramp_s: float = 0.0) -> dict[str, dict[str, Any]]:
     """Each level (streams; 0 = saturation: 512 streams for `saturation_s`) `repeats` times, the
     targets in turn each time; per target and level the median over the repeats of TTFT p50/p99,
     req/s (saturation: counted over the last 80 % of the window, in-flight dropped) and CPU ms per
     finished request of the target's process tree (`cpu`: for a gateway, with its broker; the
-    figure that moves least with the machine's load)."""
+    figure that moves least with the machine's load). With `ramp_s` a level's streams start
+    evenly over that many seconds and send 5 requests each, as `sluice bench gateway-overhead`
+    does; without, all at once, 3 each."""
     out: dict[str, dict[str, Any]] = {name: {} for name, _, _ in targets}
     for level in levels:
         runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in targets}
@@ -94,7 +97,9 @@ def run_levels(targets: list[tuple[str, Target, Path | None]], levels: list[int]
                     counted = [r for r in got if r.ok and r.end >= start + 0.2 * saturation_s]
                     rps = len(counted) / (0.8 * saturation_s)
                 else:
-                    got, wall = run_loop(closed_loop(target, level, requests=max(3 * level, 20)))
+                    per_stream = 5 if ramp_s > 0 else 3
+                    got, wall = run_loop(closed_loop(target, level, requests=max(per_stream * level, 20),
+                                                     ramp_s=ramp_s))
                     rps = sum(1 for r in got if r.ok) / wall
                 stats = ttft(got)
                 finished = sum(1 for r in got if r.ok)
@@ -138,6 +143,8 @@ def main() -> int:
     parser.add_argument("--levels", default="", help="then these stream counts, 0 = saturation (e.g. 50,200,0)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each level, targets interleaved")
     parser.add_argument("--saturation-s", type=float, default=12.0)
+    parser.add_argument("--ramp-s", type=float, default=0.0,
+                        help="start each level's streams over this many seconds (0: all at once)")
     parser.add_argument("--config-dir", default="config")
     parser.add_argument("--json", default="", help="write the figures here")
     parser.add_argument("--profile", default="", help="cProfile the (first) gateway into this file (distorts timings)")
@@ -188,7 +195,7 @@ def main() -> int:
                             traces[name] += groups(f.read().splitlines())[:batch]
                 done += batch
             levels = run_levels(targets, [int(v) for v in args.levels.split(",") if v], args.repeats,
-                                args.saturation_s, cpu)
+                                args.saturation_s, cpu, args.ramp_s)
         finally:
             for stack in stacks:
                 stack.stop()
