@@ -28,7 +28,12 @@ from typing import Any
 from sluice.experiments import overhead_procs as procs
 from sluice.experiments import request_trace
 from sluice.experiments.common import resolve_model
-from sluice.experiments.upstream_overhead import MODEL, request_body
+from sluice.experiments.upstream_overhead import (
+    MODEL,
+    REQUESTS_PER_STREAM,
+    REQUESTS_PER_STREAM_AT_ONCE,
+    request_body,
+)
 from sluice.loadgen.lean_client import StreamResult, Target, closed_loop, run_loop
 from sluice.telemetry import percentile
 
@@ -83,8 +88,8 @@ def run_levels(targets: list[tuple[str, Target, Path | None]], levels: list[int]
     req/s (saturation: counted over the last 80 % of the window, in-flight dropped) and CPU ms per
     finished request of the target's process tree (`cpu`: for a gateway, with its broker; the
     figure that moves least with the machine's load). With `ramp_s` a level's streams start
-    evenly over that many seconds and send 5 requests each, as `sluice bench gateway-overhead`
-    does; without, all at once, 3 each."""
+    evenly over that many seconds, else all at once; either way they send as many requests per
+    stream as `sluice bench gateway-overhead` does."""
     out: dict[str, dict[str, Any]] = {name: {} for name, _, _ in targets}
     for level in levels:
         runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in targets}
@@ -97,7 +102,7 @@ def run_levels(targets: list[tuple[str, Target, Path | None]], levels: list[int]
                     counted = [r for r in got if r.ok and r.end >= start + 0.2 * saturation_s]
                     rps = len(counted) / (0.8 * saturation_s)
                 else:
-                    per_stream = 5 if ramp_s > 0 else 3
+                    per_stream = REQUESTS_PER_STREAM if ramp_s > 0 else REQUESTS_PER_STREAM_AT_ONCE
                     got, wall = run_loop(closed_loop(target, level, requests=max(per_stream * level, 20),
                                                      ramp_s=ramp_s))
                     rps = sum(1 for r in got if r.ok) / wall

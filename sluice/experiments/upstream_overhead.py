@@ -43,10 +43,16 @@ GOALS = {"sluice_delta_ttft_p50_s_at_1_max": 0.003, "sluice_delta_ttft_p99_s_at_
          "sluice_over_litellm_saturated_rps_min": 10.0}
 
 
+# Requests per stream at a level: streams ramped over one request's length (the first ones arrive
+# while the others start), or all started at once (a burst; the load of the runs before ramping).
+REQUESTS_PER_STREAM = 5
+REQUESTS_PER_STREAM_AT_ONCE = 3
+
+
 @dataclass(frozen=True, slots=True)
 class BenchPlan:
     levels: tuple[int, ...]
-    per_level: int | None  # None: max(5 x concurrency, 20); all at once, max(3 x concurrency, 20)
+    per_level: int | None  # None: max(REQUESTS_PER_STREAM[_AT_ONCE] x concurrency, 20)
     saturation_streams: int
     saturation_s: float
     ttft_ms: float
@@ -56,10 +62,10 @@ class BenchPlan:
     ramp_s: float | None = None  # None: one request's length at the fake's timing
 
     def requests_at(self, concurrency: int) -> int:
-        return self.per_level or max(5 * concurrency, 20)
+        return self.per_level or max(REQUESTS_PER_STREAM * concurrency, 20)
 
     def burst_requests_at(self, concurrency: int) -> int:
-        return self.per_level or max(3 * concurrency, 20)
+        return self.per_level or max(REQUESTS_PER_STREAM_AT_ONCE * concurrency, 20)
 
     @property
     def stagger_s(self) -> float:
