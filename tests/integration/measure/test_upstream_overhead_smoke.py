@@ -129,6 +129,12 @@ def test_bench_direct_and_sluice(tmp_path: Path) -> None:
 def test_bench_flags_are_validated(tmp_path: Path) -> None:
     proc, _ = _bench(tmp_path, "--vs", "haproxy")
     assert proc.returncode != 0 and "--vs: unknown peer" in proc.stderr
+    for bad in ("-1", "nan", "1e9"):
+        proc, out = _bench(tmp_path, "--ramp-s", bad)
+        assert proc.returncode != 0 and "--ramp-s must be between 0 and 60" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and not out.exists()
+    proc, _ = _bench(tmp_path, "--ramp-s", "soon")
+    assert proc.returncode != 0 and "--ramp-s" in proc.stderr and "Traceback" not in proc.stderr
     plain = subprocess.run([sys.executable, "-m", "sluice.cli", "bench", "gateway-overhead", "--vs", "litellm"],
                            capture_output=True, text=True, timeout=60, cwd=REPO)
     assert plain.returncode != 0 and "need --upstream fake" in plain.stderr
