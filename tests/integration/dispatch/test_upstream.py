@@ -277,8 +277,14 @@ def test_disconnect_reaches_the_upstream_and_classes_keep_their_order(pair: Pair
                "the upstream's abort record")
     aborted = [r for r in records(pair.up_records) if r["finish_reason"] == "abort"]
     assert aborted and aborted[-1]["completion_tokens"] < HOLDER_MAX_TOKENS
-    front = {r["priority_class"]: r for r in records(pair.front_records)
-             if r["priority_class"] in ("batch", "interactive") and r["finish_reason"] == "length"}
+
+    def served_by_class() -> dict[str, dict[str, Any]]:
+        return {r["priority_class"]: r for r in records(pair.front_records)
+                if r["priority_class"] in ("batch", "interactive") and r["finish_reason"] == "length"}
+
+    # A record is written when its pump ends, which may be just after the client has its answer.
+    wait_until(lambda: len(served_by_class()) == 2, "the batch and interactive requests' records")
+    front = served_by_class()
     assert front["interactive"]["dispatch_time"] < front["batch"]["dispatch_time"]
 
 

@@ -149,11 +149,13 @@ async def test_weights_two_to_one_over_replicas_give_two_to_one_tokens(cluster: 
     gold = cluster.new_tenant(gold_name, weight=2.0)[2]
     bronze = cluster.new_tenant(bronze_name, weight=1.0)[2]
     every = [r.index for r in cluster.replicas]
-    per_tenant = 45
+    # The served order keeps within ~2.5 requests of the exact 2:1 sequence at every prefix (measured
+    # over 4 runs), a bounded error: over 60 dispatches that alone is 1.69, over 180 it is 1.89.
+    per_tenant = 135
     await run_contended(cluster, interleave(spread(gold, per_tenant, every), spread(bronze, per_tenant, every[::-1])))
     records = (await wait_records(cluster, gold_name, per_tenant)) + (await wait_records(cluster, bronze_name,
                                                                                          per_tenant))
-    contended = served_order(records)[:60]  # gold would run out at 67 of 90 at exactly 2:1
+    contended = served_order(records)[:180]  # gold would run out at 202 of 270 at exactly 2:1
     served = tokens_by_tenant(contended)
     ratio = served.get(gold_name, 0) / max(1, served.get(bronze_name, 0))
     print(f"\nweights 2:1 over replicas: first {len(contended)} served: gold {served.get(gold_name, 0)} tokens, "
