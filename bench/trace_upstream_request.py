@@ -28,12 +28,7 @@ from typing import Any
 from sluice.experiments import overhead_procs as procs
 from sluice.experiments import request_trace
 from sluice.experiments.common import resolve_model
-from sluice.experiments.upstream_overhead import (
-    MODEL,
-    REQUESTS_PER_STREAM,
-    REQUESTS_PER_STREAM_AT_ONCE,
-    request_body,
-)
+from sluice.experiments.upstream_overhead import MODEL, level_requests, request_body
 from sluice.loadgen.lean_client import StreamResult, Target, closed_loop, run_loop
 from sluice.telemetry import percentile
 
@@ -102,9 +97,8 @@ def run_levels(targets: list[tuple[str, Target, Path | None]], levels: list[int]
                     counted = [r for r in got if r.ok and r.end >= start + 0.2 * saturation_s]
                     rps = len(counted) / (0.8 * saturation_s)
                 else:
-                    per_stream = REQUESTS_PER_STREAM if ramp_s > 0 else REQUESTS_PER_STREAM_AT_ONCE
-                    got, wall = run_loop(closed_loop(target, level, requests=max(per_stream * level, 20),
-                                                     ramp_s=ramp_s))
+                    requests = level_requests(level, at_once=ramp_s <= 0)
+                    got, wall = run_loop(closed_loop(target, level, requests=requests, ramp_s=ramp_s))
                     rps = sum(1 for r in got if r.ok) / wall
                 stats = ttft(got)
                 finished = sum(1 for r in got if r.ok)

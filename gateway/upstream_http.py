@@ -202,11 +202,27 @@ class StreamedResponse:
             self._drain_timer = asyncio.get_running_loop().call_later(
                 drain_s, self._fail, TimeoutError("the body did not end"))
 
-    def _consume(self, take: Callable[[bytes], None]) -> None:
-        held, self._held = self._held, []
-        self._take = take
-        for piece in held:
-            take(piece)
+    async def _relay(self, take: Callable[[bytes], None]) -> None:
+        """Hands `take` the pieces that arrived before this call, then each one as it arrives
+        (within the connection's read callbacks), until the body ends; raises what `take` raised,
+        or why the connection failed. `take` is dropped at the end: it holds this answer, and no
+        cycle is left for the collector."""
+        try:
+            held, self._held = self._held, []
+            self._take = take
+            for piece in held:
+                take(piece)
+        except Exception as exc:
+            self._conn.close()
+            if self._ended.done():  # the body had ended already: this is the answer's failure
+                if not self._ended.cancelled():
+                    self._ended.exception()  # (marked as retrieved: `exc` is raised instead)
+                raise
+            self._ended.set_exception(exc)
+        try:
+            await self._ended
+        finally:
+            self._take = None
 
     # ---- read by the caller -----------------------------------------------------------------
 
@@ -233,19 +249,7 @@ class StreamedResponse:
                     self._drain_within(drain_s)
                     return
 
-        try:
-            self._consume(take)  # the pieces that arrived before this call
-        except Exception as exc:
-            self._conn.close()
-            if self._ended.done():  # the body had ended already: this is the answer's failure
-                if not self._ended.cancelled():
-                    self._ended.exception()  # (marked as retrieved: `exc` is raised instead)
-                raise
-            self._ended.set_exception(exc)
-        try:
-            await self._ended  # the relay runs in `take` meanwhile, within the connection's callbacks
-        finally:
-            self._take = None  # `take` holds this answer: no cycle is left for the collector
+        await self._relay(take)
         if not stopped and pending.startswith(b"data:"):
             on_event(pending[5:].strip())
 
@@ -256,11 +260,7 @@ class StreamedResponse:
             if len(body) < MAX_ERROR_BODY:
                 body.extend(piece)
 
-        self._consume(take)
-        try:
-            await self._ended
-        finally:
-            self._take = None
+        await self._relay(take)
         return bytes(body[:MAX_ERROR_BODY])
 
 

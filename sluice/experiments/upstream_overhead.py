@@ -49,10 +49,15 @@ REQUESTS_PER_STREAM = 5
 REQUESTS_PER_STREAM_AT_ONCE = 3
 
 
+def level_requests(concurrency: int, *, at_once: bool) -> int:
+    """The requests a level of `concurrency` streams sends by default (at least 20)."""
+    return max((REQUESTS_PER_STREAM_AT_ONCE if at_once else REQUESTS_PER_STREAM) * concurrency, 20)
+
+
 @dataclass(frozen=True, slots=True)
 class BenchPlan:
     levels: tuple[int, ...]
-    per_level: int | None  # None: max(REQUESTS_PER_STREAM[_AT_ONCE] x concurrency, 20)
+    per_level: int | None  # None: level_requests
     saturation_streams: int
     saturation_s: float
     ttft_ms: float
@@ -62,10 +67,10 @@ class BenchPlan:
     ramp_s: float | None = None  # None: one request's length at the fake's timing
 
     def requests_at(self, concurrency: int) -> int:
-        return self.per_level or max(REQUESTS_PER_STREAM * concurrency, 20)
+        return self.per_level or level_requests(concurrency, at_once=False)
 
     def burst_requests_at(self, concurrency: int) -> int:
-        return self.per_level or max(REQUESTS_PER_STREAM_AT_ONCE * concurrency, 20)
+        return self.per_level or level_requests(concurrency, at_once=True)
 
     @property
     def stagger_s(self) -> float:
@@ -138,24 +143,25 @@ def measure_target(url: str, headers: tuple[tuple[str, str], ...], plan: BenchPl
     warm, _ = run_loop(closed_loop(target, 4, requests=16))
     if not any(r.ok for r in warm):
         raise CLIError(f"{url}: every warm-up request failed ({warm[0].error})")
+
+    def run_level(concurrency: int, requests: int, ramp_s: float, label: str) -> dict[str, Any]:
+        meter.start()
+        results, wall = run_loop(closed_loop(target, concurrency, requests=requests, ramp_s=ramp_s))
+        row = {**level_stats(results, wall), **meter.per_request(len(results))}
+        if progress:
+            print(f"  c={label}: ttft p50 {_ms(row['ttft_p50_s'])} p99 {_ms(row['ttft_p99_s'])}, "
+                  f"{row['errors']} errors", flush=True)
+        return row
+
     out: dict[str, Any] = {"levels": {}}
     for concurrency in plan.levels:
-        meter.start()
         ramp = plan.stagger_s if concurrency > 1 else 0.0
-        results, wall = run_loop(closed_loop(target, concurrency, requests=plan.requests_at(concurrency),
-                                             ramp_s=ramp))
-        row = out["levels"][str(concurrency)] = {**level_stats(results, wall), **meter.per_request(len(results))}
-        if progress:
-            print(f"  c={concurrency}: ttft p50 {_ms(row['ttft_p50_s'])} p99 {_ms(row['ttft_p99_s'])}, "
-                  f"{row['errors']} errors", flush=True)
+        row = out["levels"][str(concurrency)] = run_level(concurrency, plan.requests_at(concurrency), ramp,
+                                                          str(concurrency))
         if concurrency > 1 and plan.stagger_s > 0:
             # The same level with every stream starting in the same instant: a burst to absorb.
-            meter.start()
-            results, wall = run_loop(closed_loop(target, concurrency, requests=plan.burst_requests_at(concurrency)))
-            burst = row["burst"] = {**level_stats(results, wall), **meter.per_request(len(results))}
-            if progress:
-                print(f"  c={concurrency}, all at once: ttft p50 {_ms(burst['ttft_p50_s'])} "
-                      f"p99 {_ms(burst['ttft_p99_s'])}, {burst['errors']} errors", flush=True)
+            row["burst"] = run_level(concurrency, plan.burst_requests_at(concurrency), 0.0,
+                                     f"{concurrency}, all at once")
     meter.start()
     results, wall = run_loop(closed_loop(target, plan.saturation_streams, duration_s=plan.saturation_s,
                                          ramp_s=plan.stagger_s))
@@ -244,9 +250,10 @@ def run_side_by_side(plan: BenchPlan, vs: tuple[str, ...], config_dir: str, mode
                  "saturation_streams": plan.saturation_streams, "saturation_s": plan.saturation_s,
                  "ramp_s": plan.stagger_s,
                  "arrivals": "each level's streams start evenly over ramp_s (one request's length by default), "
-                             "then each sends its next request when its last one ends (5 requests per stream: the "
-                             "first ones arrive while the others start). Levels above 1 are also run with "
-                             "every stream starting in the same instant ('burst', 3 requests per stream)",
+                             f"then each sends its next request when its last one ends ({REQUESTS_PER_STREAM} "
+                             "requests per stream: the first ones arrive while the others start). Levels above 1 "
+                             "are also run with every stream starting in the same instant ('burst', "
+                             f"{REQUESTS_PER_STREAM_AT_ONCE} requests per stream)",
                  "endpoint": "/v1/chat/completions (streamed)", "client": "sluice.loadgen.lean_client"},
         "goals": GOALS, "skipped": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
