@@ -79,7 +79,7 @@ $(LITELLM_VENV)/.installed:
 	@touch $@
 
 lint: install
-	$(VENV)/bin/ruff check sluice gateway workers kernels tests bench
+	$(VENV)/bin/ruff check src tests bench
 
 clean:
 	rm -rf $(VENV) var .pytest_cache $(PEERS_DIR)

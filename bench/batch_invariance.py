@@ -29,7 +29,7 @@ from sluice.protocol import SamplingParams
 from sluice.workers.config import EngineConfig
 from sluice.workers.engine import LLMEngine
 
-CORPUS = (Path(__file__).resolve().parents[1] / "workers" / "demo_corpus.txt").read_text()
+CORPUS = (Path(__file__).resolve().parents[1] / "src" / "sluice" / "workers" / "demo_corpus.txt").read_text()
 QUESTIONS = [
     "What is the capital of France? Answer in one sentence.", "hi", "List three prime numbers.",
     "Write a haiku about the sea.", "Translate 'good morning' into Spanish and German.",

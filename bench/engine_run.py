@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from sluice.loadgen.prompts import LengthDist
 from sluice.protocol import SamplingParams
-from sluice.workers.bench_engine import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, make_requests
 from sluice.workers.config import EngineConfig
 from sluice.workers.engine import LLMEngine
 from sluice.workers.model.config import ModelConfig
+from sluice_lab.engine_bench import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, make_requests
+from sluice_lab.loadgen.prompts import LengthDist
 
 
 def _length_dist(spec: str) -> str:

@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # sluice is imported from the checkout, not an installed copy
+sys.path.insert(0, str(REPO / "src"))  # sluice is imported from the checkout, not an installed copy
 sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_suite_report import Report, Row, bench_ms  # noqa: E402

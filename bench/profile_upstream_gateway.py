@@ -3,7 +3,7 @@
 Starts the fake backend and `sluice serve` with an `[[upstreams]]` entry for it (the same set-up
 as `sluice bench gateway-overhead --upstream fake`, same placement), drives `--streams` closed-loop
 streams for `--seconds`, and samples the gateway process meanwhile: with the built-in sampler
-(`sluice.experiments.stack_sampler`, the default: no tool to install) or with py-spy
+(`sluice_lab.experiments.stack_sampler`, the default: no tool to install) or with py-spy
 (`--py-spy PATH`). Prints the samples by part of the gateway (the event loop idle, aiokafka, the
 upstream's HTTP client, the HTTP server, ...), the top frames by own and inclusive time, and
 the request records' split of the time to first token (arrival -> dispatch -> first token).
@@ -27,12 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from sluice.experiments import overhead_procs as procs
-from sluice.experiments.common import resolve_model
-from sluice.experiments.stack_sampler import ENV_OUT, ENV_RATE
-from sluice.experiments.upstream_overhead import MODEL, request_body
-from sluice.loadgen.lean_client import Target, closed_loop, run_loop
 from sluice.telemetry import percentile
+from sluice_lab.experiments import overhead_procs as procs
+from sluice_lab.experiments.common import resolve_model
+from sluice_lab.experiments.stack_sampler import ENV_OUT, ENV_RATE
+from sluice_lab.experiments.upstream_overhead import MODEL, request_body
+from sluice_lab.loadgen.lean_client import Target, closed_loop, run_loop
 
 # Parts of the gateway, by the first matching frame from the innermost outwards (file names as
 # the sampler writes them: "file.py:function"). "idle" = the event loop waiting in its selector.
@@ -186,7 +186,7 @@ def main() -> int:
             shim = workdir / "shim"
             shim.mkdir()
             (shim / "sitecustomize.py").write_text(
-                "from sluice.experiments.stack_sampler import start_from_env\nstart_from_env()\n")
+                "from sluice_lab.experiments.stack_sampler import start_from_env\nstart_from_env()\n")
             env = {ENV_OUT: str(sampled), ENV_RATE: str(args.rate),
                    "PYTHONPATH": os.pathsep.join(p for p in (str(shim), os.environ.get("PYTHONPATH", "")) if p)}
         backend = procs.start_fake(workdir, placement.backend, ttft_ms=50, itl_ms=20, tokens=32)

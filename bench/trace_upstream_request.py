@@ -1,7 +1,7 @@
 """Where one streamed request's added time to first token goes, checkpoint by checkpoint (issue #17).
 
 Starts the fake backend and one `sluice serve` per `--tree` (a source tree: this one by default;
-give two to compare before and after in one run), each with `sluice.experiments.request_trace`
+give two to compare before and after in one run), each with `sluice_lab.experiments.request_trace`
 installed, with the placement of `sluice bench gateway-overhead`. Then sends `--requests`
 sequential streamed requests (concurrency 1) to each target, interleaved in rounds of `--round`
 (direct to the fake, then each gateway), and prints per gateway the median time from the client's
@@ -25,12 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sluice.experiments import overhead_procs as procs
-from sluice.experiments import request_trace
-from sluice.experiments.common import resolve_model
-from sluice.experiments.upstream_overhead import MODEL, level_requests, request_body
-from sluice.loadgen.lean_client import StreamResult, Target, closed_loop, run_loop
 from sluice.telemetry import percentile
+from sluice_lab.experiments import overhead_procs as procs
+from sluice_lab.experiments import request_trace
+from sluice_lab.experiments.common import resolve_model
+from sluice_lab.experiments.upstream_overhead import MODEL, level_requests, request_body
+from sluice_lab.loadgen.lean_client import StreamResult, Target, closed_loop, run_loop
 
 ORDER = ("received", "auth", "prepare", "tokenized", "admitted", "append_sent", "link_send", "kafka_write",
          "upstream_sent", "upstream_head", "append_acked", "upstream_first", "first_delta", "sse_head", "sse_first",

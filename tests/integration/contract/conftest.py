@@ -101,7 +101,7 @@ def served(
     port = free_port()
     env = dict(
         os.environ,
-        PYTHONPATH=str(REPO),
+        PYTHONPATH=str(REPO / "src"),
         OMP_NUM_THREADS="1",
         SLUICE_CONFIG_DIR=str(_write_config(directory / "config", demo_model_dir)),
         SLUICE_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,

@@ -122,7 +122,7 @@ async def test_a_killed_replicas_partitions_move_and_only_its_unfinished_records
     member = subprocess.Popen([sys.executable, "-c", MEMBER, msgspec.json.encode(settings).decode()],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp_path / "member.log", "wb"),  # noqa: SIM115
                               text=True, start_new_session=True,
-                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+                              env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
     try:
         await wait_for(lambda: len(partitions(survivor)) == PARTITIONS // 2, 60, "the group to split the partitions")
         await append_all(settings, [line(n) for n in range(N)])

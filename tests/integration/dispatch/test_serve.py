@@ -106,7 +106,7 @@ def alive(pid: int) -> bool:
 def serve_environment(directory: Path, config_dir: Path, bootstrap_servers: str, topic_prefix: str) -> dict[str, str]:
     """The environment of a `sluice serve` under test: the session broker (topics of its own),
     SQLite under `directory`, a free worker port, no record log, the tests' admin token."""
-    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+    return dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1",
                 SLUICE_CONFIG_DIR=str(config_dir),
                 SLUICE_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,
                 SLUICE_KAFKA_TOPIC_PREFIX=f"{topic_prefix}{time.monotonic_ns()}",

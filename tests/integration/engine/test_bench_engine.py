@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from sluice.cli import main
-from sluice.loadgen.prompts import LengthDist
-from sluice.workers.bench_engine import POLICIES, schedule_and_update, steady_decode_scheduler
+from sluice_lab.engine_bench import POLICIES, schedule_and_update, steady_decode_scheduler
+from sluice_lab.loadgen.prompts import LengthDist
 
 pytestmark = pytest.mark.integration
 
@@ -104,8 +104,8 @@ def test_missing_peer_venv_is_one_cli_line(tmp_path: Path, demo_model_dir: Path,
 
 
 def test_useful_flops_counts_weights_attention_and_head(demo_model_dir: Path) -> None:
-    from sluice.workers.bench_peer import gemm_shapes, useful_flops
     from sluice.workers.model.config import ModelConfig
+    from sluice_lab.peer import gemm_shapes, useful_flops
 
     cfg = ModelConfig.from_dir(demo_model_dir)
     layer = sum(k * n for name, (k, n) in gemm_shapes(cfg).items() if name != "lm_head")

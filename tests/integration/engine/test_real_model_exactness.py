@@ -40,7 +40,7 @@ POLICIES = ("chunked", "prefill_first", "static")
 # model by ~1e-5..1e-4; a gap under 2e-3 is a tie that rounding may break either way.
 NEAR_TIE_LOGIT_GAP = 2e-3
 MAX_NEAR_TIES = 2  # more than this many is a bug, not rounding
-CORPUS = (Path(__file__).resolve().parents[3] / "workers" / "demo_corpus.txt").read_text()
+CORPUS = (Path(__file__).resolve().parents[3] / "src" / "sluice" / "workers" / "demo_corpus.txt").read_text()
 FULL = os.environ.get("SLUICE_FULL_EXACTNESS") == "1"
 SECOND_PASS = range(8, 16)  # the shared document, the multi-turn chain and the repeat: prefix hits
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from sluice.experiments.stack import Stack, start_stack
+from sluice_lab.experiments.stack import Stack, start_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

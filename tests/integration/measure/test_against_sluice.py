@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from sluice.experiments.gateway_overhead import measure_overhead, plot_overhead
-from sluice.experiments.stack import Stack, start_stack
 from sluice.telemetry import read_records
+from sluice_lab.experiments.gateway_overhead import measure_overhead, plot_overhead
+from sluice_lab.experiments.stack import Stack, start_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

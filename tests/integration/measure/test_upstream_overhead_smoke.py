@@ -17,13 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.experiments.upstream_overhead import request_body
-from sluice.loadgen.lean_client import Target, closed_loop, run_loop
+from sluice_lab.experiments.upstream_overhead import request_body
+from sluice_lab.loadgen.lean_client import Target, closed_loop, run_loop
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[3]
-FAKE = REPO / "bench" / "fake_openai.py"
+FAKE = REPO / "src" / "sluice_lab" / "fake_openai.py"
 LEVEL_KEYS = ("ttft_p50_s", "ttft_p99_s", "delta_ttft_p50_s", "delta_ttft_p99_s", "itl_added_s",
               "cpu_per_request_s", "requests", "errors")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.experiments.cluster import Cluster, ClusterSpec, drop_redis_prefix, postgres_execute, start_cluster
+from sluice_lab.experiments.cluster import Cluster, ClusterSpec, drop_redis_prefix, postgres_execute, start_cluster
 
 POSTGRES_URL = os.environ.get("SLUICE_TEST_POSTGRES_URL", "")
 REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "")

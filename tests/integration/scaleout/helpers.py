@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from sluice.experiments.cluster import Cluster
 from sluice.telemetry import RequestRecord
+from sluice_lab.experiments.cluster import Cluster
 
 COMPLETION = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
 

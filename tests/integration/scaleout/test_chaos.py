@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.experiments.chaos import ChaosConfig, run_chaos
-from sluice.experiments.chaos_report import format_table, summarise
-from sluice.experiments.cluster import Cluster
+from sluice_lab.experiments.chaos import ChaosConfig, run_chaos
+from sluice_lab.experiments.chaos_report import format_table, summarise
+from sluice_lab.experiments.cluster import Cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.postgres]
 

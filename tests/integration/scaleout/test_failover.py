@@ -18,7 +18,7 @@ import openai
 import pytest
 from dispatch.test_serve import custom_ids
 
-from sluice.experiments.cluster import Cluster
+from sluice_lab.experiments.cluster import Cluster
 
 from .conftest import LEASE_S
 from .helpers import auth, complete, until

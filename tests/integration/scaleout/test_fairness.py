@@ -28,8 +28,8 @@ import httpx
 import openai
 import pytest
 
-from sluice.experiments.cluster import Cluster
 from sluice.telemetry import RequestRecord
+from sluice_lab.experiments.cluster import Cluster
 
 from .helpers import complete, until, wait_records
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from sluice.experiments.cluster import Cluster
+from sluice_lab.experiments.cluster import Cluster
 
 from .helpers import auth, complete, engine_interval, max_overlap, until, wait_records
 

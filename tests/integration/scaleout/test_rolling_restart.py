@@ -103,7 +103,7 @@ def serve_cluster(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path
     (config / "models.toml").write_text(f'[[models]]\nname = "demo"\npath = "{demo_model_dir}"\n')
     (config / "tenants.toml").write_text(TENANTS_TOML)
     port = free_ports(2)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), OMP_NUM_THREADS="1",
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3] / "src"), OMP_NUM_THREADS="1",
                SLUICE_CONFIG_DIR=str(config), SLUICE_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,
                SLUICE_KAFKA_TOPIC_PREFIX=f"rolling{time.monotonic_ns()}", SLUICE_DATABASE_URL=postgres_database,
                SLUICE_SHARED_URL=REDIS_URL, SLUICE_SHARED_PREFIX=shared_prefix, SLUICE_SHARED_LEASE_S="2",

@@ -26,7 +26,7 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.client import Event, stream_chat
-from sluice.experiments.cluster import Cluster
+from sluice_lab.experiments.cluster import Cluster
 
 from .helpers import records_for, until, wait_records
 

@@ -155,7 +155,7 @@ async def test_sigkilled_replica_process_releases_its_holds_within_the_lease(
     root = Path(__file__).resolve().parents[3]
     victim = await asyncio.create_subprocess_exec(
         sys.executable, "-c", VICTIM, redis_url, prefix, str(lease_s),
-        stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(root / "src")},
     )
     try:
         assert victim.stdout is not None

@@ -28,8 +28,7 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
 
 def _code() -> str:
     """The source that reads settings: everything but the settings model itself."""
-    files = [p for d in ("gateway", "sluice", "workers") for p in (REPO / d).rglob("*.py")
-             if p != REPO / "sluice" / "settings.py"]
+    files = [p for p in (REPO / "src" / "sluice").rglob("*.py") if p != REPO / "src" / "sluice" / "settings.py"]
     return "\n".join(p.read_text(encoding="utf-8") for p in files)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from sluice.cli import main
-from sluice.experiments.chaos import BatchRun, ChaosConfig, ChaosOutcome, Kill, StreamResult, check_cluster_fits
-from sluice.experiments.chaos_report import format_table, parse_kinds, passed, summarise
+from sluice_lab.experiments.chaos import BatchRun, ChaosConfig, ChaosOutcome, Kill, StreamResult, check_cluster_fits
+from sluice_lab.experiments.chaos_report import format_table, parse_kinds, passed, summarise
 
 pytestmark = pytest.mark.unit
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.loadgen.client import ClientResult, RequestSpec
-from sluice.loadgen.report import meets_slo, summarize
-from sluice.loadgen.scenario import Slo
+from sluice_lab.loadgen.client import ClientResult, RequestSpec
+from sluice_lab.loadgen.report import meets_slo, summarize
+from sluice_lab.loadgen.scenario import Slo
 
 pytestmark = pytest.mark.unit
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sluice.loadgen.prompts import LengthDist, PromptFactory
-from sluice.loadgen.runner import arrival_offsets
-from sluice.loadgen.scenario import Arrival, Burst, Slo, Tenant, Workload, load_scenario
+from sluice_lab.loadgen.prompts import LengthDist, PromptFactory
+from sluice_lab.loadgen.runner import arrival_offsets
+from sluice_lab.loadgen.scenario import Arrival, Burst, Slo, Tenant, Workload, load_scenario
 
 pytestmark = pytest.mark.unit
 
-SCENARIOS = Path(__file__).resolve().parents[3] / "bench" / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[3] / "src" / "sluice_lab" / "scenarios"
 KEY_VARS = ("SLUICE_BENCH_KEY_CHAT", "SLUICE_BENCH_KEY_RAG", "SLUICE_BENCH_KEY_AGENT",
             "SLUICE_BENCH_KEY_BATCH")
 

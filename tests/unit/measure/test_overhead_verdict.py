@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.experiments.upstream_overhead import verdict
+from sluice_lab.experiments.upstream_overhead import verdict
 
 
 def column(saturated_rps: float | None, rps: dict[str, float], delta_p50: float = 0.0,

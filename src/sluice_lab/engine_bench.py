@@ -1,0 +1,384 @@
+"""`sluice bench engine`: sluice's scheduling policies against HF static batching, same requests.
+
+One seeded request set (prompt and output lengths drawn from configurable distributions, random
+token ids, ignore_eos so every output has its drawn length) runs through
+  (a) HF `generate` in static batches, left-padded, greedy, each batch generating until its
+      longest member is done (tokens past a request's own length are waste, not counted), at
+      each of several batch sizes: the comparison is against the best of them, so no choice of
+      batch size flatters sluice;
+  (b) our engine under each policy.
+  (c) with `--peer vllm`, vLLM's CPU build in its own interpreter (sluice_lab/peer.py).
+HF and sluice run in this process, one run each; throughput = useful output tokens / wall time.
+Each engine also gets latency points (a 512-token prompt to 128 tokens, alone and 16 at once) and
+its achieved FLOP/s as a fraction of the machine's measured matmul peak. Also times the
+scheduler alone (schedule() + update(), CPU time per step) with synthetic decode batches.
+
+The default lengths are long-tailed (lognormal), as chat traffic is: most answers are short and a
+few are long. That tail is what static batching pays for, and what a uniform distribution hides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from sluice.errors import CLIError
+from sluice.protocol import SamplingParams
+from sluice.workers.config import SchedulerConfig
+from sluice.workers.request import Request
+from sluice.workers.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from sluice_lab import peer as bench_peer
+from sluice_lab.experiments.cli import positive_int_list
+from sluice_lab.loadgen.prompts import LengthDist
+
+# torch is imported inside the functions that run engines: every `sluice` process (a gateway
+# replica too) builds the whole parser, and so imports this module for `bench engine`'s arguments;
+# a top-level import cost each one seconds of CPU for a library it never uses.
+POLICIES = ("chunked", "prefill_first", "static")
+DEFAULT_PROMPT_LEN = "lognormal:80:0.6:8:512"
+DEFAULT_OUTPUT_LEN = "lognormal:96:0.8:8:1024"
+
+
+def _length_dist(spec: str) -> LengthDist:
+    try:
+        return LengthDist.parse(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    # Defaults shaped like chat traffic: modest prompts, answers of widely varying length (the
+    # variance static batching pays for in padding and idle rows).
+    parser.add_argument("--prompt-len", type=_length_dist, default=LengthDist.parse(DEFAULT_PROMPT_LEN),
+                        help=f"prompt length distribution (default {DEFAULT_PROMPT_LEN})")
+    parser.add_argument("--output-len", type=_length_dist, default=LengthDist.parse(DEFAULT_OUTPUT_LEN),
+                        help=f"output length distribution (default {DEFAULT_OUTPUT_LEN})")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
+    parser.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 32, 64],
+                        help="HF static batch sizes to run; sluice is compared with the fastest")
+    parser.add_argument("--skip-hf", action="store_true", help="run sluice only")
+    parser.add_argument("--scheduler-sizes", type=positive_int_list, default=[16, 64, 256],
+                        help="running-request counts for the scheduler CPU-time measurement")
+    # Both sides get the same threads: all cores by default; --threads 1 on a machine shared with
+    # other work keeps the numbers from swinging with it.
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads for every engine (default 0 = all cores)")
+    parser.add_argument("--peer", choices=("vllm",), default=None,
+                        help="also run this peer engine on the same requests (its own virtualenv)")
+    parser.add_argument("--peer-venv", type=Path, default=bench_peer.DEFAULT_VLLM_VENV,
+                        help="the peer's virtualenv (default .peers/vllm, made by `make bench-peers`)")
+    parser.add_argument("--skip-latency", action="store_true", help="skip the latency points")
+    parser.add_argument("--latency-prompt-len", type=int, default=512, help="prompt tokens of a latency point")
+    parser.add_argument("--latency-output-len", type=int, default=128, help="output tokens of a latency point")
+    parser.add_argument("--latency-streams", type=positive_int_list, default=[1, 16],
+                        help="concurrent streams of each latency point")
+    parser.add_argument("--no-kernel-build", action="store_true",
+                        help="use the native CPU kernels only if they are already built (no C++ compile)")
+    parser.add_argument("--peer-speculative-tokens", type=int, default=0,
+                        help="run the peer with its own prompt-lookup speculation, this many draft tokens "
+                             "(default 0: the peer's defaults, no speculation)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="interleaved rounds of sluice and the peer; each reports its median run")
+
+
+def make_requests(num: int, seed: int, prompt_len: LengthDist, output_len: LengthDist,
+                  vocab: int) -> list[tuple[list[int], int]]:
+    import torch
+    rng = random.Random(seed)
+    prompt_lens = [prompt_len.sample(rng) for _ in range(num)]
+    output_lens = [output_len.sample(rng) for _ in range(num)]
+    gen = torch.Generator().manual_seed(seed)
+    # Skip the lowest ids, where tokenizers keep their special tokens.
+    low = min(16, vocab - 1)
+    return [(torch.randint(low, vocab, (p,), generator=gen).tolist(), o)
+            for p, o in zip(prompt_lens, output_lens, strict=True)]
+
+
+def run_hf_static(model_dir: str, requests: list[tuple[list[int], int]], batch_size: int,
+                  device: str) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per batch size clutters the report
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        _hf_generate(model, [p for p, _ in batch], max(o for _, o in batch), device)
+    elapsed = time.perf_counter() - start
+    useful = sum(o for _, o in requests)
+    return {"output_tokens": useful, "seconds": elapsed, "output_tokens_per_s": useful / elapsed,
+            "batch_size": batch_size}
+
+
+def _hf_generate(model: Any, prompts: list[list[int]], new: int, device: str) -> None:
+    """One static batch, left-padded, greedy, every row generating `new` tokens."""
+    import torch
+    pad = 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left padding
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    with torch.inference_mode():
+        model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                       max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=pad)
+
+
+def hf_latency(model_dir: str, prompts: bench_peer.LatencyPoints, device: str) -> dict[str, dict[str, float]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]
+    return prompts.time(lambda batch, new: _hf_generate(model, batch, new, device))
+
+
+def run_sluice(args: argparse.Namespace, policy: str, requests: list[tuple[list[int], int]],
+               latency: bench_peer.LatencyPoints | None = None) -> dict[str, Any]:
+    from sluice.workers.cli import engine_config
+    from sluice.workers.engine import LLMEngine
+
+    engine = LLMEngine(engine_config(args, args.model, policy))
+    prompts = [p for p, _ in requests]
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in requests]
+    engine.generate(prompts[:2], params[:2])  # warm-up outside the timing
+    steps_before = engine.scheduler.stats.num_steps
+    drafts_before = engine.scheduler.stats.num_draft_tokens
+    accepted_before = engine.scheduler.stats.num_accepted_draft_tokens
+    start, cpu_start = time.perf_counter(), time.process_time()
+    results = engine.generate(prompts, params)
+    elapsed, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    produced = sum(len(r.token_ids) for r in results)
+    ttfts = sorted(r.first_token_time - r.arrival_time for r in results if r.first_token_time is not None)
+    report: dict[str, Any] = {
+        "output_tokens": produced, "seconds": elapsed, "output_tokens_per_s": produced / elapsed,
+        # CPU seconds the run used: on a shared host the wall time also counts the waits for a core.
+        "cpu_seconds": cpu_seconds, "output_tokens_per_cpu_s": produced / cpu_seconds if cpu_seconds else None,
+        "steps": engine.scheduler.stats.num_steps - steps_before,
+        "speculative_tokens": engine.config.resolved_num_speculative_tokens,
+        "draft_tokens": engine.scheduler.stats.num_draft_tokens - drafts_before,
+        "accepted_draft_tokens": engine.scheduler.stats.num_accepted_draft_tokens - accepted_before,
+        "preemptions": engine.scheduler.stats.num_preemptions, "num_kv_blocks": engine.runner.num_kv_blocks,
+        "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None}
+    if latency is not None:
+        def generate(batch: list[list[int]], new: int) -> None:
+            engine.generate(batch, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+
+        report["latency"] = latency.time(generate)
+    return report
+
+
+def steady_decode_scheduler(num_running: int, policy: str, steps: int) -> Scheduler:
+    """A scheduler with `num_running` prefilled requests, each with room for `steps` more decodes."""
+    block_size, prompt_len = 16, 32
+    max_len = prompt_len + steps + 64
+    blocks_per_req = -(-max_len // block_size)
+    config = SchedulerConfig(policy=policy, block_size=block_size, num_kv_blocks=num_running * blocks_per_req,
+                             max_num_batched_tokens=max(2048, num_running * prompt_len),
+                             max_num_seqs=num_running, max_model_len=max_len)
+    scheduler = Scheduler(config)
+    sampling = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    for i in range(num_running):
+        tokens = [(i * 7919 + j) % 1000 + 16 for j in range(prompt_len)]  # distinct: no prefix hits
+        scheduler.add_request(Request(f"r{i}", tokens, sampling, arrival_time=float(i)))
+    for k in range(4):  # prefill everything, reach steady decode
+        schedule_and_update(scheduler, float(k))
+    return scheduler
+
+
+def schedule_and_update(scheduler: Scheduler, now: float) -> SchedulerOutput:
+    """One engine step without a model: every sampled position gets token 1."""
+    out = scheduler.schedule(now)
+    sampled = {c.request.request_id: (1,) * c.num_sample_rows for c in out.chunks if c.sample}
+    scheduler.update(out, RunnerOutput(sampled_token_ids=sampled), now)
+    return out
+
+
+def scheduler_step_cpu_ms(num_running: int, policy: str = "chunked", steps: int = 50) -> float:
+    """CPU milliseconds of schedule() + update() per step with `num_running` decoding requests."""
+    scheduler = steady_decode_scheduler(num_running, policy, steps)
+    start = time.process_time()
+    for k in range(steps):
+        schedule_and_update(scheduler, 100.0 + k)
+    return (time.process_time() - start) * 1000 / steps
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from sluice.workers.model.config import ModelConfig
+
+    if args.num_requests < 1:
+        raise CLIError("--num-requests must be positive")
+    if args.repeat < 1:
+        raise CLIError("--repeat must be positive")
+    if args.peer_speculative_tokens < 0:
+        raise CLIError("--peer-speculative-tokens must be 0 (off) or positive")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies or any(p not in POLICIES for p in policies):
+        raise CLIError(f"--policies must be a comma-separated subset of {', '.join(POLICIES)}")
+    if not Path(args.model).is_dir():
+        raise CLIError(f"model directory {args.model} does not exist")
+    from sluice.workers.cli import engine_config
+
+    config = engine_config(args, args.model)  # unset flags: EngineConfig's defaults
+    if args.threads < 0:
+        raise CLIError("--threads must be 0 (all cores) or positive")
+    if args.peer == "vllm":
+        bench_peer.vllm_python(args.peer_venv)  # fail before anything runs
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    model_cfg = ModelConfig.from_dir(Path(args.model))
+    requests = make_requests(args.num_requests, args.seed, args.prompt_len, args.output_len, model_cfg.vocab_size)
+    if args.latency_prompt_len < 1 or args.latency_output_len < 2:
+        raise CLIError("--latency-prompt-len must be positive and --latency-output-len at least 2")
+    latency = None if args.skip_latency else bench_peer.LatencyPoints.make(
+        model_cfg.vocab_size, args.seed, args.latency_prompt_len, args.latency_output_len, args.latency_streams)
+    report: dict[str, Any] = {
+        "config": {"num_requests": args.num_requests, "seed": args.seed, "device": config.device,
+                   "threads": torch.get_num_threads(), "prompt_tokens": sum(len(p) for p, _ in requests),
+                   "output_tokens": sum(o for _, o in requests), "max_output_tokens": max(o for _, o in requests),
+                   "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+                   "repeat": args.repeat,
+                   # Shared machines: a high load average marks the numbers as noisy.
+                   "load_average_at_start": os.getloadavg()[0]},
+        "sluice": {},
+    }
+    if config.device == "cpu":
+        from sluice.kernels import native
+
+        # Built here, outside every timing, so the engines' steps use them from the first one (a
+        # C++ compile the first time on a machine; an engine alone only starts those builds in
+        # the background and takes the torch path until they are done).
+        report["config"].update(native.build_all(compile_missing=not args.no_kernel_build))
+        report["matmul_peak"] = bench_peer.matmul_peak(model_cfg)
+        print(f"fp32 matmul peak {report['matmul_peak']['gflops']:.1f} GFLOP/s (best of the model's GEMM shapes)")
+    peer = None
+    if args.peer == "vllm":
+        max_len = max(len(p) + o for p, o in requests) + 1
+        if latency is not None:
+            max_len = max(max_len, latency.longest() + 1)
+        peer = bench_peer.VllmPeer(args.peer_venv, args.model, requests, latency, torch.get_num_threads(), max_len,
+                                   args.peer_speculative_tokens)
+        peer_info = peer.call("info")  # waits for its load and warm-up: nothing is timed beside it
+        report["peers"] = {"vllm": {"version": peer_info["version"], "dtype": peer_info["dtype"],
+                                    "load_seconds": peer_info["load_seconds"],
+                                    "speculative_config": peer_info.get("speculative_config")}}
+        print(f"vllm {peer_info['version']} loaded in {peer_info['load_seconds']:.0f} s")
+    try:
+        _run_engines(args, report, policies, requests, latency, peer)
+    finally:
+        if peer is not None:
+            peer.close()
+    _summarise(report, bench_peer.useful_flops(model_cfg, requests))
+    report["scheduler_cpu_ms_per_step"] = {str(n): scheduler_step_cpu_ms(n) for n in args.scheduler_sizes}
+    for n, ms in report["scheduler_cpu_ms_per_step"].items():
+        print(f"scheduler step with {n:>4} running: {ms:.3f} ms CPU")
+    report["config"]["load_average_at_end"] = os.getloadavg()[0]
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median throughput, plus every run's throughput."""
+    ordered = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+    median = dict(ordered[(len(ordered) - 1) // 2])
+    median["runs_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
+    return median
+
+
+def _run_engines(args: argparse.Namespace, report: dict[str, Any], policies: list[str],
+                 requests: list[tuple[list[int], int]], latency: bench_peer.LatencyPoints | None,
+                 peer: bench_peer.VllmPeer | None) -> None:
+    device = report["config"]["device"]
+    if not args.skip_hf:
+        by_batch = {}
+        for batch in args.hf_batch_sizes:
+            by_batch[str(batch)] = run_hf_static(args.model, requests, batch, device)
+            print(f"hf_static batch {batch:<4} {by_batch[str(batch)]['output_tokens_per_s']:10.1f} output tok/s")
+        report["hf_static_by_batch"] = by_batch
+        report["hf_static"] = dict(max(by_batch.values(), key=lambda r: r["output_tokens_per_s"]))
+        if latency is not None:
+            report["hf_static"]["latency"] = hf_latency(args.model, latency, device)
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    peer_runs: list[dict[str, Any]] = []
+    # Interleaved rounds: every engine once per round, so a noisy minute hits all of them.
+    for round_index in range(args.repeat):
+        for policy in policies:
+            point = latency if round_index == 0 and policy == policies[0] else None
+            result = run_sluice(args, policy, requests, point)
+            runs[policy].append(result)
+            print(f"sluice {policy:<13} {result['output_tokens_per_s']:10.1f} output tok/s "
+                  f"({result['steps']} steps, {result['preemptions']} preemptions, "
+                  f"{result['accepted_draft_tokens']}/{result['draft_tokens']} drafts kept, "
+                  f"{result['cpu_seconds']:.1f} s CPU in {result['seconds']:.1f} s)")
+        if peer is not None:
+            peer_runs.append(peer.call("throughput"))
+            last = peer_runs[-1]
+            cpu = f" ({last['cpu_seconds']:.1f} s CPU in {last['seconds']:.1f} s)" if "cpu_seconds" in last else ""
+            print(f"vllm                 {last['output_tokens_per_s']:10.1f} output tok/s{cpu}")
+    for policy, policy_runs in runs.items():
+        report["sluice"][policy] = _median_run(policy_runs)
+        if "latency" in policy_runs[0]:
+            report["sluice"][policy]["latency"] = policy_runs[0]["latency"]
+    if peer is not None:
+        report["peers"]["vllm"].update(_median_run(peer_runs))
+        if latency is not None:
+            report["peers"]["vllm"]["latency"] = peer.call("latency")
+
+
+def _summarise(report: dict[str, Any], flops: float) -> None:
+    """Ratios, FLOP/s as a fraction of the matmul peak, and one table of every engine."""
+    engines: dict[str, dict[str, Any]] = {}
+    if "hf_static" in report:
+        engines[f"hf_static (batch {report['hf_static']['batch_size']})"] = report["hf_static"]
+    engines.update({f"sluice {p}": r for p, r in report["sluice"].items()})
+    engines.update({f"peer {name}": r for name, r in report.get("peers", {}).items()})
+    peak = report.get("matmul_peak", {}).get("gflops")
+    report["useful_gflop"] = flops / 1e9
+    for result in engines.values():
+        result["achieved_gflops"] = flops / result["seconds"] / 1e9
+        if peak:
+            result["fraction_of_matmul_peak"] = result["achieved_gflops"] / peak
+    if "hf_static" in report:
+        base = report["hf_static"]["output_tokens_per_s"]
+        report["speedup_vs_hf"] = {p: r["output_tokens_per_s"] / base for p, r in report["sluice"].items()}
+    if "vllm" in report.get("peers", {}):
+        base = report["peers"]["vllm"]["output_tokens_per_s"]
+        report["speedup_vs_peer"] = {"vllm": {p: r["output_tokens_per_s"] / base for p, r in report["sluice"].items()}}
+        # The same ratio per CPU second (each engine's median-throughput run): steadier than wall
+        # clock where other processes share the cores.
+        peer_cpu = report["peers"]["vllm"].get("output_tokens_per_cpu_s")
+        if peer_cpu:
+            report["speedup_vs_peer_per_cpu_s"] = {"vllm": {
+                p: r["output_tokens_per_cpu_s"] / peer_cpu
+                for p, r in report["sluice"].items() if r.get("output_tokens_per_cpu_s")}}
+    points = sorted({p for r in engines.values() for p in r.get("latency", {})}, key=lambda p: int(p.split("_")[1]))
+    print(f"{'engine':<24} {'tok/s':>8} {'GFLOP/s':>8} {'%peak':>6} "
+          + " ".join(f"{'TTFT/ITL ms @' + p.split('_')[1]:>18}" for p in points))
+    for name, r in engines.items():
+        lat = r.get("latency", {})
+        cells = " ".join(f"{lat[p]['ttft_s'] * 1e3:>9.0f}/{lat[p]['mean_itl_s'] * 1e3:<8.1f}"
+                         if p in lat else f"{'-':>18}" for p in points)
+        pct = f"{100 * r['fraction_of_matmul_peak']:6.1f}" if "fraction_of_matmul_peak" in r else f"{'-':>6}"
+        print(f"{name:<24} {r['output_tokens_per_s']:8.1f} {r['achieved_gflops']:8.1f} {pct} {cells}")
+    for ref, ratios in [("HF static", report.get("speedup_vs_hf", {})),
+                        ("vLLM", report.get("speedup_vs_peer", {}).get("vllm", {})),
+                        ("vLLM per CPU second", report.get("speedup_vs_peer_per_cpu_s", {}).get("vllm", {}))]:
+        for p, ratio in ratios.items():
+            print(f"speedup {p:<13} {ratio:6.2f}x vs {ref}")

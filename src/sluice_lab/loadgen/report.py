@@ -1,0 +1,147 @@
+"""Summaries of a load-generator run: percentiles, throughput and goodput per class and tenant.
+
+Definitions (the same in every sluice report):
+- TTFT and e2e percentiles are over requests (one value per successful request).
+- ITL percentiles are over token gaps pooled across the group's requests (every gap between two
+  consecutive streamed chunks counts once), as vLLM's benchmark does; `max_itl_s` is the worst
+  single stall.
+- Percentiles use `sluice.telemetry.percentile` (linear interpolation, numpy's default).
+- Throughput divides by the run's wall time (first send to last reply).
+- Goodput counts successful requests whose TTFT <= the TTFT SLO and whose own ITL p95 <= the ITL
+  SLO (a request with fewer than two tokens meets the ITL SLO trivially).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from sluice.telemetry import percentile
+from sluice_lab.loadgen.client import ClientResult
+from sluice_lab.loadgen.runner import RunResult
+from sluice_lab.loadgen.scenario import Scenario, Slo
+
+QUANTILES = (50, 95, 99)
+
+
+def _pcts(values: Sequence[float], name: str) -> dict[str, float | None]:
+    return {f"{name}_p{q}": percentile(values, q) for q in QUANTILES}
+
+
+def request_gaps(result: ClientResult) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(result.token_times)]
+
+
+def meets_slo(result: ClientResult, slo: Slo) -> bool:
+    if not result.ok or result.first_token is None:
+        return False
+    if result.first_token - result.sent > slo.ttft_s:
+        return False
+    own_p95 = percentile(request_gaps(result), 95)
+    return own_p95 is None or own_p95 <= slo.itl_s
+
+
+def summarize(results: Sequence[ClientResult], wall_s: float, slo: Slo) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttfts = [r.first_token - r.sent for r in ok if r.first_token is not None]
+    e2es = [r.finish - r.sent for r in ok]
+    gaps = [g for r in ok for g in request_gaps(r)]
+    good = sum(1 for r in ok if meets_slo(r, slo))
+    out_tokens = sum(r.completion_tokens for r in ok)
+    wall = max(wall_s, 1e-9)
+    summary: dict[str, Any] = {
+        "requests": len(results),
+        "succeeded": len(ok),
+        "errors": dict(Counter(r.error for r in results if r.error)),
+        "reconnects": sum(r.reconnects for r in results),  # broken streams re-attached (--reconnects)
+        **_pcts(ttfts, "ttft_s"),
+        **_pcts(gaps, "itl_s"),
+        **_pcts(e2es, "e2e_s"),
+        "max_itl_s": max(gaps) if gaps else None,
+        "request_throughput_rps": len(ok) / wall,
+        "output_token_throughput_tps": out_tokens / wall,
+        "input_token_throughput_tps": sum(r.prompt_tokens for r in ok) / wall,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "completion_tokens": out_tokens,
+        "goodput_rps": good / wall,
+        "slo_attainment": good / len(results) if results else None,
+    }
+    return summary
+
+
+def _class_of(result: ClientResult) -> str:
+    return result.service_tier or result.spec.service_tier or "default"
+
+
+def _grouped(results: Iterable[ClientResult], key) -> dict[str, list[ClientResult]]:
+    groups: dict[str, list[ClientResult]] = defaultdict(list)
+    for result in results:
+        groups[key(result)].append(result)
+    return dict(sorted(groups.items()))
+
+
+def build_report(run: RunResult, scenario: Scenario, slo: Slo, seed: int) -> dict[str, Any]:
+    results = sorted(run.results, key=lambda r: r.sent)
+    report: dict[str, Any] = {
+        "scenario": scenario.name,
+        "base_url": run.base_url,
+        "model": scenario.model,
+        "seed": seed,
+        "wall_s": run.wall_s,
+        "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
+        "percentile_method": "linear interpolation between closest ranks (numpy default)",
+        "summary": summarize(results, run.wall_s, slo),
+        "by_class": {k: summarize(v, run.wall_s, slo) for k, v in _grouped(results, _class_of).items()},
+        "by_tenant": {k: summarize(v, run.wall_s, slo)
+                      for k, v in _grouped(results, lambda r: r.spec.tenant).items()},
+        "by_workload": {k: summarize(v, run.wall_s, slo)
+                        for k, v in _grouped(results, lambda r: r.spec.workload).items()},
+        "batches": [msgspec.to_builtins(b) for b in run.batches],
+        "requests": [request_row(r, scenario.model, run.started) for r in results],
+    }
+    return report
+
+
+def request_row(result: ClientResult, model: str, started: float) -> dict[str, Any]:
+    """The per-request data behind every number: the telemetry record plus raw chunk times."""
+    row = msgspec.to_builtins(result.to_record(model))
+    row["workload"] = result.spec.workload
+    row["error"] = result.error
+    row["error_detail"] = result.error_detail
+    row["reconnects"] = result.reconnects
+    row["sent_offset_s"] = result.sent - started
+    row["token_times"] = list(result.token_times)
+    return row
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A compact text table: one row per class and per tenant."""
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.0f}"
+
+    lines = [f"scenario {report['scenario']}: {report['summary']['requests']} requests in "
+             f"{report['wall_s']:.1f} s against {report['base_url']}",
+             f"{'group':<28}{'n':>6}{'err':>5}{'ttft p50/p95/p99 ms':>22}{'itl p50/p95/p99 ms':>21}"
+             f"{'max itl':>9}{'tok/s':>9}{'good':>7}"]
+    rows = [("all", report["summary"])]
+    rows += [(f"class {k}", v) for k, v in report["by_class"].items()]
+    rows += [(f"tenant {k}", v) for k, v in report["by_tenant"].items()]
+    for name, s in rows:
+        ttft = "/".join(ms(s[f"ttft_s_p{q}"]) for q in QUANTILES)
+        itl = "/".join(ms(s[f"itl_s_p{q}"]) for q in QUANTILES)
+        good = "-" if s["slo_attainment"] is None else f"{s['slo_attainment']:.0%}"
+        lines.append(f"{name[:27]:<28}{s['requests']:>6}{sum(s['errors'].values()):>5}{ttft:>22}{itl:>21}"
+                     f"{ms(s['max_itl_s']):>9}{s['output_token_throughput_tps']:>9.1f}{good:>7}")
+    for batch in report["batches"]:
+        done = "-" if batch["completion_s"] is None else f"{batch['completion_s']:.1f} s"
+        lines.append(f"batch {batch['workload']}: {batch['status'] or 'not started'} {batch['completed']}/"
+                     f"{batch['lines']} lines in {done}" + (f" ({batch['error']})" if batch["error"] else ""))
+    errors = report["summary"]["errors"]
+    if errors:
+        lines.append("errors: " + ", ".join(f"{k}={v}" for k, v in sorted(errors.items())))
+    return "\n".join(lines)
