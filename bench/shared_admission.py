@@ -28,9 +28,9 @@ from pathlib import Path
 import asyncpg
 from redis.asyncio import Redis
 
-from sluice.gateway.auth import TenantContext
-from sluice.gateway.quotas import QuotaLimits, QuotaService
-from sluice.gateway.redis_ledger import RedisLedger
+from sluice.gateway.auth.service import TenantContext
+from sluice.gateway.quotas.redis_ledger import RedisLedger
+from sluice.gateway.quotas.service import QuotaLimits, QuotaService
 from sluice.protocol import Priority
 from sluice.telemetry import percentile
 

@@ -22,7 +22,7 @@ import time
 
 from redis.asyncio import Redis
 
-from sluice.gateway.stream_log import LocalStreamLog, RedisStreamLog, StreamLog
+from sluice.gateway.streams.log import LocalStreamLog, RedisStreamLog, StreamLog
 from sluice.telemetry import percentile
 
 FRAME = (

@@ -23,7 +23,7 @@ _REGISTRARS: tuple[tuple[str, str], ...] = (
     ("sluice.cli", "register_broker"),
     ("sluice.cli", "register_config"),
     ("sluice.workers.cli", "register"),
-    ("sluice.gateway.cli", "register"),
+    ("sluice.gateway.launch.cli", "register"),
 )
 # `sluice bench ...` is the lab's (sluice_lab, which imports the product, never the reverse): found
 # by name at run time, so the product has no import of it.

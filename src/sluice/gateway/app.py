@@ -24,29 +24,29 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice import telemetry
 from sluice.gateway.admin.controllers import AdminController
+from sluice.gateway.admin.seed import seed_tenants
 from sluice.gateway.admin.service import AdminService
-from sluice.gateway.api.generation import GenerationService
 from sluice.gateway.api.openai import OpenAIController
-from sluice.gateway.api.resumable import StreamHub
 from sluice.gateway.api.system import health, metrics, ready
 from sluice.gateway.api.tokenize import TokenizeController
-from sluice.gateway.auth import AuthService
-from sluice.gateway.backend import GenerationBackend
-from sluice.gateway.bodies import strict_json_body
-from sluice.gateway.body_check import BodyJudge
+from sluice.gateway.auth.service import AuthService
+from sluice.gateway.cluster.drain import Drain
+from sluice.gateway.cluster.shared import SharedState, open_shared
 from sluice.gateway.console import console_route_handlers, template_config
 from sluice.gateway.console.security import ConsoleSessions
 from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.session import make_engine, make_session_factory
-from sluice.gateway.drain import Drain
-from sluice.gateway.errors import EXCEPTION_HANDLERS
-from sluice.gateway.methods import OptionsMiddleware
-from sluice.gateway.openapi import COMPONENTS, ContractJsonPlugin
-from sluice.gateway.quotas import QuotaService
-from sluice.gateway.seed import seed_tenants
-from sluice.gateway.shared import SharedState, open_shared
-from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
-from sluice.gateway.usage import UsageService
+from sluice.gateway.edge.body_decode import BodyJudge
+from sluice.gateway.edge.errors import EXCEPTION_HANDLERS
+from sluice.gateway.edge.json_body import strict_json_body
+from sluice.gateway.edge.methods import OptionsMiddleware
+from sluice.gateway.edge.openapi import COMPONENTS, ContractJsonPlugin
+from sluice.gateway.generation.service import GenerationService
+from sluice.gateway.generation.tokenization import ModelTokenizer, TokenizerRegistry
+from sluice.gateway.queueing.backend import GenerationBackend
+from sluice.gateway.quotas.service import QuotaService
+from sluice.gateway.quotas.usage import UsageService
+from sluice.gateway.streams.hub import StreamHub
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def create_app(
     streams = StreamHub(shared.stream_log, generation.spawn, grace_s=settings.gateway.disconnect_grace_s)
     holder = getattr(backend, "holder", None)
     if holder is not None:  # the Kafka backend with shared state: streams of lost replicas go on here
-        from sluice.gateway.api.takeover import StreamResumer
+        from sluice.gateway.streams.resumer import StreamResumer
 
         holder.resumer = StreamResumer(streams, generation, auth, backend, holder)  # type: ignore[arg-type]
     admin = AdminService(session_factory, auth, usage.flush)

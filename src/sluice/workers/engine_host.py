@@ -2,7 +2,7 @@
 
 Every way of reaching an engine goes through an `EngineHost` (the way vLLM v1 has one EngineCore
 and several clients): a worker process's TCP connections to its gateways (workers/server.py) and
-the gateway's in-process link (gateway/local_link.py) are both `EngineClient`s of it. What a host
+the gateway's in-process link (gateway/dispatch/links/inprocess.py) are both `EngineClient`s of it. What a host
 does, it does once for every kind:
 - `add` / `abort` from any thread, through one locked inbox, applied on the engine thread between
   steps (a step never delays reading an abort by more than one step);

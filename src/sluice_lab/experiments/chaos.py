@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from sluice.client import StreamBroken, stream_chat
-from sluice.gateway.local_processes import restart_delay
+from sluice.gateway.launch.children import restart_delay
 from sluice_lab.experiments.cluster import STARTUP_TIMEOUT_S, Cluster, Process
 
 KINDS = ("replica", "worker")

@@ -67,11 +67,11 @@ def install() -> None:
     _fd = os.open(os.environ[ENV_OUT], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     from litestar import Litestar
 
-    from sluice.gateway import upstream_http
-    from sluice.gateway.api.generation import Flight, GenerationService
-    from sluice.gateway.auth import AuthService
-    from sluice.gateway.queue import RequestLog
-    from sluice.gateway.quotas import QuotaService
+    from sluice.gateway.auth.service import AuthService
+    from sluice.gateway.dispatch.links import upstream_http
+    from sluice.gateway.generation.service import Flight, GenerationService
+    from sluice.gateway.queueing.kafka import RequestLog
+    from sluice.gateway.quotas.service import QuotaService
 
     call = Litestar.__call__
 
@@ -114,7 +114,7 @@ def install() -> None:
 
     from aiokafka.conn import AIOKafkaConnection
 
-    from sluice.gateway.upstream import UpstreamLink
+    from sluice.gateway.dispatch.links.upstream import UpstreamLink
 
     link_send = UpstreamLink.send
 

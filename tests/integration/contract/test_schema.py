@@ -18,10 +18,10 @@ from sluice.gateway.admin.schemas import KeyCreate, QuotasPatch, TenantCreate, T
 from sluice.gateway.app import create_app
 from sluice.gateway.batches import batch_components
 from sluice.gateway.batches.controllers import BatchCreate
-from sluice.gateway.errors import ErrorResponse
-from sluice.gateway.kafka_backend import KafkaBackend
-from sluice.gateway.openapi import REF_TEMPLATE
-from sluice.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from sluice.gateway.edge.errors import ErrorResponse
+from sluice.gateway.edge.openapi import REF_TEMPLATE
+from sluice.gateway.edge.schemas import ChatCompletionRequest, CompletionRequest
+from sluice.gateway.queueing.acceptance import KafkaBackend
 from sluice.settings import KafkaSettings, Settings
 
 from .conftest import ADMIN_TOKEN, Served
@@ -88,7 +88,7 @@ def test_every_error_answer_is_documented_as_the_openai_error_object(served: Ser
         if "requestBody" in op:
             assert "413" in op["responses"], (path, method)
     assert document["paths"]["/ready"]["get"]["responses"]["503"]
-    assert document["paths"]["/health"]["get"]["responses"]["503"]  # draining (gateway/drain.py)
+    assert document["paths"]["/health"]["get"]["responses"]["503"]  # draining (gateway/cluster/drain.py)
     metrics = document["paths"]["/metrics"]["get"]
     assert "401" in metrics["responses"] and metrics["security"] == [{"metricsToken": []}, {"adminToken": []}]
 

@@ -13,7 +13,7 @@ from litestar.testing import AsyncTestClient
 from sluice.broker import free_port
 from sluice.gateway.app import create_app
 from sluice.gateway.batches import batch_components
-from sluice.gateway.kafka_backend import KafkaBackend
+from sluice.gateway.queueing.acceptance import KafkaBackend
 from sluice.settings import AdminSettings, DatabaseSettings, QuotaSeed, TenantSeed
 
 from .conftest import make_settings, wait_for

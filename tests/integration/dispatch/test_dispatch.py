@@ -15,8 +15,8 @@ import msgspec
 import pytest
 
 from sluice.broker import free_port
-from sluice.gateway.backend import BackendUnavailable
-from sluice.gateway.kafka_backend import KafkaBackend
+from sluice.gateway.queueing.acceptance import KafkaBackend
+from sluice.gateway.queueing.backend import BackendUnavailable
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
 
 from .conftest import kill_group, make_settings, wait_for
@@ -257,7 +257,7 @@ async def test_broker_gone_gives_backend_unavailable_quickly(demo_model_dir: Pat
 
 async def test_replayed_request_without_its_client_is_finished_without_generation(
         backend: KafkaBackend) -> None:
-    from sluice.gateway.queue import RequestLog
+    from sluice.gateway.queueing.kafka import RequestLog
 
     # Written by "another gateway process" (one that died): nobody here holds its stream.
     orphan_log = RequestLog(backend.settings.kafka)

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from sluice.gateway.backend import BackendUnavailable, LocalEngineBackend, Submission
-from sluice.gateway.dispatch import Dispatcher
-from sluice.gateway.jobs import Job
-from sluice.gateway.links import EngineLink
-from sluice.gateway.local_link import InProcessLink
+from sluice.gateway.dispatch.dispatcher import Dispatcher
+from sluice.gateway.dispatch.jobs import Job
+from sluice.gateway.dispatch.links.base import EngineLink
+from sluice.gateway.dispatch.links.inprocess import InProcessLink
+from sluice.gateway.queueing.backend import BackendUnavailable, Submission
+from sluice.gateway.queueing.local import LocalEngineBackend
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
 from sluice.settings import DispatchSettings, Settings
 from sluice.workers.config import EngineConfig

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from sluice.broker import free_port
-from sluice.gateway.kafka_backend import KafkaBackend
-from sluice.gateway.serve import HEALTHY_RUN_S, RESTART_BACKOFF_S, restart_delay
+from sluice.gateway.launch.serve import HEALTHY_RUN_S, RESTART_BACKOFF_S, restart_delay
+from sluice.gateway.queueing.acceptance import KafkaBackend
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
 
 from .conftest import make_settings, wait_for

@@ -1,4 +1,4 @@
-"""Dispatch through the shared store's worker slots (gateway/slots.py): a KafkaBackend whose
+"""Dispatch through the shared store's worker slots (gateway/dispatch/slots.py): a KafkaBackend whose
 shared state is the real Redis ($SLUICE_TEST_REDIS_URL), real worker processes.
 
 Here (not in tests/integration/shared/) because the worker fixtures live in this directory.
@@ -21,8 +21,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from sluice.broker import free_port
-from sluice.gateway.dispatch import SLOT_ERROR_RETRY_S
-from sluice.gateway.kafka_backend import KafkaBackend
+from sluice.gateway.dispatch.dispatcher import SLOT_ERROR_RETRY_S
+from sluice.gateway.queueing.acceptance import KafkaBackend
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams, WorkerCapacity
 from sluice.settings import DispatchSettings, SharedSettings
 

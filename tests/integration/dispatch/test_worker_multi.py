@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from sluice.broker import free_port
-from sluice.gateway.kafka_backend import KafkaBackend
+from sluice.gateway.queueing.acceptance import KafkaBackend
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
 
 from .conftest import StartWorker, make_settings, wait_for

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from sluice.broker import free_port
-from sluice.gateway.kafka_backend import KafkaBackend
+from sluice.gateway.queueing.acceptance import KafkaBackend
 from sluice.protocol import (
     FinishReason,
     FrameDecoder,
@@ -78,7 +78,7 @@ async def test_only_a_peer_with_the_secret_is_a_worker_and_a_live_worker_is_neve
     port = free_port()
     backend = KafkaBackend(make_settings(bootstrap_servers, demo_model_dir), worker_port=port)
     await backend.start()
-    caplog.set_level(logging.INFO, logger="sluice.gateway.dispatch")
+    caplog.set_level(logging.INFO, logger="sluice.gateway.dispatch.dispatcher")
     try:
         queued = await backend.submit(request(0))  # waits for a worker: an impostor must not get it
         wrong = "x" * len(WORKER_SECRET)
@@ -165,12 +165,12 @@ async def test_workers_announce_what_they_serve(bootstrap_servers: str, demo_mod
     """A model is served once a worker announced it (then also while its workers are down); a worker
     with another tokenizer or a shorter context for that name is refused; the gateway answers 404
     model_not_found for a model no worker announced."""
-    from sluice.gateway.api.generation import GenerationService
-    from sluice.gateway.auth import TenantContext
-    from sluice.gateway.errors import OpenAIError
-    from sluice.gateway.quotas import QuotaLimits, QuotaService
-    from sluice.gateway.schemas import ChatCompletionRequest
-    from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
+    from sluice.gateway.auth.service import TenantContext
+    from sluice.gateway.edge.errors import OpenAIError
+    from sluice.gateway.edge.schemas import ChatCompletionRequest
+    from sluice.gateway.generation.service import GenerationService
+    from sluice.gateway.generation.tokenization import ModelTokenizer, TokenizerRegistry
+    from sluice.gateway.quotas.service import QuotaLimits, QuotaService
     from sluice.protocol import tokenizer_identity
     from sluice.settings import DispatchSettings
 

@@ -22,7 +22,7 @@ from litestar.testing import AsyncTestClient
 from sluice.broker import EmbeddedBroker, free_port
 from sluice.gateway.app import create_app
 from sluice.gateway.batches import batch_components
-from sluice.gateway.kafka_backend import KafkaBackend
+from sluice.gateway.queueing.acceptance import KafkaBackend
 from sluice.settings import AdminSettings, DatabaseSettings, Settings, TenantSeed
 
 ADMIN_TOKEN = "slc-admin-fault-tests-" + "x" * 24

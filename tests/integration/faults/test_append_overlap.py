@@ -21,7 +21,7 @@ import pytest
 from dispatch.conftest import wait_for
 
 from sluice.broker import EmbeddedBroker
-from sluice.gateway.kafka_backend import StreamSubmission
+from sluice.gateway.queueing.acceptance import StreamSubmission
 from sluice.protocol import FinishReason, RequestDelta
 from sluice.settings import KafkaSettings
 

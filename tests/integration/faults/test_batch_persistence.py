@@ -68,7 +68,7 @@ def start_database_fault(database_url: str, seconds: float) -> threading.Thread:
 
 async def test_results_survive_a_failing_database(gateway: FaultGateway, database_url: str,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="sluice.gateway.kafka_backend")
+    caplog.set_level(logging.WARNING, logger="sluice.gateway.queueing.acceptance")
     sdk = gateway.sdk
     uploaded = await sdk.files.create(file=("in.jsonl", jsonl(16, max_tokens=16)), purpose="batch")
     batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",

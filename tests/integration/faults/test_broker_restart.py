@@ -17,7 +17,7 @@ from dispatch.test_queue import collect
 from dispatch.test_queue import request as queued_request
 
 from sluice.broker import EmbeddedBroker, free_port
-from sluice.gateway.queue import RequestLog, ensure_topics
+from sluice.gateway.queueing.kafka import RequestLog, ensure_topics
 from sluice.protocol import Priority
 from sluice.settings import KafkaSettings, SchedulerSettings
 

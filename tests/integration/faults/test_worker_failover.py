@@ -25,7 +25,7 @@ import pytest
 from dispatch.conftest import kill_group
 
 from sluice import telemetry
-from sluice.gateway.dispatch import MAX_DISPATCH_ATTEMPTS, Job
+from sluice.gateway.dispatch.dispatcher import MAX_DISPATCH_ATTEMPTS, Job
 
 from .conftest import FaultGateway, StartWorker, fault_settings, open_gateway, wait_for
 

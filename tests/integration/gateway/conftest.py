@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 
 from sluice.gateway.app import create_app
-from sluice.gateway.backend import LocalEngineBackend
+from sluice.gateway.queueing.local import LocalEngineBackend
 from sluice.settings import AdminSettings, DatabaseSettings, GatewaySettings, Settings, SharedSettings
 
 ENGINE_OPTIONS = {"max_num_seqs": 32, "kv_cache_bytes": 32 * 2**20, "max_num_batched_tokens": 512}

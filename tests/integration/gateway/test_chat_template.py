@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice.gateway.errors import OpenAIError
-from sluice.gateway.tokenization import ModelTokenizer
+from sluice.gateway.edge.errors import OpenAIError
+from sluice.gateway.generation.tokenization import ModelTokenizer
 
 pytestmark = pytest.mark.integration
 

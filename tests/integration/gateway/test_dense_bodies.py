@@ -1,4 +1,4 @@
-"""A dense body (one that may hold more JSON values than `body_check.DENSE_VALUES`) is judged in the
+"""A dense body (one that may hold more JSON values than `body_decode.DENSE_VALUES`) is judged in the
 helper process; its 400 is the same error object, with the same `param` and `code`, as the one
 for the same body decoded inline, and a dense body that is valid is served as usual."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sluice.gateway.body_check import DENSE_VALUES, is_dense
+from sluice.gateway.edge.body_decode import DENSE_VALUES, is_dense
 
 pytestmark = pytest.mark.integration
 

@@ -10,14 +10,14 @@ import pytest
 from sqlalchemy import select
 
 from sluice.gateway.admin.schemas import KeyCreate, Quotas, QuotasPatch, TenantCreate, TenantPatch
+from sluice.gateway.admin.seed import ensure_demo_key, seed_tenants
 from sluice.gateway.admin.service import AdminService
-from sluice.gateway.auth import UNKNOWN_KEY_CACHE_SIZE, AuthService, hash_secret
+from sluice.gateway.auth.service import UNKNOWN_KEY_CACHE_SIZE, AuthService, hash_secret
 from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.models import AdminToken, ApiKey, AuditLog, UsageDaily
 from sluice.gateway.db.session import make_engine, make_session_factory
-from sluice.gateway.errors import OpenAIError
-from sluice.gateway.seed import ensure_demo_key, seed_tenants
-from sluice.gateway.usage import UsageService
+from sluice.gateway.edge.errors import OpenAIError
+from sluice.gateway.quotas.usage import UsageService
 from sluice.settings import QuotaSeed, TenantSeed
 
 pytestmark = pytest.mark.integration
@@ -215,9 +215,9 @@ async def test_unknown_keys_are_cached_briefly_and_forgotten_when_created(servic
 
 async def test_daily_budget_survives_restart(services) -> None:
     """A fresh QuotaService (a restarted gateway) starts from the day's total in usage_daily."""
-    from sluice.gateway.auth import tenant_context
+    from sluice.gateway.auth.service import tenant_context
     from sluice.gateway.db.models import Quota, Tenant
-    from sluice.gateway.quotas import QuotaExceeded, QuotaService
+    from sluice.gateway.quotas.service import QuotaExceeded, QuotaService
     from sluice.protocol import Priority
 
     sessions, _, admin, usage = services
@@ -303,7 +303,7 @@ async def test_a_change_arriving_during_a_key_lookup_is_not_undone_by_it(service
     it, so the next lookup sees the change (otherwise a revocation could be undone for a TTL)."""
     from contextlib import asynccontextmanager
 
-    from sluice.gateway.invalidation import Change, LocalBus
+    from sluice.gateway.cluster.invalidation import Change, LocalBus
 
     sessions, _, admin, _ = services
     tenant = await admin.create_tenant(TenantCreate(name="racy"))

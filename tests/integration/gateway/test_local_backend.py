@@ -8,15 +8,16 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from sluice.gateway.api.generation import Flight, GenerationService, Prepared
-from sluice.gateway.api.streaming import stream_chat
-from sluice.gateway.auth import TenantContext
-from sluice.gateway.backend import BackendUnavailable, GenerationBackend, LocalEngineBackend, Submission
+from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.session import make_engine, make_session_factory
-from sluice.gateway.quotas import QuotaLimits, QuotaService
-from sluice.gateway.tokenization import ModelTokenizer, TokenizerRegistry
-from sluice.gateway.usage import UsageService
+from sluice.gateway.generation.service import Flight, GenerationService, Prepared
+from sluice.gateway.generation.tokenization import ModelTokenizer, TokenizerRegistry
+from sluice.gateway.queueing.backend import BackendUnavailable, GenerationBackend, Submission
+from sluice.gateway.queueing.local import LocalEngineBackend
+from sluice.gateway.quotas.service import QuotaLimits, QuotaService
+from sluice.gateway.quotas.usage import UsageService
+from sluice.gateway.streams.frames import stream_chat
 from sluice.protocol import FinishReason, GenerateRequest, Priority, SamplingParams
 
 pytestmark = pytest.mark.integration

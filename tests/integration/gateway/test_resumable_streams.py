@@ -23,7 +23,7 @@ import uvicorn
 
 from sluice.client import _events, stream_chat
 from sluice.gateway.app import create_app
-from sluice.gateway.backend import LocalEngineBackend
+from sluice.gateway.queueing.local import LocalEngineBackend
 from sluice_lab.loadgen.client import ClientResult, RequestSpec, send_streaming
 
 ENGINE_OPTIONS = {"max_num_seqs": 32, "kv_cache_bytes": 32 * 2**20, "max_num_batched_tokens": 512}

@@ -7,7 +7,7 @@ Method: every worker is kept full (its engine's seats and its waiting queue) by 
 tenant's long requests while all requests are accepted; then the blockers are cancelled, so the
 order the workers run the requests in is the schedule's decision and not a race with how fast 2
 busy cores accept 100 HTTP requests. Meanwhile every replica holding requests is refused a slot
-and files its head job (gateway/slots.py), so all of them contend for the first freed slot.
+and files its head job (gateway/dispatch/slots.py), so all of them contend for the first freed slot.
 (Draining the workers on every replica and undraining them, as tests/integration/dispatch does
 with one gateway, was flaky here: the replicas take the undrain at moments up to a few hundred
 ms apart on the busy machine, and the first back alone fills every freed slot meanwhile, its own

@@ -3,7 +3,7 @@ resumes on another replica and its concatenated text equals the undisturbed gree
 
 The stream's record is held (uncommitted) by its partition's owner until the stream's log ends;
 when the generating replica's lease runs out, the holder (after a rebalance, if the dead replica
-was the owner) claims the stream and continues it with `resume_token_ids` (gateway/takeover.py).
+was the owner) claims the stream and continues it with `resume_token_ids` (gateway/streams/holder.py).
 `sluice.client.stream_chat` reconnects to the next replica with Last-Event-ID. Each test compares
 the disturbed run with the same request run undisturbed first: every event (ids contiguous, none
 twice), the text, finish_reason and usage, and one request record and one usage row. The stall
@@ -235,7 +235,7 @@ async def test_a_stream_whose_replica_dies_before_its_first_event_is_run_from_th
     async def none_held() -> bool:
         return await asyncio.to_thread(held) == 0
 
-    # The reference's record stays held until the holder's next check (gateway/takeover.py,
+    # The reference's record stays held until the holder's next check (gateway/streams/holder.py,
     # CHECK_S) sees its log ended: counted in a baseline and released during the wait below, it
     # would hide the new stream's hold (CI: frozen until the 60 s wait failed).
     await until(none_held, 60, "the reference stream's record to be released")

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from redis.asyncio import Redis
 
-from sluice.gateway.quotas import QuotaService
-from sluice.gateway.redis_ledger import RedisLedger
+from sluice.gateway.quotas.redis_ledger import RedisLedger
+from sluice.gateway.quotas.service import QuotaService
 
 REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "")
 LEASE_S = 1.5  # short, so a killed replica's holds come back within the test

@@ -16,7 +16,7 @@ import pytest
 from litestar.testing import AsyncTestClient
 
 from sluice.gateway.app import create_app
-from sluice.gateway.backend import LocalEngineBackend
+from sluice.gateway.queueing.local import LocalEngineBackend
 from sluice.settings import AdminSettings, DatabaseSettings, GatewaySettings, Settings, SharedSettings
 
 pytestmark = pytest.mark.integration

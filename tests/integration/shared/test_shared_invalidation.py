@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from sluice.gateway.invalidation import Change, RedisBus
+from sluice.gateway.cluster.invalidation import Change, RedisBus
 
 pytestmark = pytest.mark.integration
 

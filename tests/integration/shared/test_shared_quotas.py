@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from sluice.gateway.auth import TenantContext
-from sluice.gateway.errors import OpenAIError
-from sluice.gateway.quotas import QuotaExceeded, QuotaLimits, QuotaService, Reservation
-from sluice.gateway.redis_ledger import RedisLedger
+from sluice.gateway.auth.service import TenantContext
+from sluice.gateway.edge.errors import OpenAIError
+from sluice.gateway.quotas.redis_ledger import RedisLedger
+from sluice.gateway.quotas.service import QuotaExceeded, QuotaLimits, QuotaService, Reservation
 from sluice.protocol import Priority
 
 pytestmark = pytest.mark.integration
@@ -126,9 +126,9 @@ async def test_killed_replica_releases_its_holds_within_the_lease(replicas: Make
 VICTIM = """
 import asyncio, sys
 from redis.asyncio import Redis
-from sluice.gateway.auth import TenantContext
-from sluice.gateway.quotas import QuotaLimits, QuotaService
-from sluice.gateway.redis_ledger import RedisLedger
+from sluice.gateway.auth.service import TenantContext
+from sluice.gateway.quotas.service import QuotaLimits, QuotaService
+from sluice.gateway.quotas.redis_ledger import RedisLedger
 from sluice.protocol import Priority
 
 async def main(url, prefix, lease_s):

@@ -17,12 +17,12 @@ from typing import cast
 import pytest
 from redis.asyncio import Redis
 
-from sluice.gateway.dispatch import Job
-from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
-from sluice.gateway.links import WorkerConn
-from sluice.gateway.redis_ledger import RedisLedger
-from sluice.gateway.shared_fair import RedisFairness
-from sluice.gateway.slots import RedisSlots
+from sluice.gateway.dispatch.dispatcher import Job
+from sluice.gateway.dispatch.fair import ClassPolicy, FairScheduler, Pending
+from sluice.gateway.dispatch.fair_shared import RedisFairness
+from sluice.gateway.dispatch.links.tcp import WorkerConn
+from sluice.gateway.dispatch.slots import RedisSlots
+from sluice.gateway.quotas.redis_ledger import RedisLedger
 from sluice.protocol import GenerateRequest, Priority, SamplingParams, ServedModelInfo, WorkerCapacity, WorkerRegister
 from sluice.telemetry import percentile
 

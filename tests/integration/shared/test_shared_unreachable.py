@@ -10,7 +10,7 @@ import pytest
 from litestar.testing import AsyncTestClient
 
 from sluice.gateway.app import create_app
-from sluice.gateway.backend import LocalEngineBackend
+from sluice.gateway.queueing.local import LocalEngineBackend
 from sluice.settings import AdminSettings, DatabaseSettings, Settings, SharedSettings
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""Replica takeover's claim (gateway/takeover.py) on the real Redis: of replicas racing for a
+"""Replica takeover's claim (gateway/streams/holder.py) on the real Redis: of replicas racing for a
 stream whose generator's lease ran out, exactly one claims it; a stream whose generator is alive,
 one that ended, and one whose log is gone are never claimed; the claimer reads back the token ids
 logged with the events; held records are finished once their streams end."""
@@ -11,10 +11,10 @@ import pytest
 from aiokafka import TopicPartition
 from redis.asyncio import Redis
 
-from sluice.gateway.queue import RecordRef
-from sluice.gateway.redis_ledger import RedisLedger
-from sluice.gateway.stream_log import RedisStreamLog
-from sluice.gateway.takeover import ALIVE, CLAIMED, ENDED, GONE, Claimed, StreamHolder
+from sluice.gateway.queueing.kafka import RecordRef
+from sluice.gateway.quotas.redis_ledger import RedisLedger
+from sluice.gateway.streams.holder import ALIVE, CLAIMED, ENDED, GONE, Claimed, StreamHolder
+from sluice.gateway.streams.log import RedisStreamLog
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 
 pytestmark = [pytest.mark.integration]

@@ -9,8 +9,8 @@ import pytest
 
 from sluice.cli import build_parser
 from sluice.errors import CLIError
-from sluice.gateway.cli import apply_engine_options, worker_setup
-from sluice.gateway.serve import check_engine_options
+from sluice.gateway.launch.cli import apply_engine_options, worker_setup
+from sluice.gateway.launch.serve import check_engine_options
 from sluice.settings import ModelSpec, Settings
 from sluice.workers.config import EngineConfig
 from sluice.workers.server import parse_address, parse_gateways
@@ -100,7 +100,7 @@ def test_worker_command_rejects_bad_flags_in_one_line(tmp_path, capsys: pytest.C
 
 
 def test_serve_picks_the_real_models_by_default_and_the_demo_ones_with_demo() -> None:
-    from sluice.gateway.serve import _selected_models
+    from sluice.gateway.launch.serve import _selected_models
 
     real = ModelSpec(name="real", path="r", fetch="smollm2")
     demo = ModelSpec(name="demo", path="d", demo=True)

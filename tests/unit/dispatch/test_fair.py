@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.gateway.fair import ClassPolicy, FairScheduler, Pending
+from sluice.gateway.dispatch.fair import ClassPolicy, FairScheduler, Pending
 from sluice.protocol import Priority
 
 pytestmark = pytest.mark.unit

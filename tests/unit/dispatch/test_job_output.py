@@ -1,11 +1,11 @@
-"""A job's output has one writer (gateway/jobs.py): a taken-over stream's delivered tokens count
+"""A job's output has one writer (gateway/dispatch/jobs.py): a taken-over stream's delivered tokens count
 as its output, so a later worker failover resumes after them."""
 
 from __future__ import annotations
 
 import pytest
 
-from sluice.gateway.jobs import Job
+from sluice.gateway.dispatch.jobs import Job
 from sluice.protocol import GenerateRequest, Priority, RequestDelta, SamplingParams
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.gateway.slots import has_room
+from sluice.gateway.dispatch.slots import has_room
 from sluice.protocol import Priority
 
 pytestmark = pytest.mark.unit

@@ -1,8 +1,8 @@
-"""What an upstream is sent for a request: `completion_body` (gateway/upstream.py)."""
+"""What an upstream is sent for a request: `completion_body` (gateway/dispatch/links/upstream.py)."""
 
 from __future__ import annotations
 
-from sluice.gateway.upstream import completion_body
+from sluice.gateway.dispatch.links.upstream import completion_body
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 from sluice.settings import UpstreamSpec, upstream_root
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.gateway.queue import PartitionWatermark, decode_request, encode_request
+from sluice.gateway.queueing.kafka import PartitionWatermark, decode_request, encode_request
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,7 @@ import yaml
 
 from sluice.cli import build_parser
 from sluice.errors import SluiceError
-from sluice.gateway.cli import worker_setup
+from sluice.gateway.launch.cli import worker_setup
 from sluice.settings import load_settings
 
 pytestmark = pytest.mark.unit

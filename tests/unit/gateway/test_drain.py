@@ -1,4 +1,4 @@
-"""The drain sequence (gateway/drain.py) on its own: order of its steps, its bound, its 503."""
+"""The drain sequence (gateway/cluster/drain.py) on its own: order of its steps, its bound, its 503."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from sluice.gateway.drain import Drain
-from sluice.gateway.errors import OpenAIError
+from sluice.gateway.cluster.drain import Drain
+from sluice.gateway.edge.errors import OpenAIError
 
 
 def test_refuses_new_work_only_while_draining_and_rejects_a_bad_timeout() -> None:

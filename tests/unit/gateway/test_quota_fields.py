@@ -9,7 +9,7 @@ import pytest
 
 from sluice.gateway.admin.schemas import Quotas, QuotasPatch
 from sluice.gateway.db.models import QUOTA_FIELDS, Quota
-from sluice.gateway.quotas import QuotaLimits
+from sluice.gateway.quotas.service import QuotaLimits
 from sluice.settings import QuotaSeed
 
 pytestmark = pytest.mark.unit

@@ -6,10 +6,10 @@ import datetime as dt
 
 import pytest
 
-from sluice.gateway.api.generation import resolve_priority
-from sluice.gateway.auth import TenantContext, generate_key, hash_secret
-from sluice.gateway.errors import OpenAIError
-from sluice.gateway.quotas import QuotaExceeded, QuotaLimits, QuotaService, format_reset
+from sluice.gateway.auth.service import TenantContext, generate_key, hash_secret
+from sluice.gateway.edge.errors import OpenAIError
+from sluice.gateway.generation.service import resolve_priority
+from sluice.gateway.quotas.service import QuotaExceeded, QuotaLimits, QuotaService, format_reset
 from sluice.protocol import Priority
 
 pytestmark = pytest.mark.unit

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from sluice.gateway.backend import QueuedSubmission
-from sluice.gateway.dispatch import Dispatcher
-from sluice.gateway.jobs import Job, ended_sink
-from sluice.gateway.upstream_http import UpstreamHTTP
+from sluice.gateway.dispatch.dispatcher import Dispatcher
+from sluice.gateway.dispatch.jobs import Job, ended_sink
+from sluice.gateway.dispatch.links.upstream_http import UpstreamHTTP
+from sluice.gateway.queueing.backend import QueuedSubmission
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
 from sluice.settings import Settings
 

@@ -1,4 +1,4 @@
-"""A text delta's SSE event put together from the pre-encoded chunk (gateway/api/streaming.py) is
+"""A text delta's SSE event put together from the pre-encoded chunk (gateway/streams/frames.py) is
 byte for byte the event of the whole chunk encoded."""
 
 from __future__ import annotations
@@ -6,8 +6,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from sluice.gateway.api.streaming import _TextEvent, sse
-from sluice.gateway.schemas import ChatChunkChoice, ChatCompletionChunk, ChunkDelta, CompletionChoice, CompletionChunk
+from sluice.gateway.edge.schemas import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChunkDelta,
+    CompletionChoice,
+    CompletionChunk,
+)
+from sluice.gateway.streams.frames import _TextEvent, sse
 
 TEXTS = [" tok", "", 'a "quoted" \\ back', "line\nbreak\ttab\x00nul", "é漢字🙂", '"content":""', "\u2028"]
 

@@ -10,8 +10,10 @@ from typing import cast
 
 import pytest
 
-from sluice.gateway.api.generation import Flight
-from sluice.gateway.api.resumable import (
+from sluice.gateway.edge.errors import OpenAIError
+from sluice.gateway.generation.service import Flight
+from sluice.gateway.streams.frames import SSEStream
+from sluice.gateway.streams.hub import (
     ABANDONED,
     INTERRUPTED,
     StreamHub,
@@ -19,9 +21,7 @@ from sluice.gateway.api.resumable import (
     disconnect_grace,
     parse_last_event_id,
 )
-from sluice.gateway.api.streaming import SSEStream
-from sluice.gateway.errors import OpenAIError
-from sluice.gateway.stream_log import LocalStreamLog, LogTrimmed
+from sluice.gateway.streams.log import LocalStreamLog, LogTrimmed
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from sluice.gateway.api.openai import _unless_disconnected
-from sluice.gateway.errors import OpenAIError
+from sluice.gateway.edge.errors import OpenAIError
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The upstream client's body framing (gateway/upstream_http.py): the same pieces however the
+"""The upstream client's body framing (gateway/dispatch/links/upstream_http.py): the same pieces however the
 bytes are split across reads."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from sluice.gateway.upstream_http import BodyFraming
+from sluice.gateway.dispatch.links.upstream_http import BodyFraming
 
 EVENTS = [b'data: {"choices":[{"text":" tok"}]}\n\n', b'data: {"choices":[{"text":"!"}]}\n\n', b"data: [DONE]\n\n"]
 CHUNKED = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in EVENTS) + b"0\r\nx-trailer: 1\r\n\r\n"

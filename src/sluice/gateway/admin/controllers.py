@@ -26,10 +26,10 @@ from sluice.gateway.admin.schemas import (
     usage_list,
 )
 from sluice.gateway.admin.service import AdminService
-from sluice.gateway.auth import admin_guard
-from sluice.gateway.errors import error_responses
-from sluice.gateway.openapi import ADMIN_SECURITY, IdPath, IdQuery
-from sluice.gateway.usage import UsageService
+from sluice.gateway.auth.guards import admin_guard
+from sluice.gateway.edge.errors import error_responses
+from sluice.gateway.edge.openapi import ADMIN_SECURITY, IdPath, IdQuery
+from sluice.gateway.quotas.usage import UsageService
 
 # Every admin route: a malformed header or parameter, a missing or wrong token, a tenant key (403).
 _READ = error_responses(400, 401, 403)

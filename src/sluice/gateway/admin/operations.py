@@ -11,7 +11,7 @@ from typing import Any
 from litestar.datastructures import State
 
 from sluice.gateway.admin.service import ADMIN_ACTOR, AdminService
-from sluice.gateway.errors import OpenAIError
+from sluice.gateway.edge.errors import OpenAIError
 
 
 def _dispatcher(state: State) -> Any:

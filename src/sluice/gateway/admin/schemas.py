@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 if TYPE_CHECKING:
-    from sluice.gateway.usage import UsageRow
+    from sluice.gateway.quotas.usage import UsageRow
 
 ClassName = Literal["interactive", "standard", "batch"]
 Limit = Annotated[int, msgspec.Meta(ge=0, le=2**53)] | None

@@ -26,11 +26,11 @@ from sluice.gateway.admin.schemas import (
     TenantOut,
     TenantPatch,
 )
-from sluice.gateway.auth import AuthService, generate_key, hash_secret
+from sluice.gateway.auth.service import AuthService, generate_key, hash_secret
+from sluice.gateway.cluster.invalidation import Change
 from sluice.gateway.db.base import Base, new_id, utcnow
 from sluice.gateway.db.models import QUOTA_FIELDS, ApiKey, AuditLog, Quota, Tenant
-from sluice.gateway.errors import OpenAIError
-from sluice.gateway.invalidation import Change
+from sluice.gateway.edge.errors import OpenAIError
 from sluice.protocol import Priority
 
 log = logging.getLogger(__name__)

@@ -1,1 +1,5 @@
-"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions, /v1/usage."""
+"""Thin controllers of the OpenAI-compatible routes and the system routes (health, ready, metrics).
+
+A controller parses and authenticates through its guards and dependencies, calls a service
+(generation/, streams/, quotas/) and shapes the answer. It holds no request state of its own.
+"""

@@ -12,21 +12,11 @@ from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, FromQuery, JSONBody
 
 from sluice.gateway.admin.schemas import UsageList, usage_list
-from sluice.gateway.api.generation import Flight, GenerationService, Prepared
-from sluice.gateway.api.resumable import (
-    StreamHub,
-    check_idempotency_key,
-    disconnect_grace,
-    not_found,
-    parse_last_event_id,
-)
-from sluice.gateway.api.sse_response import SSEResponse
-from sluice.gateway.api.streaming import SSEStream, complete_chat, complete_text, stream_chat, stream_completion
-from sluice.gateway.auth import TenantContext, current_tenant, tenant_guard
-from sluice.gateway.errors import OpenAIError, error_responses
-from sluice.gateway.openapi import TENANT_SECURITY
-from sluice.gateway.quotas import QuotaService
-from sluice.gateway.schemas import (
+from sluice.gateway.auth.guards import current_tenant, tenant_guard
+from sluice.gateway.auth.service import TenantContext
+from sluice.gateway.edge.errors import OpenAIError, error_responses
+from sluice.gateway.edge.openapi import TENANT_SECURITY
+from sluice.gateway.edge.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -34,7 +24,18 @@ from sluice.gateway.schemas import (
     ModelCard,
     ModelList,
 )
-from sluice.gateway.usage import UsageService
+from sluice.gateway.generation.service import Flight, GenerationService, Prepared
+from sluice.gateway.quotas.service import QuotaService
+from sluice.gateway.quotas.usage import UsageService
+from sluice.gateway.streams.frames import SSEStream, complete_chat, complete_text, stream_chat, stream_completion
+from sluice.gateway.streams.hub import (
+    StreamHub,
+    check_idempotency_key,
+    disconnect_grace,
+    not_found,
+    parse_last_event_id,
+)
+from sluice.gateway.streams.response import SSEResponse
 
 T = TypeVar("T")
 

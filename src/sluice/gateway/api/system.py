@@ -1,6 +1,6 @@
 """Liveness and readiness (open: they reveal nothing), and Prometheus metrics (behind a token).
 
-Both answer 503 while the process drains (gateway/drain.py): `/health` with status `draining`,
+Both answer 503 while the process drains (gateway/cluster/drain.py): `/health` with status `draining`,
 `/ready` with the check `accepting` false.
 
 `/metrics` carries tenant names and per-tenant token counters, so it needs
@@ -18,9 +18,9 @@ from litestar.openapi import ResponseSpec
 from sqlalchemy import text
 
 from sluice import telemetry
-from sluice.gateway.auth import metrics_guard
-from sluice.gateway.errors import error_responses
-from sluice.gateway.openapi import METRICS_SECURITY
+from sluice.gateway.auth.guards import metrics_guard
+from sluice.gateway.edge.errors import error_responses
+from sluice.gateway.edge.openapi import METRICS_SECURITY
 
 
 class Health(msgspec.Struct):

@@ -20,12 +20,13 @@ from litestar.di import NamedDependency, Provide
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import JSONBody
 
-from sluice.gateway.api.generation import GenerationService, template_messages
-from sluice.gateway.auth import TenantContext, tenant_guard
-from sluice.gateway.errors import OpenAIError, bad_request, error_responses
-from sluice.gateway.openapi import TENANT_SECURITY
-from sluice.gateway.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from sluice.gateway.tokenization import ModelTokenizer
+from sluice.gateway.auth.guards import tenant_guard
+from sluice.gateway.auth.service import TenantContext
+from sluice.gateway.edge.errors import OpenAIError, bad_request, error_responses
+from sluice.gateway.edge.openapi import TENANT_SECURITY
+from sluice.gateway.edge.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from sluice.gateway.generation.service import GenerationService, template_messages
+from sluice.gateway.generation.tokenization import ModelTokenizer
 
 _ERRORS = error_responses(400, 401, 403, 404, 413, notes={404: "Unknown `model`, or none the tenant may use"})
 

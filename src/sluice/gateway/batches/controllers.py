@@ -12,11 +12,12 @@ from litestar.di import NamedDependency, Provide
 from litestar.enums import RequestEncodingType
 from litestar.params import Body, JSONBody, QueryParameter
 
-from sluice.gateway.auth import TenantContext, current_tenant, tenant_guard
+from sluice.gateway.auth.guards import current_tenant, tenant_guard
+from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.batches.service import BatchService
 from sluice.gateway.batches.views import file_view
-from sluice.gateway.errors import OpenAIError, error_responses
-from sluice.gateway.openapi import TENANT_SECURITY, IdPath, IdQuery
+from sluice.gateway.edge.errors import OpenAIError, error_responses
+from sluice.gateway.edge.openapi import TENANT_SECURITY, IdPath, IdQuery
 
 MAX_FILENAME_CHARS = 255
 
@@ -147,7 +148,7 @@ class BatchesController(_TenantController):
         tenant: NamedDependency[TenantContext],
         data: JSONBody[BatchCreate],
     ) -> dict[str, Any]:
-        request.app.state.drain.refuse_new()  # a draining replica starts no new work (gateway/drain.py)
+        request.app.state.drain.refuse_new()  # a draining replica starts no new work (gateway/cluster/drain.py)
         return await _service(request).create_batch(
             tenant, data.input_file_id, data.endpoint, data.completion_window, data.metadata
         )

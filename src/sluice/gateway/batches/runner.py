@@ -21,7 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from sluice.gateway.admin.service import tenant_with_quota
-from sluice.gateway.auth import TenantContext, tenant_context
+from sluice.gateway.auth.service import TenantContext, tenant_context
 from sluice.gateway.batches.models import Batch, BatchResult
 from sluice.gateway.batches.service import (
     RUNNABLE,
@@ -31,11 +31,11 @@ from sluice.gateway.batches.service import (
     stopped_by_tenant_disabled,
 )
 from sluice.gateway.batches.views import line_number
+from sluice.gateway.cluster.invalidation import Change
 from sluice.gateway.db.base import utcnow
-from sluice.gateway.invalidation import Change
-from sluice.gateway.kafka_backend import Defer
-from sluice.gateway.quotas import QuotaExceeded, QuotaService, Reservation
-from sluice.gateway.usage import UsageService
+from sluice.gateway.queueing.acceptance import Defer
+from sluice.gateway.quotas.service import QuotaExceeded, QuotaService, Reservation
+from sluice.gateway.quotas.usage import UsageService
 from sluice.protocol import FinishReason, GenerateRequest, RequestDelta
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice.gateway.admin.service import tenant_with_quota
-from sluice.gateway.api.generation import GenerationService
-from sluice.gateway.auth import TenantContext, tenant_context
-from sluice.gateway.backend import BackendUnavailable
+from sluice.gateway.auth.service import TenantContext, tenant_context
 from sluice.gateway.batches.models import Batch, BatchResult, FileObject
 from sluice.gateway.batches.validation import ENDPOINTS, InvalidBatchFile, parse_batch_file
 from sluice.gateway.batches.views import (
@@ -43,11 +41,13 @@ from sluice.gateway.batches.views import (
     not_found,
     page,
 )
+from sluice.gateway.cluster.invalidation import Change
+from sluice.gateway.cluster.shared import SharedState
 from sluice.gateway.db.base import new_id, utcnow
-from sluice.gateway.errors import OpenAIError, service_unavailable
-from sluice.gateway.invalidation import Change
-from sluice.gateway.kafka_backend import HeldLines
-from sluice.gateway.shared import SharedState
+from sluice.gateway.edge.errors import OpenAIError, service_unavailable
+from sluice.gateway.generation.service import GenerationService
+from sluice.gateway.queueing.acceptance import HeldLines
+from sluice.gateway.queueing.backend import BackendUnavailable
 from sluice.protocol import GenerateRequest, Priority
 
 log = logging.getLogger(__name__)

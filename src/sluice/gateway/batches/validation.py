@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from sluice.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from sluice.gateway.edge.schemas import ChatCompletionRequest, CompletionRequest
 
 ENDPOINTS: dict[str, type[msgspec.Struct]] = {
     "/v1/chat/completions": ChatCompletionRequest,

@@ -6,7 +6,7 @@ import datetime as dt
 from typing import Any
 
 from sluice.gateway.batches.models import Batch, FileObject
-from sluice.gateway.errors import OpenAIError
+from sluice.gateway.edge.errors import OpenAIError
 
 
 def not_found(what: str, ident: str) -> OpenAIError:

@@ -21,7 +21,7 @@ from sluice.gateway.admin.service import AdminService
 from sluice.gateway.console import forms, views
 from sluice.gateway.console.pages import ACTOR, AnyRequest, Form, admin_service, render, tenant_names
 from sluice.gateway.console.security import console_guard
-from sluice.gateway.errors import OpenAIError
+from sluice.gateway.edge.errors import OpenAIError
 from sluice.live_window import WINDOW
 
 

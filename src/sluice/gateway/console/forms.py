@@ -15,7 +15,7 @@ import msgspec
 
 from sluice.gateway.admin.schemas import KeyCreate, QuotasPatch, TenantCreate, TenantPatch
 from sluice.gateway.db.models import QUOTA_FIELDS
-from sluice.gateway.errors import OpenAIError
+from sluice.gateway.edge.errors import OpenAIError
 
 T = TypeVar("T")
 _PATH = re.compile(r"`\$\.([A-Za-z0-9_.\[\]]+)`")

@@ -1,6 +1,6 @@
 """Console pages and live fragments (GET), and signing in and out.
 
-Controllers stay thin: the data comes from gateway/live.py (through `backend.snapshot()`), the
+Controllers stay thin: the data comes from gateway/queueing/snapshot.py (through `backend.snapshot()`), the
 telemetry window, `AdminService` and the admin operations; `views.py` shapes it for templates.
 """
 
@@ -17,7 +17,7 @@ from litestar.response import Redirect, Response, Template
 
 from sluice.gateway.admin import operations
 from sluice.gateway.admin.service import AdminService
-from sluice.gateway.auth import AuthService
+from sluice.gateway.auth.service import AuthService
 from sluice.gateway.console import views
 from sluice.gateway.console.security import (
     LOGIN_COOKIE,
@@ -32,7 +32,7 @@ from sluice.gateway.console.security import (
     session_cookie,
 )
 from sluice.gateway.db.models import QUOTA_FIELDS
-from sluice.gateway.errors import OpenAIError
+from sluice.gateway.edge.errors import OpenAIError
 from sluice.live_window import WINDOW
 from sluice.protocol import Priority
 

@@ -28,10 +28,10 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from sluice.gateway.auth import hash_secret
+from sluice.gateway.auth.service import hash_secret
 from sluice.gateway.db.base import utcnow
 from sluice.gateway.db.models import ConsoleSession
-from sluice.gateway.errors import OpenAIError
+from sluice.gateway.edge.errors import OpenAIError
 
 SESSION_COOKIE = "sluice_console"
 LOGIN_COOKIE = "sluice_console_login"

@@ -1,6 +1,6 @@
 """What the console's live fragments show, as plain records built from the live sources.
 
-Sources: `backend.snapshot()` (gateway/live.py: queues, running jobs, workers), the rolling
+Sources: `backend.snapshot()` (gateway/queueing/snapshot.py: queues, running jobs, workers), the rolling
 telemetry window (`sluice.live_window.WINDOW`: rates, latency series, recent events) and the
 tenant list (for names: the scheduler knows tenants by id, telemetry by name).
 """

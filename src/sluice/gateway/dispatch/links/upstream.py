@@ -1,0 +1,390 @@
+"""HTTP upstreams: an OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp, another sluice) as a worker.
+
+Organisations already run inference servers; sluice puts its tenants, quotas, durable queues and
+fair scheduling in front of them without replacing them. The queue stays at the gateway: an
+`UpstreamLink` is one more kind of `WorkerLink` (gateway/dispatch/links/base.py), so the dispatcher sends it
+jobs by the same scheduler and room rule as a worker process, and its deltas feed the same
+quotas, usage, records and metrics. docs/upstreams.md is the operator's view.
+
+Room: at most `max_concurrency` requests sent and not finished (`accepting`). Kind "vllm": the link
+also reads GET /metrics every second and estimates the server's own waiting queue as its
+`vllm:num_requests_waiting` plus the jobs sent since that reading that have not started; the
+dispatcher's room rule (`dispatch.max_worker_waiting`) applies to that estimate as to a worker's
+report, so the server's queue stays short and priority is decided here (the TNG lever). Kind
+"openai": the cap alone (such a server reports no queue).
+
+Requests: POST /v1/completions with the gateway's token ids as the prompt (so usage, prefix salts
+and templates stay sluice's), the sampling parameters mapped, `stream: true` with usage. Each
+streamed chunk becomes a RequestDelta (token ids when the server returns them, vLLM's
+`return_token_ids`); the final one carries the server's completion token count.
+
+Failures, each ending the job as a worker's would (no URL or key ever reaches a client or a log):
+- an HTTP error status, an error event, a timeout: this job ends with finish_reason ERROR and a
+  message naming the upstream by its configured name;
+- a transport error (refused, reset, the stream cut): this job is handled as if its worker were
+  lost (a batch line is re-queued, a stream ends with an error) and the server is probed at once;
+- a failed probe: the link is lost, every job as `Dispatcher._lose_worker` handles them; probing
+  goes on in the background and re-attaches the link once the server answers again;
+- client disconnect: the dispatcher's abort cancels the job's task, which closes the HTTP stream
+  (vLLM aborts a request whose stream is closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from sluice.gateway.dispatch.links.base import LinkHost
+from sluice.gateway.dispatch.links.upstream_http import StreamedResponse, TransportError, UpstreamHTTP
+from sluice.gateway.dispatch.slots import has_room
+from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
+from sluice.settings import Settings, UpstreamSpec, upstream_root
+
+if TYPE_CHECKING:
+    from sluice.gateway.dispatch.jobs import Job
+
+log = logging.getLogger(__name__)
+
+METRICS_INTERVAL_S = 1.0  # kind vllm: how often its /metrics gauges are read
+DRAIN_AFTER_DONE_S = 1.0  # after [DONE], the server's end of the body is awaited this long (else: closed)
+MAX_ERROR_DETAIL = 300  # characters of an upstream's own error message passed on to the client
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode  # msgspec.DecodeError (a ValueError) on garbage
+
+
+class UpstreamError(Exception):
+    """A failure of one request at the upstream; the message is fit for the client."""
+
+
+def upstream_api_key(spec: UpstreamSpec) -> str:
+    """The upstream's API key from its `api_key_env` variable ("" when it has none); ValueError
+    when the variable is not set (a start error, naming the variable, never a value)."""
+    if not spec.api_key_env:
+        return ""
+    key = os.environ.get(spec.api_key_env, "")
+    if not key:
+        raise ValueError(f"upstream {spec.name!r}: the environment variable {spec.api_key_env} "
+                         "(its api_key_env) is not set")
+    return key
+
+
+def completion_body(request: GenerateRequest, spec: UpstreamSpec, *, priority_enabled: bool) -> dict[str, Any]:
+    """The /v1/completions body for `request`: standard OpenAI fields, and vLLM's sampling
+    extensions only where they differ from their defaults (a plain OpenAI server need not know them)."""
+    s: SamplingParams = request.sampling
+    body: dict[str, Any] = {
+        "model": spec.served_names.get(request.model, request.model),
+        "prompt": list(request.prompt_token_ids),
+        "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if s.stop:
+        body["stop"] = list(s.stop)
+    defaults = SamplingParams()
+    for key in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "ignore_eos"):
+        if getattr(s, key) != getattr(defaults, key):
+            body[key] = getattr(s, key)
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+    if spec.kind == "vllm":
+        body["return_token_ids"] = True  # exact ids in each chunk (vLLM >= 0.10.2; ignored before)
+        body["cache_salt"] = request.cache_salt  # tenants never share prefix-cache blocks there either
+    if spec.priority and priority_enabled:
+        body["priority"] = int(request.priority)  # vLLM: lower runs first, as our classes
+    return body
+
+
+def _error_detail(raw: bytes) -> str:
+    """The upstream's own error message (OpenAI's {"error": {"message"}} shape), short."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return ""
+    error = data.get("error") if isinstance(data, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
+    if not isinstance(message, str) and isinstance(data, dict):
+        message = data.get("message") or data.get("detail")
+    return f": {str(message)[:MAX_ERROR_DETAIL]}" if message else ""
+
+
+@dataclass(slots=True, eq=False)
+class _Stream:
+    """One request on its way through the upstream."""
+
+    request: GenerateRequest
+    task: asyncio.Task[None] | None = None
+    num_output_tokens: int = 0
+    aborting: bool = False
+
+
+class UpstreamLink:
+    """One [[upstreams]] server as a worker (a `WorkerLink`); one httpx client, probed in the background."""
+
+    resumes = False  # it would start a resumed job over, and may send no token ids
+
+    def __init__(self, spec: UpstreamSpec, host: LinkHost, settings: Settings) -> None:
+        self.spec = spec
+        self.worker_id = f"upstream/{spec.name}"
+        self.models = frozenset(spec.models)
+        self.inflight: dict[str, Job] = {}
+        self.last_seen = time.monotonic()
+        self.sent = 0
+        self._host = host
+        self._priority_enabled = settings.scheduler.priority_enabled
+        self._probe_interval_s = METRICS_INTERVAL_S if spec.kind == "vllm" else settings.dispatch.heartbeat_interval_s
+        self._probe_timeout_s = settings.dispatch.heartbeat_timeout_s
+        # A sluice upstream keeps generating through a disconnect for its resumable-stream grace
+        # unless told otherwise: closing our stream means abort (vLLM aborts on a close anyway).
+        headers = {"user-agent": "sluice-gateway", "x-sluice-disconnect": "abort"}
+        key = upstream_api_key(spec)
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        # Probes go through httpx; the completions through the lean streaming client (its
+        # module says why), bounded as a whole by request_timeout_s.
+        self._client = httpx.AsyncClient(
+            base_url=upstream_root(spec.base_url), headers=headers,
+            timeout=httpx.Timeout(spec.request_timeout_s, connect=spec.connect_timeout_s),
+            limits=httpx.Limits(max_connections=2, max_keepalive_connections=1))
+        self._http = UpstreamHTTP(upstream_root(spec.base_url), headers, connect_timeout_s=spec.connect_timeout_s)
+        self._streams: dict[str, _Stream] = {}
+        self._attached = False
+        self._suspect = False
+        self._probe_now = asyncio.Event()
+        self._probe_task: asyncio.Task[None] | None = None
+        # Kind vllm: its gauges at the last /metrics reading, and when it was taken (unix s).
+        self.num_waiting = 0
+        self.num_running = 0
+        self._read_at = 0.0
+
+    # ---- room (the WorkerLink interface) -------------------------------------------------------
+
+    @property
+    def accepting(self) -> bool:
+        # Suspect: a request just lost its connection; nothing more goes out until a probe answers
+        # (else a re-queued batch line would spend its attempts on a dead server at once).
+        return not self._suspect and len(self.inflight) < self.spec.max_concurrency
+
+    @property
+    def est_waiting(self) -> int:
+        if self.spec.kind != "vllm":
+            return 0  # no queue is reported: the cap alone bounds what is sent
+        sent_since = sum(1 for job in self.inflight.values()
+                         if not job.started and (job.dispatch_time or 0.0) >= self._read_at)
+        return self.num_waiting + sent_since
+
+    def has_room_for(self, priority: Priority, max_waiting: int) -> bool:
+        waiting = self.est_waiting
+        if waiting < max_waiting:  # the rule's first case, decided without listing the unstarted
+            return True  # jobs: a kind "openai" server with hundreds in flight is asked per dispatch
+        unstarted = [job.request.priority for job in self.inflight.values() if not job.started]
+        return has_room(waiting, unstarted, priority, max_waiting)
+
+    @property
+    def load(self) -> float:
+        return len(self.inflight) / self.spec.max_concurrency
+
+    def view(self, draining: bool = False) -> dict[str, Any]:
+        unstarted = sum(1 for job in self.inflight.values() if not job.started)
+        vllm = self.spec.kind == "vllm"
+        return {
+            "worker_id": self.worker_id, "models": sorted(self.models), "device": f"upstream ({self.spec.kind})",
+            "kind": "upstream", "alive": True, "inflight": len(self.inflight),
+            "max_concurrency": self.spec.max_concurrency,
+            "num_running": self.num_running if vllm else len(self.inflight) - unstarted,
+            "num_waiting": self.num_waiting if vllm else unstarted,
+            "est_waiting": self.est_waiting, "load": round(self.load, 3),
+            "total_kv_blocks": 0, "free_kv_blocks": 0,
+            "last_heartbeat_age_s": round(time.monotonic() - self.last_seen, 3), "draining": draining,
+        }
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def send(self, request: GenerateRequest) -> None:
+        self.sent += 1
+        stream = _Stream(request)
+        self._streams[request.request_id] = stream
+        stream.task = asyncio.get_running_loop().create_task(self._run(stream), name=f"upstream-{request.request_id}")
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.task is not None and not stream.aborting:
+            stream.aborting = True
+            stream.task.cancel()  # leaving `client.stream` closes the connection: the server aborts
+
+    def close(self) -> None:
+        """The link is lost (the dispatcher took its jobs): every stream is closed, no delta follows."""
+        self._attached = False
+        for stream in list(self._streams.values()):
+            if stream.task is not None:
+                stream.task.cancel()
+        self._streams.clear()
+
+    async def _run(self, stream: _Stream) -> None:
+        request = stream.request
+        rid = request.request_id
+        body = _encode(completion_body(request, self.spec, priority_enabled=self._priority_enabled))
+        try:
+            async with asyncio.timeout(self.spec.request_timeout_s):
+                async with self._http.post("/v1/completions", body, {"x-request-id": rid}) as response:
+                    if response.status >= 400:
+                        detail = _error_detail(await response.read())
+                        raise UpstreamError(f"upstream {self.spec.name!r} answered HTTP "
+                                            f"{response.status}{detail}")
+                    await self._relay(stream, response)
+        except asyncio.CancelledError:
+            if not stream.aborting:
+                raise  # the link was lost or the gateway stops: the dispatcher ended the job
+            self._end(stream, FinishReason.ABORT)
+        except UpstreamError as exc:
+            self._end(stream, FinishReason.ERROR, str(exc))
+        except TimeoutError:
+            self._end(stream, FinishReason.ERROR, f"upstream {self.spec.name!r} did not finish this request "
+                                                  f"within {self.spec.request_timeout_s:g}s")
+        except TransportError as exc:
+            log.warning("upstream %s: request %s lost (%s)", self.spec.name, rid, exc)
+            self._suspect = True
+            self._probe_now.set()
+            self._host.lose_job(self, rid, "could not be reached")
+        except Exception as exc:  # a bug or a malformed answer ends this job only
+            log.warning("upstream %s: request %s failed (%s)", self.spec.name, rid, type(exc).__name__)
+            self._end(stream, FinishReason.ERROR, f"upstream {self.spec.name!r} sent an unreadable answer")
+        finally:
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+
+    async def _relay(self, stream: _Stream, response: StreamedResponse) -> None:
+        """Server-sent events to deltas, until [DONE]; the final delta carries the server's usage.
+
+        Each event is relayed as it arrives, within the connection's read callback
+        (`StreamedResponse.each_event`): a token costs no step of this task."""
+        request = stream.request
+        prompt_tokens = len(request.prompt_token_ids)
+        finish: str | None = None
+        usage: dict[str, Any] = {}
+
+        def on_event(data: bytes) -> bool:
+            nonlocal finish, usage
+            if data == b"[DONE]":
+                return True  # the rest of the body is awaited, so the connection is reused
+            event = _decode(data)
+            if not isinstance(event, dict):
+                raise UpstreamError(f"upstream {self.spec.name!r} sent an unreadable event")
+            if event.get("error"):
+                raise UpstreamError(f"upstream {self.spec.name!r} reported an error{_error_detail(data)}")
+            if isinstance(event.get("usage"), dict):
+                usage = event["usage"]
+            for choice in event.get("choices") or ():
+                text = choice.get("text") or ""
+                token_ids = tuple(choice.get("token_ids") or ())
+                if text or token_ids:
+                    now = time.time()
+                    count = len(token_ids) or 1  # no ids: one chunk per token, as servers stream
+                    first = now if stream.num_output_tokens == 0 else None
+                    stream.num_output_tokens += count
+                    self._host.deliver(self, RequestDelta(
+                        request_id=request.request_id, token_ids=token_ids, text=text,
+                        num_prompt_tokens=prompt_tokens, num_output_tokens=stream.num_output_tokens,
+                        first_token_time=first, token_times=(now,) * count))
+                if choice.get("finish_reason"):
+                    finish = str(choice["finish_reason"])
+            return False
+
+        await response.each_event(on_event, drain_s=DRAIN_AFTER_DONE_S)
+        if finish is None:
+            raise UpstreamError(f"upstream {self.spec.name!r} ended the stream before the request finished")
+        completion = usage.get("completion_tokens")
+        if isinstance(completion, int) and completion >= 0:
+            stream.num_output_tokens = completion
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        self._end(stream, _FINISH.get(finish, FinishReason.STOP), cached=cached if isinstance(cached, int) else 0)
+
+    def _end(self, stream: _Stream, reason: FinishReason, error: str | None = None, *, cached: int = 0) -> None:
+        self._host.deliver(self, RequestDelta(
+            request_id=stream.request.request_id, finish_reason=reason, error=error,
+            num_prompt_tokens=len(stream.request.prompt_token_ids),
+            num_output_tokens=stream.num_output_tokens, num_cached_tokens=cached))
+
+    # ---- health --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop(), name=f"probe-{self.worker_id}")
+
+    async def shutdown(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
+        self.close()
+        await self._http.aclose()
+        await self._client.aclose()
+
+    async def _probe_loop(self) -> None:
+        down_reason = ""  # logged once per outage
+        while True:
+            reason = await self._probe()
+            if not reason:
+                self.last_seen = time.monotonic()
+                if self._suspect:
+                    self._suspect = False
+                    self._host.wake()
+                if not self._attached and self._host.attach(self):
+                    self._attached = True
+                    log.info("upstream %s reachable: serving %s (kind %s, max_concurrency %d)", self.spec.name,
+                             ", ".join(sorted(self.models)), self.spec.kind, self.spec.max_concurrency)
+                down_reason = ""
+            else:
+                if self._attached:
+                    self._host.lose(self, reason)  # calls close(): _attached is False after it
+                    self._attached = False
+                if reason != down_reason:
+                    log.warning("upstream %s %s; its requests wait, probing again every %.1fs",
+                                self.spec.name, reason, self._probe_interval_s)
+                    down_reason = reason
+            self._probe_now.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._probe_now.wait(), self._probe_interval_s)
+
+    async def _probe(self) -> str:
+        """"" when the server answers as it should, else why not (safe to log: no URL, no key)."""
+        path = "/metrics" if self.spec.kind == "vllm" else "/v1/models"
+        asked_at = time.time()  # jobs sent after this are not in the gauges it answers with
+        try:
+            response = await self._client.get(path, timeout=self._probe_timeout_s)
+        except httpx.HTTPError as exc:
+            return f"could not be reached ({type(exc).__name__})"
+        if response.status_code in (401, 403):
+            return f"refused the API key (HTTP {response.status_code} on {path})"
+        if response.status_code >= 400:
+            return f"answered HTTP {response.status_code} on {path}"
+        if self.spec.kind == "vllm":
+            try:
+                self._read_gauges(response.text, asked_at)
+            except (ValueError, TypeError, IndexError):  # what the parser raises on garbage
+                return "served unreadable /metrics"
+        return ""
+
+    def _read_gauges(self, text: str, asked_at: float) -> None:
+        waiting = running = 0.0
+        for family in text_string_to_metric_families(text):  # ValueError on garbage
+            if family.name == "vllm:num_requests_waiting":
+                waiting = sum(sample.value for sample in family.samples)
+            elif family.name == "vllm:num_requests_running":
+                running = sum(sample.value for sample in family.samples)
+        changed = (int(waiting), int(running)) != (self.num_waiting, self.num_running)
+        self.num_waiting, self.num_running, self._read_at = int(waiting), int(running), asked_at
+        if changed:
+            self._host.wake()  # its queue may have room again

@@ -1,0 +1,309 @@
+"""Streamed responses that outlive their connection (docs/streams.md).
+
+A streamed completion is no longer generated inside its HTTP response: a *pump* task runs the SSE
+loop (`streaming.SSEStream.run`: each delta framed within its delivery) and appends each event to
+the stream log; every client, the one that
+sent the POST as well as any that attach later (`GET .../{id}/events`, or the POST re-sent with
+its `Idempotency-Key`), is a *follower* that reads the log after its `Last-Event-ID` and writes
+each event with `id: <response id>:<seq>`.
+
+When the last follower of a running response goes away, its pump starts the disconnect grace: if
+no follower attaches (here, or on another replica: `StreamLog.followed_elsewhere`) within
+`gateway.disconnect_grace_s`, the pump is cancelled, which aborts the request as a disconnect
+always did (the worker frees its KV blocks, the quota hold is settled). A request sent with
+`X-Sluice-Disconnect: abort` has no grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from typing import Any
+
+from sluice.gateway.edge.errors import OpenAIError, bad_request
+from sluice.gateway.generation.service import Flight
+from sluice.gateway.streams.frames import DONE, SSEStream, sse
+from sluice.gateway.streams.log import LogTrimmed, StreamLog
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 30.0
+FIRST_ATTACH_S = 10.0  # the POST's own follower must start within this long (or the grace, if longer)
+FOLLOW_WAIT_S = 1.0  # one blocking read of the log (under the Redis client's 2 s socket timeout)
+MAX_KEY_CHARS = 255
+
+ABANDONED = sse(
+    {
+        "error": {
+            "message": "The stream was stopped: its client went away and none attached within the grace window.",
+            "type": "server_error",
+            "param": None,
+            "code": "stream_abandoned",
+        }
+    }
+)
+INTERRUPTED = sse(
+    {
+        "error": {
+            "message": "The stream was stopped: the gateway replica generating it shut down before it ended.",
+            "type": "server_error",
+            "param": None,
+            "code": "stream_interrupted",
+        }
+    }
+)
+LOST = sse(
+    {
+        "error": {
+            "message": "The stream's log expired or was lost before it ended.",
+            "type": "server_error",
+            "param": None,
+            "code": "stream_lost",
+        }
+    }
+)
+
+
+def parse_last_event_id(value: str | None, response_id: str | None) -> tuple[str | None, int]:
+    """`<response id>:<seq>` -> (response id, seq); no header -> (None, -1). 400 when malformed
+    or (with `response_id`) naming another response."""
+    if value is None or value == "":
+        return None, -1
+    rid, sep, seq = value.rpartition(":")
+    if not sep or not rid or not seq.isdigit() or len(seq) > 12:
+        raise bad_request("Last-Event-ID must be '<response id>:<sequence number>' as sent in an event's id.", None)
+    if response_id is not None and rid != response_id:
+        raise bad_request("Last-Event-ID names another response than the one asked for.", None)
+    return rid, int(seq)
+
+
+def check_idempotency_key(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not 0 < len(value) <= MAX_KEY_CHARS or not value.isascii() or not value.isprintable():
+        raise bad_request(f"Idempotency-Key must be 1 to {MAX_KEY_CHARS} printable ASCII characters.", None)
+    return value
+
+
+def disconnect_grace(header: str | None, default_s: float) -> float:
+    """`X-Sluice-Disconnect`: absent or `grace` -> the setting; `abort` -> 0 (abort at once);
+    `grace=<seconds>` -> that, at most the setting (a client may shorten its grace, not lengthen it)."""
+    value = "grace" if header is None else header.strip().lower()
+    if value == "grace":
+        return default_s
+    if value == "abort":
+        return 0.0
+    name, sep, seconds = value.partition("=")
+    if name.strip() == "grace" and sep:
+        try:
+            grace_s = float(seconds)
+        except ValueError:
+            grace_s = -1.0
+        if 0 <= grace_s < float("inf"):
+            return min(grace_s, default_s)
+    raise bad_request("X-Sluice-Disconnect must be 'abort', 'grace' or 'grace=<seconds>'.", None)
+
+
+def not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"No stream {response_id!r}: unknown, expired, or not yours.",
+        type="invalid_request_error",
+        code="stream_not_found",
+    )
+
+
+class _Pump:
+    """One streamed response of this process: its generation task and its followers here."""
+
+    def __init__(self, hub: StreamHub, flight: Flight, grace_s: float) -> None:
+        self.hub = hub
+        self.flight = flight
+        self.response_id = flight.request_id
+        self.grace_s = grace_s
+        self.followers = 0
+        self.done = False
+        self.ending = ABANDONED  # the log's last event when the pump is cancelled
+        self.task: asyncio.Future[None] | None = None
+        self._started = False  # `run` has begun (a task cancelled before that would skip it whole)
+        self._cancel_on_start = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._arm(max(grace_s, FIRST_ATTACH_S))  # until the POST's own follower starts
+
+    async def run(self, stream: SSEStream) -> None:
+        self._started = True
+        if self._cancel_on_start and self.task is not None:
+            self.task.cancel()  # delivered at the stream's first wait, within its cleanup's reach
+        cancelled = False
+        try:
+            await stream.run(self.emit)  # its own cleanup aborts an unfinished request at its worker
+        except asyncio.CancelledError:
+            cancelled = True
+        finally:
+            stream_log = self.hub.log
+            if cancelled:
+                stream_log.append(self.response_id, self.ending)
+            stream_log.end(self.response_id)
+            self.done = True
+            self._disarm()
+            self.hub.forget(self)
+
+    def emit(self, frame: bytes) -> None:
+        """One event into the log (called within a delta's delivery: see `SSEStream.run`)."""
+        if self.done:
+            return
+        flight = self.flight
+        # A delta's tokens go with its first event (those of a delta that made no event, e.g.
+        # half a character, with the next one): the log's tokens match its text.
+        if flight.unlogged_tokens:
+            tokens, flight.unlogged_tokens = flight.unlogged_tokens, []
+            self.hub.log.append(self.response_id, frame, tokens)
+        else:
+            self.hub.log.append(self.response_id, frame)
+
+    def attach(self) -> None:
+        self.followers += 1
+        self._disarm()
+
+    def detach(self) -> None:
+        self.followers -= 1
+        if self.followers == 0 and not self.done:
+            self._arm(self.grace_s)
+
+    def _arm(self, delay_s: float) -> None:
+        self._disarm()
+        if delay_s <= 0:
+            self._abandon()
+        else:
+            self._timer = asyncio.get_running_loop().call_later(delay_s, self._grace_over)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _grace_over(self) -> None:
+        self._timer = None
+        if self.followers == 0 and not self.done:
+            self.hub.spawn(self._check_elsewhere())
+
+    async def _check_elsewhere(self) -> None:
+        if await self.hub.log.followed_elsewhere(self.response_id):
+            if self.followers == 0 and not self.done:
+                self._arm(max(self.grace_s, 1.0))  # a follower on another replica holds it
+            return
+        if self.followers == 0 and not self.done:
+            self._abandon()
+
+    def _abandon(self) -> None:
+        log.info("stream %s: no client within its grace (%gs); aborting", self.response_id, self.grace_s)
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Stops the generation. A task cancelled before its first step never runs `run`, so its
+        cleanup (the abort at the worker, the log's end, the hub forgetting it) would be skipped:
+        a task not started yet is let start and cancels itself."""
+        if self._started and self.task is not None:
+            self.task.cancel()
+        else:
+            self._cancel_on_start = True
+
+
+class StreamHub:
+    """The streamed responses pumped in this process, and the followers of any response."""
+
+    def __init__(
+        self,
+        stream_log: StreamLog,
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Future[None] | None],
+        *,
+        grace_s: float = DEFAULT_GRACE_S,
+    ) -> None:
+        if grace_s < 0:
+            raise ValueError(f"gateway.disconnect_grace_s must be zero or positive, got {grace_s}")
+        self.log = stream_log
+        self.spawn = spawn
+        self.grace_s = grace_s
+        self._pumps: dict[str, _Pump] = {}
+
+    def pump(self, response_id: str) -> _Pump | None:
+        return self._pumps.get(response_id)
+
+    def start(self, flight: Flight, frames: SSEStream, grace_s: float) -> None:
+        """Generation of `flight` now runs on its own; its events go to the log (already created)."""
+        pump = _Pump(self, flight, grace_s)
+        self._pumps[pump.response_id] = pump
+        frames.begin(pump.emit)  # the events that exist already are logged before the task runs
+        pump.task = asyncio.ensure_future(pump.run(frames))
+        self.spawn(self._await(pump.task))  # shutdown waits for it (GenerationService.drain)
+
+    @staticmethod
+    async def _await(task: asyncio.Future[None]) -> None:
+        await asyncio.gather(task, return_exceptions=True)
+
+    @property
+    def running(self) -> int:
+        """Streamed responses still generating in this process (a drain waits for them)."""
+        return len(self._pumps)
+
+    async def stop(self) -> None:
+        """At shutdown (or a drain's timeout): streams cannot outlive the process, so each is
+        aborted (as a disconnect was before there was a grace); their logs end with
+        `stream_interrupted`."""
+        pumps = list(self._pumps.values())
+        for pump in pumps:
+            pump.ending = INTERRUPTED
+            pump.cancel()
+        await asyncio.gather(*(p.task for p in pumps if p.task is not None), return_exceptions=True)
+
+    def forget(self, pump: _Pump) -> None:
+        if self._pumps.get(pump.response_id) is pump:
+            del self._pumps[pump.response_id]
+
+    async def check_owner(self, response_id: str, tenant: str, after: int) -> None:
+        """404 unless `tenant` created it and it is kept; 410 when the events after `after` are trimmed."""
+        if await self.log.owner(response_id) != tenant:
+            raise not_found(response_id)
+        try:
+            page = await self.log.read(response_id, after, wait_s=0)
+        except LogTrimmed:
+            raise OpenAIError(
+                410, "The events after that Last-Event-ID are no longer kept.", code="stream_events_trimmed"
+            ) from None
+        if page is None:
+            raise not_found(response_id)
+
+    async def follow(self, response_id: str, after: int) -> AsyncGenerator[bytes, None]:
+        """The response's SSE events after seq `after`, live until its log ends."""
+        pump = self._pumps.get(response_id)
+        if pump is not None:
+            pump.attach()
+        prefix = b"id: " + response_id.encode() + b":"
+        try:
+            while True:
+                try:
+                    page = await self.log.read(response_id, after, wait_s=FOLLOW_WAIT_S)
+                except LogTrimmed:
+                    page = None
+                if page is None:
+                    yield LOST
+                    return
+                if page.frames:
+                    seq = page.first
+                    out = []
+                    for frame in page.frames:
+                        out.append(b"%s%d\n%s" % (prefix, seq, frame))
+                        seq += 1
+                    after = seq - 1
+                    yield b"".join(out)
+                if page.ended:
+                    return
+                if pump is None:
+                    await self.log.touch_follower(response_id)
+        finally:
+            if pump is not None:
+                pump.detach()
+
+
+__all__ = ["DONE", "StreamHub", "check_idempotency_key", "disconnect_grace", "not_found", "parse_last_event_id"]
