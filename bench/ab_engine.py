@@ -86,7 +86,7 @@ def _speculation_lever(engine: LLMEngine) -> Callable[[bool], None]:
 
 
 def _openmp_lever(engine: LLMEngine) -> Callable[[bool], None]:
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import load
 
     if not all(native.build_all().values()):
         raise SystemExit("the native CPU kernels cannot be built here")
@@ -95,8 +95,8 @@ def _openmp_lever(engine: LLMEngine) -> Callable[[bool], None]:
     flags = [flag for flag in cpu_build.COMPILE_FLAGS if flag != "-fopenmp"]
     for key, kernel in native.KERNELS.items():
         print(f"building {kernel.name} without -fopenmp ...", flush=True)
-        serial[key] = load_inline(name=f"{kernel.name}_serial", cpp_sources=[kernel.source],
-                                  build_directory=tempfile.mkdtemp(prefix="ab-serial-"), extra_cflags=flags)
+        serial[key] = load(name=f"{kernel.name}_serial", sources=[str(kernel.source)],
+                           build_directory=tempfile.mkdtemp(prefix="ab-serial-"), extra_cflags=flags)
 
     def set_on(on: bool) -> None:
         for key, kernel in native.KERNELS.items():

@@ -1,7 +1,9 @@
 """Kernel tests: Triton's interpreter on CPU tensors when no GPU is present, CUDA when one is.
 
 TRITON_INTERPRET must be set before triton is first imported (it decides at @triton.jit time),
-hence at this module's import, before any test module imports sluice.kernels.
+hence at this module's import, before any test module imports sluice.kernels. The native CPU
+kernels build with warnings as errors here (SLUICE_KERNEL_WERROR=1, also set at import, before
+any build): a warning in kernels/csrc/ fails the kernel tests.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["SLUICE_KERNEL_WERROR"] = "1"
 
 import pytest
 
-from sluice.kernels.cpu_build import NativeKernel
+from sluice.kernels.cpu_build import NativeKernel, missing_tools
 from sluice.kernels.testing import poisoned_allocations
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -57,10 +60,16 @@ def _poison_allocations() -> Iterator[None]:
 def built(request: pytest.FixtureRequest) -> None:
     """Builds the test module's `NATIVE_KERNEL` (a C++ compile, cached per CPU; a minute or more
     on a loaded 2-core machine), which also makes the engine use it in later tests of the same
-    machine; skips where it cannot be built (no compiler), since the engine then runs the torch path."""
+    machine. Skips where no compiler or ninja is found, since the engine then runs the torch path;
+    fails, with the compiler's messages, where the build itself fails (an error or a warning)."""
     kernel: NativeKernel = request.module.NATIVE_KERNEL
+    if kernel.disabled:
+        pytest.skip(f"native kernel {kernel.name} is turned off ({kernel.switch}=0)")
+    missing = missing_tools()
+    if missing:
+        pytest.skip(f"native kernel {kernel.name} cannot be built here: no {', '.join(missing)}")
     if not kernel.build():
-        pytest.skip(f"native kernel {kernel.name} cannot be built here (no C++ compiler or ninja)")
+        pytest.fail(f"native kernel {kernel.name} did not build:\n{kernel.last_failure}", pytrace=False)
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])

@@ -1,6 +1,7 @@
 """The native skinny projection (kernels/cpu_gemv.py) against torch's, and `Ops.linear`'s hand-over to it.
 
-The `built` fixture (conftest.py) builds the kernel; the tests skip where no compiler is available.
+The `built` fixture (conftest.py) builds the kernel with warnings as errors; the tests skip
+where no compiler is available.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The native CPU glue kernels (kernels/cpu_glue.py) against the torch references they replace.
 
-The `built` fixture (conftest.py) builds the kernels; the tests skip where no compiler is available.
+The `built` fixture (conftest.py) builds the kernels with warnings as errors; the tests skip
+where no compiler is available.
 """
 
 from __future__ import annotations

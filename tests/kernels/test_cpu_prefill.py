@@ -1,6 +1,7 @@
 """The CPU's causal paged prefill kernel (kernels/cpu_prefill.py) against the torch reference.
 
-The `built` fixture (conftest.py) builds the kernel; the tests skip where no compiler is available.
+The `built` fixture (conftest.py) builds the kernel with warnings as errors; the tests skip
+where no compiler is available.
 """
 
 from __future__ import annotations

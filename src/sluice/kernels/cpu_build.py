@@ -1,9 +1,15 @@
 """Building and loading sluice's native CPU kernels (C++ through torch's extension loader).
 
-A kernel is compiled with `-O3 -march=native`, so its binary fits one CPU model: it is cached
-under a key of the CPU (model name and feature flags), torch's version, the compiler flags and
-the source, in SLUICE_KERNEL_CACHE or ~/.cache/sluice/kernels. A home directory shared by
-machines with different CPUs then holds one binary per CPU, and an edited source builds afresh.
+Each kernel is one C++ file in kernels/csrc/ (shipped in the package), named by the `NativeKernel`
+of the Python module that calls into it. It is compiled with `-O3 -march=native`, so its binary
+fits one CPU model: it is cached under a key of the CPU (model name and feature flags), torch's
+version, the compiler flags and the text of the .cpp file, in SLUICE_KERNEL_CACHE or
+~/.cache/sluice/kernels. A home directory shared by machines with different CPUs then holds one
+binary per CPU, and an edited .cpp builds afresh.
+
+Warnings are on (`-Wall -Wextra`; torch's headers are system includes, so only our code warns);
+SLUICE_KERNEL_WERROR=1 makes them errors (tests/kernels/conftest.py sets it, so the kernel tests
+fail on any warning). A build that fails keeps the compiler's output in `NativeKernel.last_failure`.
 
 The compile always runs in a separate, niced process (`python -m sluice.kernels.cpu_build
 <module>`), in a fresh temporary directory beside the target, and moves the finished module into
@@ -42,10 +48,25 @@ log = logging.getLogger(__name__)
 # parallel_for runs on one thread (measured: 2 threads then ran the decode kernel no faster than
 # one; with it, 1.8-2.1x). The module links libgomp.so.1 by soname, so inside a torch process it
 # binds to the libgomp torch has already loaded: one OpenMP runtime and one thread pool.
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fopenmp")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fopenmp", "-Wall", "-Wextra")
 LINK_FLAGS = ("-fopenmp",)
+WERROR_SWITCH = "SLUICE_KERNEL_WERROR"  # "1": warnings are errors
+CSRC = Path(__file__).resolve().parent / "csrc"  # the kernels' C++ files
 _BUILD_TIMEOUT_S = 1800  # a build takes ~40 s of CPU; minutes of wall time on a loaded machine
 _LOOK_EVERY_S = 1.0  # how often ready() looks for a module a build may have finished meanwhile
+
+
+def compile_flags() -> tuple[str, ...]:
+    """COMPILE_FLAGS, with -Werror where SLUICE_KERNEL_WERROR=1 (read at each call: the flags are
+    part of the cache key, and a test session sets the switch after this module is imported)."""
+    return COMPILE_FLAGS + (("-Werror",) if os.environ.get(WERROR_SWITCH) == "1" else ())
+
+
+def missing_tools() -> list[str]:
+    """What a build needs and this machine lacks: the C++ compiler torch's loader calls (CXX, or
+    c++) and ninja. Empty where a build can run."""
+    compiler = (os.environ.get("CXX") or "c++").split()[0]  # "ccache g++" runs ccache
+    return [tool for tool in (compiler, "ninja") if shutil.which(tool) is None]
 
 
 def cache_root() -> Path:
@@ -70,15 +91,16 @@ def cpu_key() -> str:
 class NativeKernel:
     """One C++ kernel module: where it is cached, how it is built, and the loaded module."""
 
-    def __init__(self, name: str, source: str, defined_in: str, switch: str,
+    def __init__(self, name: str, source: Path, defined_in: str, switch: str,
                  entry_points: tuple[str, ...]) -> None:
         self.name = name  # the extension's module name (its PyInit_ symbol)
-        self.source = source
+        self.source = source  # the .cpp file, one translation unit (usually CSRC / "<kernel>.cpp")
         self.defined_in = defined_in  # the Python module holding this object, for the build process
         self.switch = switch  # environment variable; "0" turns the kernel off
         # The functions of `defined_in` that call into the module (bench/profile_engine labels them).
         self.entry_points = entry_points
         self.module: Any | None = None
+        self.last_failure: str | None = None  # what the last build of this process printed, if it failed
         self._failed: Path | None = None  # a built file that would not load: not retried
         self._next_look = 0.0
         self._building: threading.Thread | None = None
@@ -88,7 +110,10 @@ class NativeKernel:
         return os.environ.get(self.switch, "1") == "0"
 
     def path(self) -> Path:
-        key = "\n".join([cpu_key(), torch.__version__, sys.version, " ".join(COMPILE_FLAGS + LINK_FLAGS), self.source])
+        # The .cpp is read at each call (a few KiB; `ready` asks at most once a second until the
+        # kernel is loaded): an edited file moves the key, so it builds afresh.
+        flags = " ".join(compile_flags() + LINK_FLAGS)
+        key = "\n".join([cpu_key(), torch.__version__, sys.version, flags, self.source.read_text()])
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         return cache_root() / f"{self.name}-{digest}" / f"{self.name}.so"
 
@@ -141,23 +166,37 @@ class NativeKernel:
 
     def _compile(self) -> None:
         started = time.monotonic()
+        missing = missing_tools()
+        if missing:
+            self.last_failure = f"not found on PATH: {', '.join(missing)}"
+            log.warning("native kernel %s not built, using the torch path: %s", self.name, self.last_failure)
+            return
         try:
             done = subprocess.run([sys.executable, "-m", "sluice.kernels.cpu_build", self.defined_in],
                                   capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
+            self.last_failure = str(exc)
             log.warning("native kernel %s not built, using the torch path: %s", self.name, exc)
             return
         if done.returncode != 0:
-            lines = (done.stderr or done.stdout).strip().splitlines()
-            log.warning("native kernel %s not built (no C++ compiler or ninja?), using the torch path: %s",
-                        self.name, lines[-1] if lines else f"exit code {done.returncode}")
+            self.last_failure = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
+            log.warning("native kernel %s not built, using the torch path: %s", self.name,
+                        _first_error(self.last_failure))
             return
+        self.last_failure = None
         log.info("native kernel %s built in %.0f s: %s", self.name, time.monotonic() - started, self.path())
+
+
+def _first_error(output: str) -> str:
+    """The line of a failed build's output worth a log line: the compiler's first error (a Python
+    traceback of torch's loader ends with ninja's "build stopped"), else the last line."""
+    lines = output.splitlines() or [output]
+    return next((line for line in lines if "error:" in line), lines[-1])
 
 
 def _build_here(kernel: NativeKernel) -> None:
     """The build process: compile into a fresh directory, import it once, move it into place."""
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import load
 
     target = kernel.path()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -169,8 +208,11 @@ def _build_here(kernel: NativeKernel) -> None:
             shutil.rmtree(stale, ignore_errors=True)
         scratch = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
         try:
-            load_inline(name=kernel.name, cpp_sources=[kernel.source], build_directory=str(scratch),
-                        extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(LINK_FLAGS), verbose=False)
+            # From the .cpp where it lies, so the compiler's messages name that file and its lines.
+            load(name=kernel.name, sources=[str(kernel.source)], build_directory=str(scratch),
+                 extra_cflags=list(compile_flags()), extra_ldflags=list(LINK_FLAGS), verbose=False)
+            if kernel.path() != target:  # the .cpp was edited meanwhile: the binary may be of either text
+                raise RuntimeError(f"{kernel.source} changed during its build; not installed, build again")
             os.replace(scratch / f"{kernel.name}.so", target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

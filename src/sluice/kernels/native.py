@@ -1,8 +1,8 @@
 """sluice's native CPU kernels as one set: what a worker builds at start-up and a bench before timing.
 
-Each kernel module (`cpu_decode`, `cpu_gemv`, `cpu_glue`, `cpu_prefill`) holds one `NativeKernel` (kernels/
-cpu_build.py); callers that use a kernel ask its `KERNEL.ready()`, and those that build them all
-go through here, so a new kernel is listed once.
+Each kernel module (`cpu_decode`, `cpu_gemv`, `cpu_glue`, `cpu_prefill`) holds one `NativeKernel`
+(kernels/cpu_build.py) of its C++ file in kernels/csrc/; callers that use a kernel ask its
+`KERNEL.ready()`, and those that build them all go through here, so a new kernel is listed once.
 """
 
 from __future__ import annotations
