@@ -65,7 +65,7 @@ $(VLLM_VENV)/.installed:
 
 # LiteLLM proxy for `sluice bench gateway-overhead --vs litellm`: its own virtualenv, never a sluice
 # dependency, never installed in CI. Pin it with LITELLM_VERSION=1.108.7 to rerun the figures in
-# docs/results/gateway-overhead.md with the same release.
+# docs/lab/gateway-overhead.md with the same release.
 LITELLM_VENV := $(PEERS_DIR)/litellm
 LITELLM_VERSION ?=
 

@@ -11,7 +11,7 @@ serving 200 streams. Prints p50/p95/max per fragment and per update and writes t
 Bounded: it stops after `--duration-s`.
 
     python bench/console_latency.py --base-url http://127.0.0.1:8000 --admin-token "$ADMIN" \
-        --json docs/results/console_latency.json
+        --json docs/lab/results/console_latency.json
 """
 
 from __future__ import annotations

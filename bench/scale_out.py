@@ -4,7 +4,7 @@ The implementation is `sluice/experiments/scale_out.py` (packaged, so the comman
 installed sluice too); this script runs it from a checkout:
 
     PYTHONPATH=. python bench/scale_out.py --replicas 1,2,3 --postgres-url postgresql://postgres@127.0.0.1:5432/test \
-        --redis-url redis://127.0.0.1:6379/0 --json docs/results/scale-out.json
+        --redis-url redis://127.0.0.1:6379/0 --json docs/lab/results/scale-out.json
 """
 
 from __future__ import annotations

@@ -82,6 +82,11 @@ def register_config(sub: argparse._SubParsersAction) -> None:
     check = config_sub.add_parser("check", help="validate the configuration directory and print a summary")
     check.add_argument("--config", default=None, help="config directory (default: $SLUICE_CONFIG_DIR or ./config)")
     check.set_defaults(handler=_check_config)
+    reference = config_sub.add_parser(
+        "reference", help="write the configuration reference (every key, its variable, default and meaning)")
+    reference.add_argument("--output", default=None, metavar="FILE",
+                           help="where to write it (default: docs/configuration.md; - = stdout)")
+    reference.set_defaults(handler=_write_config_reference)
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -95,6 +100,20 @@ def _check_config(args: argparse.Namespace) -> int:
     print(f"config {settings.config_dir}: ok: gateway {settings.gateway.host}:{settings.gateway.port}, "
           f"database {settings.database.url.split('://', 1)[0]}, kafka {kafka}, "
           f"{len(settings.models)} model(s), {len(settings.tenants)} tenant(s) {classes}")
+    return 0
+
+
+def _write_config_reference(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sluice import config_reference
+
+    if args.output == "-":
+        sys.stdout.write(config_reference.render())
+        return 0
+    path = Path(args.output) if args.output else config_reference.DEFAULT_OUTPUT
+    config_reference.write(path)
+    print(f"wrote {path}")
     return 0
 
 

@@ -30,117 +30,181 @@ from sluice.errors import ConfigError
 ClassName = Literal["interactive", "standard", "batch"]
 
 
+# Every field's meaning is the docstring right below it (the attribute docstring convention, as
+# Sphinx and pydantic read it): `sluice config reference` writes docs/configuration.md from them,
+# and a test fails when one is missing or the page is stale.
+
+
 class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
+    """Address the HTTP API listens on (`0.0.0.0`: every interface)."""
     port: int = 8000
-    # Workers connect here to register and receive work (msgspec frames over TCP).
+    """Port of the HTTP API."""
     worker_host: str = "127.0.0.1"
+    """Address of the worker port: workers connect here to register and receive work (msgspec frames
+    over TCP), `sluice serve`'s local workers included."""
     worker_port: int = 8100
-    # Shared by the gateway and its workers; a worker proves it knows it (HMAC of a challenge).
-    # Empty: `sluice serve` generates one per start for its local workers, and only a loopback
-    # worker_host is allowed. Required (at least 16 characters) when worker_host is not loopback.
+    """The worker port; 0 = any free port."""
     worker_secret: str = ""
-    worker_tls_cert: str = ""  # PEM certificate (chain): the worker port speaks TLS when set
-    worker_tls_key: str = ""  # its PEM private key
-    worker_tls_ca: str = ""  # worker side: verify the gateway's certificate against this CA file (TLS on)
-    # GET /metrics needs `Authorization: Bearer <metrics_token>` (or the admin token); empty = admin only.
+    """Shared by the gateway and its workers; a worker proves it knows it (HMAC of a challenge, the
+    secret never crosses the wire). Empty: `sluice serve` generates one per start for its local
+    workers, and only a loopback `worker_host` is allowed. Required (at least 16 characters) when
+    `worker_host` is not loopback, and by `sluice gateway` and `sluice worker`."""
+    worker_tls_cert: str = ""
+    """PEM certificate (chain) of the worker port: the port speaks TLS when set."""
+    worker_tls_key: str = ""
+    """The PEM private key of `worker_tls_cert` (set both or neither)."""
+    worker_tls_ca: str = ""
+    """Worker side: verify the gateway's certificate against this CA file; setting it turns TLS on."""
     metrics_token: str = ""
-    # POST /tokenize and /detokenize without an Authorization header (as vLLM serves them, for
-    # `vllm bench serve`); off: a tenant key is needed and scopes them to its models.
+    """`GET /metrics` needs `Authorization: Bearer <metrics_token>` (or the admin token); empty = the
+    admin token only."""
     anonymous_tokenize: bool = False
+    """Serve `POST /tokenize` and `/detokenize` without an Authorization header (as vLLM serves them,
+    for `vllm bench serve`); off: a tenant key is needed and scopes them to its models."""
     # Cheap limits checked before any tokenization (400 without spending CPU on the prompt).
-    max_prompt_chars: int = 1_048_576  # characters of a prompt, or of all messages' content together
-    max_messages: int = 2048  # messages of one chat request (OpenAI's own limit)
+    max_prompt_chars: int = 1_048_576
+    """Characters of a prompt, or of all messages' content together; more is refused with 400
+    before any tokenization."""
+    max_messages: int = 2048
+    """Messages of one chat request (OpenAI's own limit); more is refused with 400 before any
+    tokenization."""
     max_body_bytes: int = 8 * 2**20
+    """Largest request body in bytes; a larger one gets 413."""
     request_timeout_s: float = 600.0
-    # Streamed responses (docs/streams.md): their events are kept this long after the last one, for
-    # clients that attach again (GET .../{id}/events, or the POST re-sent with its Idempotency-Key).
+    """Deadline of an API request from its acceptance to its end, the wait for a worker included:
+    past it the request is stopped and the client gets 504 `request_timeout` (batch lines are bounded
+    by their completion window instead)."""
     stream_retention_s: float = 300.0
-    # A stream whose client went away keeps generating this long for a client to attach again, then
-    # is aborted; 0 = abort at once (a request can ask for that: `X-Sluice-Disconnect: abort`).
+    """A streamed response's events are kept this long after the last one, for clients that attach
+    again (`GET .../{id}/events`, or the POST re-sent with its Idempotency-Key; docs/streams.md)."""
     disconnect_grace_s: float = 30.0
-    # SIGTERM drains (docs/scale-out.md "Draining and rolling restarts"): new requests get 503, open
-    # ones run on for at most this long, then the rest are closed and the process exits 0.
+    """A stream whose client went away keeps generating this long for a client to attach again,
+    then is aborted; 0 = abort at once (a tenant's own grace, or a request's `X-Sluice-Disconnect:
+    abort`, can shorten it)."""
     drain_timeout_s: float = 30.0
+    """On SIGTERM the gateway drains: new requests get 503, open ones run on for at most this long,
+    then the rest are closed and the process exits 0 (docs/runbook.md)."""
     key_cache_ttl_s: float = 30.0
-    record_log_path: str = ""  # per-request JSON lines; empty = the `sluice.records` logger only
+    """How long each gateway process caches an API key lookup (admin changes evict it at once, on
+    every replica when the state is shared)."""
+    record_log_path: str = ""
+    """Append one JSON line per finished request to this file; empty = the `sluice.records` logger
+    only."""
 
 
 class AdminSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    token: str = ""  # bootstrap admin token; empty = generate one, store it hashed, print it once
-    # `sluice serve` keeps one API key for this seed tenant (created once, expiring, see README);
-    # empty = no demo key (production).
+    token: str = ""
+    """The admin token. Set: the only admin token, never stored (generated ones are deleted). Empty:
+    the first start generates one, stores it hashed and shows it once."""
     demo_tenant: str = "demo-chat"
+    """`sluice serve` keeps one expiring API key for this seed tenant (created once, shown once);
+    empty = no demo key (production)."""
     demo_key_ttl_days: int = 7
-    console_session_ttl_s: float = 8 * 3600.0  # a console sign-in lasts this long
-    # Mark the console's session cookie Secure (always done when the request came over https).
+    """Days a new demo key stays valid (at least 1)."""
+    console_session_ttl_s: float = 8 * 3600.0
+    """How long a sign-in to the web console (`/console`) lasts."""
     console_secure_cookie: bool = False
+    """Mark the console's session cookie Secure (always done when the request came over https)."""
 
 
 class DatabaseSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     url: str = "sqlite+aiosqlite:///./var/sluice.db"
+    """SQLAlchemy URL of the gateway database: `sqlite+aiosqlite:///PATH` or
+    `postgresql+asyncpg://USER:PASSWORD@HOST/DB` (plain `sqlite://` and `postgresql://` get those
+    drivers). The gateway migrates it at start (docs/upgrading.md)."""
     echo: bool = False
+    """Log every SQL statement (SQLAlchemy's `echo`)."""
 
 
 class KafkaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    bootstrap_servers: str = ""  # empty = start the embedded broker
-    enable_idempotence: bool = False  # on for real Kafka; Tansu 0.6 rejects InitProducerId
+    bootstrap_servers: str = ""
+    """Kafka's bootstrap servers, `HOST:PORT[,HOST:PORT...]`; empty = `sluice serve` starts the
+    embedded broker (`sluice gateway` requires a value)."""
+    enable_idempotence: bool = False
+    """Idempotent producer: set it on Apache Kafka; the embedded broker (Tansu 0.6) rejects it."""
     topic_prefix: str = "sluice"
+    """The class topics are `<topic_prefix>.requests.interactive`, `.standard` and `.batch`."""
     partitions: int = 4
+    """Partitions of a class topic the gateway creates (existing topics are left as they are)."""
     replication_factor: int = 1
+    """Replication factor of a class topic the gateway creates (3 on a real cluster)."""
     retention_ms: int = 7 * 24 * 3600 * 1000
-    # The gateways' consumer group; empty: "<topic_prefix>-gateway", so deployments (or test
-    # clusters) with their own topics on one Kafka cluster never share a group: a group's
-    # rebalance waits for every member, whatever topics it reads.
+    """Retention of a class topic the gateway creates, in milliseconds."""
     consumer_group: str = ""
+    """The gateways' consumer group; empty = `<topic_prefix>-gateway`, so deployments (or test
+    clusters) with their own topics on one Kafka cluster never share a group: a group's rebalance
+    waits for every member, whatever topics it reads."""
     max_request_bytes: int = 4 * 2**20
-    produce_timeout_s: float = 5.0  # a request the broker has not acknowledged by then gets a 503
-    # How long a fetch may wait at the broker for new records. Tansu parks a fetch for this long
-    # even when records arrive meanwhile, so it bounds the admission latency (500 ms, Kafka's
-    # default, measured ~200 ms produce->consume there; 10 ms measured ~4 ms).
+    """Largest request record the producer writes and a fetch of one partition reads, in bytes."""
+    produce_timeout_s: float = 5.0
+    """A request the broker has not acknowledged by then gets a 503."""
     fetch_max_wait_ms: int = 10
-    # Gateway replicas share each class topic through the consumer group: a member that stops
-    # heartbeating (a SIGKILLed replica) loses its partitions to the others once its session times
-    # out. Apache Kafka refuses a session below its group.min.session.timeout.ms (6 s by default);
-    # Tansu 0.6 takes any, and moves a dead member's partitions after ~1.7-2x the session timeout
-    # (measured: 1.5 s -> 3 s, 6 s -> 10 s). The heartbeat must be well below it (a third, usually).
+    """How long a fetch may wait at the broker for new records. Tansu parks a fetch for this long even
+    when records arrive meanwhile, so it bounds the admission latency there (500 ms, Kafka's default,
+    measured ~200 ms produce to consume; 10 ms measured ~4 ms)."""
     session_timeout_ms: int = 6000
+    """A gateway replica that stops heartbeating (a SIGKILLed one) loses its partitions to the other
+    replicas once its session times out. Apache Kafka refuses a session below its
+    group.min.session.timeout.ms (6 s by default); Tansu 0.6 takes any, and moves a dead member's
+    partitions after ~1.7-2x the session timeout (measured: 1.5 s -> 3 s, 6 s -> 10 s)."""
     heartbeat_interval_ms: int = 1000
+    """The consumer's heartbeat; must be below `session_timeout_ms` (a third of it, usually)."""
+
 
 class BrokerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
-    port: int = 0  # 0 = a free port
-    storage: str = "memory"  # or s3://BUCKET
+    """Address the embedded broker of `sluice serve` listens on."""
+    port: int = 0
+    """Its port; 0 = a free port."""
+    storage: str = "memory"
+    """`memory` (records, topics and offsets live as long as the broker process) or `s3://BUCKET`
+    (they survive a restart; `AWS_*` variables name the endpoint)."""
 
 
 class SchedulerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    # Anti-starvation between classes: a lower class is served first once its oldest request
-    # has waited this long (aging), and it gets at least this share of dispatches when backlogged.
     aging_s: float = 30.0
+    """Anti-starvation between classes: a lower class is served first once its oldest request has
+    waited this long."""
     min_share_standard: float = 0.05
+    """The standard class gets at least this share of dispatches while it is backlogged."""
     min_share_batch: float = 0.02
-    priority_enabled: bool = True  # False: one lane for all classes (isolation experiment control arm)
-    # In-memory backlog per class; above it the class topic's consumer is paused (Kafka holds the rest).
-    # Streams count toward it but are dispatched at acceptance all the same (the quotas' max_queued bounds them).
+    """The batch class gets at least this share of dispatches while it is backlogged."""
+    priority_enabled: bool = True
+    """False: one lane for all classes (the isolation experiment's control arm)."""
     max_backlog_per_class: int = 2000
+    """Requests held in memory per class; above it the class topic's consumer is paused (Kafka holds
+    the rest). Streams count toward it but are dispatched at acceptance all the same (the quotas'
+    `max_queued` bounds them)."""
 
 
 class DispatchSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    max_worker_waiting: int = 2  # keep each worker's own waiting queue this short
+    max_worker_waiting: int = 2
+    """Keep each worker's own waiting queue this short, so priority and fairness are decided at the
+    gateway (an upstream of kind `vllm`: its reported queue)."""
     heartbeat_interval_s: float = 1.0
+    """Seconds between a worker's heartbeats (`sluice worker --heartbeat-interval` wins), and between
+    probes of an upstream."""
     heartbeat_timeout_s: float = 5.0
+    """A worker not heard from for this long is dropped; its unfinished requests go on elsewhere."""
     local_workers: int = 1
-    # After start, every configured model is accepted for this long while workers (re)connect; then
-    # only models some worker announced (a model whose workers are all down keeps being accepted).
+    """Worker processes per model that `sluice serve` starts (`--workers`); 0 = none."""
     announce_grace_s: float = 60.0
+    """After start, every configured model is accepted for this long while workers (re)connect; then
+    only models some worker announced (a model whose workers are all down keeps being accepted)."""
 
 
 class SharedSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where gateway replicas share quota counters and cache invalidations (docs/scale-out.md)."""
 
-    url: str = ""  # empty = in this process (one gateway); redis://HOST[:PORT][/DB] = Redis
-    lease_s: float = 10.0  # a replica that stops renewing has its holds released after this long
-    prefix: str = "sluice"  # of every Redis key and channel (several deployments on one Redis)
+    url: str = ""
+    """Empty = in this process (one gateway); `redis://HOST[:PORT][/DB]` (`rediss://` for TLS) =
+    Redis, shared by the replicas: quota counters, worker slots, fairness counters, stream logs and
+    cache invalidations. Required by `sluice serve --replicas N` with N > 1."""
+    lease_s: float = 10.0
+    """A replica that stops renewing (killed, hung, cut off) has its holds released after this long."""
+    prefix: str = "sluice"
+    """Of every Redis key and channel (several deployments on one Redis)."""
 
 
 def check_shared_url(url: str) -> None:
@@ -167,31 +231,54 @@ def check_shared_url(url: str) -> None:
         raise ValueError(f"url: the database after the host must be a number; {expected}")
 
 
+
+
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str
+    """The model name clients send and workers announce."""
     path: str
-    demo: bool = False  # created by `sluice model make-demo` when absent; served by `sluice serve --demo`
-    fetch: str | None = None  # created by `sluice model fetch NAME` when absent
+    """A local Hugging Face directory (`config.json`, `*.safetensors`, `tokenizer.json`): the gateway
+    reads its tokenizer, workers its weights."""
+    demo: bool = False
+    """A tiny random-weight model, created by `sluice model make-demo` when absent; served by `sluice
+    serve --demo` (or when no other model is listed)."""
+    fetch: str | None = None
+    """A known model (`smollm2`) that `sluice model fetch NAME` creates when absent; not with demo."""
 
 
 class QuotaSeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     requests_per_minute: int | None = None
+    """Requests admitted per sliding minute."""
     tokens_per_minute: int | None = None
+    """Tokens per sliding minute: prompt + max_tokens reserved at admission, settled to the real
+    count at the end."""
     tokens_per_day: int | None = None
+    """Tokens per UTC day (the daily budget)."""
     max_concurrent: int | None = None
+    """Requests queued or running at once."""
     max_queued: int | None = None
+    """Requests queued (not yet running) at once."""
     max_prompt_tokens: int | None = None
+    """Prompt tokens of one request (400 above it)."""
     max_output_tokens: int | None = None
+    """`max_tokens` of one request (400 above it)."""
 
 
 class TenantSeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str
+    """Unique. Seeding is by name: a tenant that exists already is left as it is."""
     description: str = ""
+    """Free text, shown in the console and the admin API."""
     priority_ceiling: ClassName = "standard"
+    """The most urgent class the tenant's requests get (interactive > standard > batch)."""
     default_class: ClassName = "standard"
+    """The class of a request that asks for none (capped by the ceiling)."""
     weight: float = 1.0
-    allowed_models: tuple[str, ...] = ()  # empty = every model
+    """Fair-share weight inside a class (positive)."""
+    allowed_models: tuple[str, ...] = ()
+    """Models the tenant may use (names from models.toml); empty = every model."""
     quotas: QuotaSeed = msgspec.field(default_factory=QuotaSeed)
+    """The tenant's limits (`[tenants.quotas]`); an omitted key is unlimited."""
 
 
 UpstreamKind = Literal["openai", "vllm"]
@@ -204,18 +291,27 @@ class UpstreamSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     forwards token-id prompts to `/v1/completions` only while the upstream has room."""
 
     name: str
-    base_url: str  # the server's root, http(s)://HOST[:PORT][/PREFIX]; a trailing /v1 is dropped
-    # The API key is read from this environment variable at start (never from a file); empty = none.
+    """Unique, without spaces or `/`; the upstream shows as worker `upstream/NAME`."""
+    base_url: str
+    """The server's root, `http(s)://HOST[:PORT][/PREFIX]`; a trailing /v1 is dropped, credentials
+    are refused (use `api_key_env`)."""
     api_key_env: str = ""
-    models: tuple[str, ...]  # names from models.toml (their tokenizer and max length are the gateway's)
-    served_names: dict[str, str] = msgspec.field(default_factory=dict)  # model -> the upstream's name for it
-    max_concurrency: int = 64  # requests sent and not finished, at most
-    # "vllm": also poll GET /metrics every second and forward only while its
-    # vllm:num_requests_waiting is under dispatch.max_worker_waiting.
+    """The API key is read from this environment variable at start (never from a file); empty = none."""
+    models: tuple[str, ...]
+    """Names from models.toml (their tokenizer and max length are the gateway's)."""
+    served_names: dict[str, str] = msgspec.field(default_factory=dict)
+    """Model name -> the upstream's name for it, where they differ."""
+    max_concurrency: int = 64
+    """Requests sent and not finished, at most (per gateway replica)."""
     kind: UpstreamKind = "openai"
-    priority: bool = False  # pass the class to vLLM's `priority` field (server run with --scheduling-policy priority)
-    request_timeout_s: float = 600.0  # one request, connection to last byte
+    """`vllm`: also poll `GET /metrics` every second and forward only while its
+    `vllm:num_requests_waiting` is under `dispatch.max_worker_waiting`; `openai`: the cap alone."""
+    priority: bool = False
+    """Pass the class to vLLM's `priority` field (a server run with `--scheduling-policy priority`)."""
+    request_timeout_s: float = 600.0
+    """One request, connection to last byte."""
     connect_timeout_s: float = 5.0
+    """Connecting to the server."""
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

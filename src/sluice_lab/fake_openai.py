@@ -4,7 +4,7 @@
 also measures it directly, so whatever a gateway adds shows up as the difference. It must cost as
 little as possible itself, hence plain asyncio streams (uvloop when installed) and hand-written
 HTTP/1.1 with keep-alive instead of a web framework; its own saturation rate is measured by the
-bench's `direct` column (docs/results/gateway-overhead.md).
+bench's `direct` column (docs/lab/gateway-overhead.md).
 
 Serves POST /v1/completions and /v1/chat/completions, streamed (SSE, chunked) or not. The timing
 is fixed, not computed: the first token comes `--ttft-ms` after the request was read, each further

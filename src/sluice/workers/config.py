@@ -53,37 +53,59 @@ def _block_size(value: int) -> None:
 class EngineConfig:
     """Settings of one engine (one model on one device)."""
 
-    model: str  # path to a local Hugging Face model directory
-    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda
+    model: str
+    """Path to a local Hugging Face model directory (per worker: `sluice worker --model`)."""
+    device: str = "cpu"
+    """`cpu`, `cuda` or `cuda:N` (per worker: `sluice worker --device`)."""
+    dtype: str = "auto"
+    """`auto` (float32 on CPU, bfloat16 on CUDA), `float32`, `bfloat16` or `float16`."""
     block_size: int = 16
-    num_kv_blocks: int | None = None  # explicit pool size; else derived from the memory budget
-    # CPU KV pool budget in bytes; None = cpu_memory_utilization of the memory available once the
-    # weights are loaded (like gpu_memory_utilization on CUDA), capped at what max_num_seqs
-    # sequences of max_model_len tokens can ever hold.
+    """Tokens per KV-cache block: a power of two from 1 to 256."""
+    num_kv_blocks: int | None = None
+    """The KV pool's size in blocks; unset = derived from the memory budget."""
     kv_cache_bytes: int | None = None
+    """CPU KV pool budget in bytes; unset = `cpu_memory_utilization` of the memory available once the
+    weights are loaded (like `gpu_memory_utilization` on CUDA), capped at what `max_num_seqs`
+    sequences of `max_model_len` tokens can ever hold."""
     cpu_memory_utilization: float = 0.25
-    gpu_memory_utilization: float = 0.90  # CUDA budget fraction
-    max_num_batched_tokens: int = 2048  # token budget per step
+    """CPU: the fraction of the memory left after the weights that the KV pool may take, in (0, 1]."""
+    gpu_memory_utilization: float = 0.90
+    """CUDA: the fraction of the device's memory the engine may fill (the KV pool gets what the weights
+    and other processes leave of it), in (0, 1]."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step (prompt chunks and decodes together)."""
     # 128 running sequences: the bench's 128-request set starts at once, so a long answer is not
-    # admitted late and left decoding alone at the end (docs/measuring.md: ~1.04x at 128 requests).
+    # admitted late and left decoding alone at the end (docs/lab/notebook.md: ~1.04x at 128 requests).
     max_num_seqs: int = 128
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    policy: str = "chunked"  # "chunked" | "prefill_first" | "static"
-    max_prefill_chunk: int | None = None  # cap on one request's prefill chunk per step; None = budget
+    """Sequences running at once, at most."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) in tokens; unset = the model's `max_position_embeddings`."""
+    policy: str = "chunked"
+    """`chunked` (decode-first: running decodes first, prompt chunks fill the rest of the budget),
+    `prefill_first` (a new prompt is prefilled whole before decodes continue) or `static` (classic
+    static batching)."""
+    max_prefill_chunk: int | None = None
+    """Cap on one request's prefill chunk per step, in tokens; unset = the step budget."""
     enable_prefix_caching: bool = True
-    # Prompt-lookup speculation (workers/speculative.py): up to this many draft tokens per decode,
-    # copied from where the request's last n tokens (n from prompt_lookup_max down to
-    # prompt_lookup_min) occurred before in its prompt or output, and verified in the same step.
-    # Output is unchanged (a draft is kept only where it equals what the sampler picks); 0 = off.
-    # None = 4 on the CPU, 0 on CUDA: a verification step runs eager there, outside the decode
-    # CUDA graphs, and cost the H200 26% of its throughput when few drafts were kept (KERNEL_NOTES).
+    """Reuse the KV blocks of a prompt prefix computed before (salted per tenant: tenants never share
+    blocks)."""
     num_speculative_tokens: int | None = None
+    """Prompt-lookup speculation (workers/speculative.py): up to this many draft tokens per decode,
+    copied from where the request's last n tokens (n from `prompt_lookup_max` down to
+    `prompt_lookup_min`) occurred before in its prompt or output, and verified in the same step. The
+    output is unchanged (a draft is kept only where it equals what the sampler picks); 0 = off.
+    Unset = 4 on the CPU, 0 on CUDA: a verification step runs eager there, outside the decode CUDA
+    graphs, and cost the H200 26% of its throughput when few drafts were kept (bench/KERNEL_NOTES.md)."""
     prompt_lookup_max: int = 4
+    """Longest n-gram of the request's last tokens looked up for drafts."""
     prompt_lookup_min: int = 1
-    kernel_backend: str = "auto"  # "auto" = triton on cuda, torch on cpu
+    """Shortest n-gram of the request's last tokens looked up for drafts."""
+    kernel_backend: str = "auto"
+    """`auto` (Triton on CUDA, torch on CPU), `torch` or `triton`."""
     use_cuda_graphs: bool = True
+    """CUDA: run decode batches as captured CUDA graphs."""
     seed: int = 0
+    """Seed of the seeds drawn for sampled requests that set none (a request's own seed wins)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():

@@ -2,7 +2,7 @@
 
 What a request leaves in a cycle only the collector frees, in a full collection that walks every
 long-lived object with the GIL held. At 200 streams one took 12-60 ms every ~2 s and was most of
-the gateway's TTFT p99 (docs/results/gateway-overhead.md, "Eighth and ninth runs"). Each test runs one
+the gateway's TTFT p99 (docs/lab/gateway-overhead.md, "Eighth and ninth runs"). Each test runs one
 request's objects through their real path with the collector off, drops the last outside
 reference, and checks that a weak reference to them is dead at once.
 """

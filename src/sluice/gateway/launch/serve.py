@@ -141,14 +141,15 @@ def _selected_models(models: tuple[ModelSpec, ...], *, demo: bool) -> tuple[Mode
 
 
 def prepare_models(settings: Settings) -> None:
-    from sluice.workers.demo import make_demo_model
-    from sluice.workers.model.fetch import fetch_model
-
+    # Imported only to create a missing directory: they need torch, which a gateway-only install
+    # (`sluice[gateway]`, the gateway image) lacks, and a present model needs neither.
     for model in settings.models:
         path = Path(model.path)
         if (path / "config.json").is_file():
             continue
         if model.fetch is not None:
+            from sluice.workers.model.fetch import fetch_model
+
             print(f"fetching the model {model.name!r} into {path} (first run only; a few minutes) ...", flush=True)
             fetch_model(model.fetch, path)
             continue
@@ -156,6 +157,8 @@ def prepare_models(settings: Settings) -> None:
             raise CLIError(
                 f"model {model.name!r}: directory {path} has no config.json; fix its path in models.toml"
             )
+        from sluice.workers.demo import make_demo_model
+
         print(f"creating the demo model {model.name!r} in {path} ...", flush=True)
         make_demo_model(path, seed=0)
 
