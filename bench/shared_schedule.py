@@ -27,6 +27,7 @@ from sluice.gateway.dispatch.fair import ClassPolicy, FairScheduler, Pending
 from sluice.gateway.dispatch.fair_shared import RedisFairness
 from sluice.gateway.dispatch.links.tcp import WorkerConn
 from sluice.gateway.dispatch.slots import LocalSlots, RedisSlots
+from sluice.gateway.generation.state import RequestState
 from sluice.protocol import GenerateRequest, Priority, SamplingParams, ServedModelInfo, WorkerCapacity, WorkerRegister
 from sluice.telemetry import percentile
 
@@ -43,7 +44,7 @@ def _job(n: int) -> Job:
     request = GenerateRequest(request_id=f"bench-{n}", tenant_id="t", model="m", priority=Priority.STANDARD,
                               prompt_token_ids=(1,), sampling=SamplingParams(max_tokens=1), cache_salt="t",
                               arrival_time=time.time())
-    return Job(request=request, sink=lambda delta: None)
+    return Job(state=RequestState.of(request, "default"), sink=lambda delta: None)
 
 
 def _summary(values: list[float]) -> dict[str, float | None]:

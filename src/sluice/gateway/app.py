@@ -1,9 +1,9 @@
 """The gateway's Litestar application: OpenAI routes, admin API, admin console, health, metrics.
 
-`create_app` builds every service once and stores it on `app.state` (shared, quotas, usage, auth,
-admin, generation, tokenizers, session_factory, backend, body_judge, streams, drain); `shared` is the state replicas
-share (`[shared]`: in-process, or Redis); the Batch API controllers (`gateway/batches`) join through
-`extra_route_handlers` and reuse `tenant_guard` / `current_tenant` and the quota/usage services.
+`create_app` builds every service once (`Services`, gateway/services.py), gives each to the
+handlers that declare it (dependency injection by name and type), and runs their start and stop
+in order. With `batches` (gateway/batches/__init__.py) it serves the Batch API too: its service
+is built here with the others and its line runner joins the Kafka backend.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litestar import Litestar
 from litestar.config.app import AppConfig
@@ -46,8 +46,12 @@ from sluice.gateway.generation.tokenization import ModelTokenizer, TokenizerRegi
 from sluice.gateway.queueing.backend import GenerationBackend
 from sluice.gateway.quotas.service import QuotaService
 from sluice.gateway.quotas.usage import UsageService
+from sluice.gateway.services import Services, dependencies
 from sluice.gateway.streams.hub import StreamHub
 from sluice.settings import Settings
+
+if TYPE_CHECKING:
+    from sluice.gateway.batches import BatchComponents
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +71,48 @@ async def _load_tokenizers(backend: GenerationBackend, registry: TokenizerRegist
             )
 
 
+def build_services(settings: Settings, backend: GenerationBackend, *,
+                   session_factory: async_sessionmaker[AsyncSession], shared: SharedState,
+                   batches: BatchComponents | None) -> Services:
+    """Every service of the process, once, in dependency order."""
+    gw = settings.gateway
+    auth = AuthService(session_factory, cache_ttl_s=gw.key_cache_ttl_s, bus=shared.bus)
+    usage = UsageService(session_factory)
+    quotas = QuotaService(usage.day_total, ledger=shared.ledger)
+    tokenizers = TokenizerRegistry()
+    generation = GenerationService(backend, tokenizers, quotas, usage, request_timeout_s=gw.request_timeout_s,
+                                   max_prompt_chars=gw.max_prompt_chars, max_messages=gw.max_messages)
+    streams = StreamHub(shared.stream_log, generation.flights, generation.spawn, grace_s=gw.disconnect_grace_s)
+    admin = AdminService(session_factory, auth, usage.flush)
+    batch_service = None
+    if batches is not None:
+        batch_service = batches.build(settings, session_factory, generation, backend, shared, quotas, usage, admin)
+    return Services(
+        settings=settings, backend=backend, session_factory=session_factory, shared=shared, auth=auth,
+        usage=usage, quotas=quotas, tokenizers=tokenizers, generation=generation, streams=streams,
+        drain=Drain(gw.drain_timeout_s), body_judge=BodyJudge(), admin=admin,
+        console_sessions=ConsoleSessions(session_factory, settings.admin.console_session_ttl_s),
+        batches=batch_service, started_at=int(time.time()),
+    )
+
+
+def _takeover(services: Services) -> None:
+    """With the Kafka backend and shared state, streams of lost replicas go on here."""
+    holder = getattr(services.backend, "holder", None)
+    if holder is None:
+        return
+    from sluice.gateway.streams.resumer import StreamResumer
+
+    holder.bind(StreamResumer(services.streams, services.generation, services.auth,
+                              services.backend, holder))  # type: ignore[arg-type]
+
+
 def create_app(
     settings: Settings,
     backend: GenerationBackend,
     *,
     session_factory: async_sessionmaker[AsyncSession] | None = None,
-    extra_route_handlers: Sequence[Any] = (),
+    batches: BatchComponents | None = None,
     on_startup: Sequence[Hook] = (),
     on_shutdown: Sequence[Hook] = (),
     announce_secret: Callable[[str, str], None] | None = None,
@@ -81,81 +121,49 @@ def create_app(
     """Builds the app. Without `session_factory` it opens settings.database.url and migrates it at startup.
 
     `announce_secret(kind, value)` receives a generated admin token ("admin_token") once, for
-    `sluice serve` to show; it is never logged.
+    `sluice serve` to show; it is never logged. `shared`: the state replicas share, one per process
+    (`sluice serve` passes the one its backend uses, so both file under one replica id); the app
+    starts it (before the backend) and stops it (after).
     """
     owned_engine = None
     if session_factory is None:
         owned_engine = make_engine(settings.database.url, echo=settings.database.echo)
         session_factory = make_session_factory(owned_engine)
-    # One per process: `sluice serve` passes the one its backend uses, so both file under one
-    # replica id. The app starts it (before the backend) and stops it (after).
     if shared is None:
         shared = open_shared(settings.shared, stream_retention_s=settings.gateway.stream_retention_s)
-    auth = AuthService(session_factory, cache_ttl_s=settings.gateway.key_cache_ttl_s, bus=shared.bus)
-    usage = UsageService(session_factory)
-    quotas = QuotaService(usage.day_total, ledger=shared.ledger)
-    tokenizers = TokenizerRegistry()
-    generation = GenerationService(backend, tokenizers, quotas, usage,
-                                   request_timeout_s=settings.gateway.request_timeout_s,
-                                   max_prompt_chars=settings.gateway.max_prompt_chars,
-                                   max_messages=settings.gateway.max_messages)
-    streams = StreamHub(shared.stream_log, generation.spawn, grace_s=settings.gateway.disconnect_grace_s)
-    holder = getattr(backend, "holder", None)
-    if holder is not None:  # the Kafka backend with shared state: streams of lost replicas go on here
-        from sluice.gateway.streams.resumer import StreamResumer
-
-        holder.resumer = StreamResumer(streams, generation, auth, backend, holder)  # type: ignore[arg-type]
-    admin = AdminService(session_factory, auth, usage.flush)
-    body_judge = BodyJudge()
-    state = State(
-        {
-            "settings": settings,
-            "backend": backend,
-            "session_factory": session_factory,
-            "shared": shared,
-            "auth": auth,
-            "usage": usage,
-            "quotas": quotas,
-            "tokenizers": tokenizers,
-            "generation": generation,
-            "streams": streams,
-            "drain": Drain(settings.gateway.drain_timeout_s),
-            "body_judge": body_judge,
-            "admin": admin,
-            "tenants": admin,
-            "console_sessions": ConsoleSessions(session_factory, settings.admin.console_session_ttl_s),
-            "started_at": int(time.time()),
-            "generated_admin_token": None,
-        }
-    )
+    services = build_services(settings, backend, session_factory=session_factory, shared=shared, batches=batches)
+    _takeover(services)
 
     async def startup(app: Litestar) -> None:
         if owned_engine is not None:
             await migrate(settings.database.url)
         telemetry.configure(settings.gateway.record_log_path)
-        await shared.start()
-        generated = await auth.ensure_admin_token(settings.admin.token)
-        await seed_tenants(admin, settings.tenants)
-        app.state.generated_admin_token = generated
+        await services.shared.start()
+        generated = await services.auth.ensure_admin_token(settings.admin.token)
+        await seed_tenants(services.admin, settings.tenants)
         if generated and announce_secret is not None:
             announce_secret("admin_token", generated)
         await backend.start()
-        await _load_tokenizers(backend, tokenizers)
+        await _load_tokenizers(backend, services.tokenizers)
+        if batches is not None:
+            await batches.start()
         # What startup loaded (torch, tokenizers, the ORM) lives as long as the process: out of the
         # collector's sight, a full collection walks only what requests create (it was ~0.5 s, with
         # the GIL held, while a 20,000-line batch was created).
         gc.collect()
         gc.freeze()
-        log.info("gateway ready: models %s", ", ".join(tokenizers.names()) or "(none)")
+        log.info("gateway ready: models %s", ", ".join(services.tokenizers.names()) or "(none)")
 
     async def shutdown(app: Litestar) -> None:
-        await streams.stop()
+        if batches is not None:
+            await batches.stop()
+        await services.streams.stop()
         await backend.stop()
-        await generation.drain()
-        await shared.stop()
-        await usage.close()
-        await auth.drain()
-        body_judge.close()
+        await services.generation.drain()
+        await services.shared.stop()
+        await services.usage.close()
+        await services.auth.drain()
+        services.body_judge.close()
         gc.unfreeze()  # what startup loaded may be collected again (native extensions check at exit)
         if owned_engine is not None:
             await owned_engine.dispose()
@@ -163,14 +171,15 @@ def create_app(
     config = AppConfig(
         route_handlers=[
             OpenAIController, TokenizeController, AdminController, *console_route_handlers(), health, ready,
-            metrics, *extra_route_handlers,
+            metrics, *(batches.route_handlers if batches is not None else ()),
         ],
+        dependencies=dependencies(services),
         template_config=template_config(),
         on_startup=[startup, *on_startup],
         on_shutdown=[*on_shutdown, shutdown],
         exception_handlers=EXCEPTION_HANDLERS,
         before_request=strict_json_body,
-        state=state,
+        state=State({"services": services}),
         request_max_body_size=settings.gateway.max_body_bytes,
         middleware=[OptionsMiddleware()],
         openapi_config=OpenAPIConfig(

@@ -69,7 +69,8 @@ def install() -> None:
 
     from sluice.gateway.auth.service import AuthService
     from sluice.gateway.dispatch.links import upstream_http
-    from sluice.gateway.generation.service import Flight, GenerationService
+    from sluice.gateway.generation.flight import Flight
+    from sluice.gateway.generation.service import GenerationService
     from sluice.gateway.queueing.kafka import RequestLog
     from sluice.gateway.quotas.service import QuotaService
 

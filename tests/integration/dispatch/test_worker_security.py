@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from sluice_testing import submit
 
 from sluice.broker import free_port
 from sluice.gateway.queueing.acceptance import KafkaBackend
@@ -80,7 +81,7 @@ async def test_only_a_peer_with_the_secret_is_a_worker_and_a_live_worker_is_neve
     await backend.start()
     caplog.set_level(logging.INFO, logger="sluice.gateway.dispatch.dispatcher")
     try:
-        queued = await backend.submit(request(0))  # waits for a worker: an impostor must not get it
+        queued = await submit(backend, request(0))  # waits for a worker: an impostor must not get it
         wrong = "x" * len(WORKER_SECRET)
         attempts = {
             "no proof": lambda nonce: register("intruder", ""),
@@ -112,7 +113,7 @@ async def test_only_a_peer_with_the_secret_is_a_worker_and_a_live_worker_is_neve
         assert [type(m) for m in received] == [WorkerChallenge, WorkerRejected]
         assert "already connected" in received[1].reason  # type: ignore[union-attr]
         assert backend.dispatcher.workers["sw1"] is live
-        sub = await backend.submit(request(1))
+        sub = await submit(backend, request(1))
         deltas = await asyncio.wait_for(_drain(sub), 120)
         assert deltas[-1].finish_reason == FinishReason.LENGTH and deltas[-1].num_output_tokens == 4
         assert worker.poll() is None
@@ -150,7 +151,7 @@ async def test_worker_port_over_tls(bootstrap_servers: str, demo_model_dir: Path
         writer.close()
         start_worker(demo_model_dir, port, "tls1", extra_env={"SLUICE_GATEWAY_WORKER_TLS_CA": str(cert)})
         await wait_for(lambda: "tls1" in backend.dispatcher.workers, 180, "the TLS worker to register")
-        sub = await backend.submit(request(2))
+        sub = await submit(backend, request(2))
         deltas = await asyncio.wait_for(_drain(sub), 120)
         assert deltas[-1].finish_reason == FinishReason.LENGTH
         # Over TLS, the secret is still required.

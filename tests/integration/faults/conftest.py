@@ -96,11 +96,8 @@ async def open_gateway(settings: Settings, worker_port: int, *, wait_worker: boo
     batches = batch_components(settings)
     backend = KafkaBackend(settings, batch_handler=batches.handler, worker_port=worker_port)
 
-    async def attach(app: Any) -> None:
-        batches.attach(app, backend)
-        await batches.start()
 
-    app = create_app(settings, backend, extra_route_handlers=batches.route_handlers, on_startup=[attach])
+    app = create_app(settings, backend, batches=batches)
     async with AsyncTestClient(app, base_url="http://sluice.test") as client:
         if wait_worker:
             await wait_for(lambda: "fw" in backend.dispatcher.workers, 120, "the worker to register")

@@ -19,9 +19,11 @@ from typing import Any
 
 import pytest
 from dispatch.conftest import wait_for
+from sluice_testing import Followed
 
 from sluice.broker import EmbeddedBroker
-from sluice.gateway.queueing.acceptance import StreamSubmission
+from sluice.gateway.generation.state import RequestState
+from sluice.gateway.queueing.backend import QueuedSubmission
 from sluice.protocol import FinishReason, RequestDelta
 from sluice.settings import KafkaSettings
 
@@ -45,7 +47,7 @@ def kafka(broker: EmbeddedBroker, produce_timeout_s: float) -> KafkaSettings:
                          partitions=2, produce_timeout_s=produce_timeout_s)
 
 
-async def the_stream(opened: list[StreamSubmission]) -> StreamSubmission:
+async def the_stream(opened: list[Followed]) -> Followed:
     """The stream the gateway registered for the request (at submit, before its append). Taken
     as it is opened, not looked up in the backend's table: a short job can run to its end, and
     leave that table, between two polls (the append is still unacknowledged then)."""
@@ -54,29 +56,28 @@ async def the_stream(opened: list[StreamSubmission]) -> StreamSubmission:
 
 
 def post_meanwhile(gw: FaultGateway, body: dict[str, Any],
-                   headers: dict[str, str]) -> tuple[asyncio.Task[Any], list[StreamSubmission]]:
+                   headers: dict[str, str]) -> tuple[asyncio.Task[Any], list[Followed]]:
     """The request, sent from a thread of its own: the Litestar test client blocks its caller's
     event loop until the app (running in its portal's thread) has answered; with the streams the
     backend opens from now on (its `_open_stream`, observed, not replaced)."""
-    opened: list[StreamSubmission] = []
+    opened: list[Followed] = []
     open_stream = gw.backend._open_stream
 
-    def observed(request: Any) -> StreamSubmission:
-        stream = open_stream(request)
-        opened.append(stream)
-        return stream
+    def observed(state: RequestState) -> QueuedSubmission:
+        submission = open_stream(state)
+        opened.append(Followed(submission, state))
+        return submission
 
     gw.backend._open_stream = observed  # type: ignore[method-assign]
     call = gw.client.post("/v1/completions", json=body, headers=headers, timeout=180)
     return asyncio.create_task(asyncio.to_thread(asyncio.run, call)), opened
 
 
-def queued(stream: StreamSubmission) -> list[RequestDelta]:
+def queued(stream: Followed) -> list[RequestDelta]:
     """The deltas delivered to a stream that nobody has read."""
-    out = []
-    while not stream._queue.empty():
-        out.append(stream._queue.get_nowait())
-    return out
+    submission = stream.submission
+    assert isinstance(submission, QueuedSubmission)
+    return list(submission._queued)
 
 
 async def test_a_stream_runs_before_its_append_is_acknowledged_but_nothing_reaches_the_client(
@@ -93,9 +94,9 @@ async def test_a_stream_runs_before_its_append_is_acknowledged_but_nothing_reach
             answer, opened = post_meanwhile(gw, body, auth)
             stream = await the_stream(opened)
             # Dispatched and generated to the end at the worker while the record is unacknowledged.
-            await wait_for(lambda s=stream, d=gw.backend.dispatcher: s.job is not None and s.request_id not in d,
-                           120, "the job to run to its end at the worker")
-            assert stream.job is not None and stream.job.worker == "fw"
+            await wait_for(lambda s=stream, d=gw.backend.dispatcher: s.dispatch_time is not None
+                           and s.request_id not in d, 120, "the job to run to its end at the worker")
+            assert stream.state.worker == "fw"
             await asyncio.sleep(0.5)
             assert not answer.done()  # not accepted: not even the response head went out
         response = await asyncio.wait_for(answer, 120)
@@ -103,7 +104,7 @@ async def test_a_stream_runs_before_its_append_is_acknowledged_but_nothing_reach
         events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
         assert "".join(e["choices"][0]["text"] for e in events if e["choices"])
         assert events[-1]["usage"]["completion_tokens"] == 8 and "data: [DONE]" in response.text
-        assert gw.app.state.quotas.live(gw.tenant_id) == (0, 0)
+        assert gw.app.state.services.quotas.live(gw.tenant_id) == (0, 0)
 
 
 async def test_a_failed_append_aborts_the_dispatched_job_and_answers_503(
@@ -121,7 +122,7 @@ async def test_a_failed_append_aborts_the_dispatched_job_and_answers_503(
         with paused(own_broker):
             answer, opened = post_meanwhile(gw, body, auth)
             stream = await the_stream(opened)
-            await wait_for(lambda s=stream: s.job is not None and s.job.started, 60,
+            await wait_for(lambda s=stream: s.state.has_output, 60,
                            "the job to produce tokens at the worker")
             response = await asyncio.wait_for(answer, 120)
         assert response.status_code == 503, response.text
@@ -134,5 +135,5 @@ async def test_a_failed_append_aborts_the_dispatched_job_and_answers_503(
         assert deltas[-1].finish_reason == FinishReason.ABORT
         assert deltas[-1].num_output_tokens < 4000
         assert not gw.backend.dispatcher.workers["fw"].inflight
-        assert not gw.backend._streams
-        assert gw.app.state.quotas.live(gw.tenant_id) == (0, 0)
+        assert len(gw.app.state.services.generation.flights) == 0
+        assert gw.app.state.services.quotas.live(gw.tenant_id) == (0, 0)

@@ -74,8 +74,8 @@ async def test_a_cancel_on_one_replica_stops_the_lines_another_holds(replica_set
         for gw in (other, holder):
             check = await on_app(gw, gw.backend._consumers[Priority.BATCH].check)
             assert check.caught_up and not check.lost
-            await on_app(gw, gw.backend._requeue_lost_lines)
-            assert gw.backend.requeued_lines == 0
+            await on_app(gw, gw.backend.batch_lines.requeue_lost)
+            assert gw.backend.batch_lines.requeued_lines == 0
         cancelled = await other.sdk.batches.cancel(batch.id)  # asked of the replica that holds nothing
         assert cancelled.status in ("cancelling", "cancelled")
         done = await holder.wait_done(batch.id, timeout=60)
@@ -89,16 +89,16 @@ async def test_a_cancel_on_one_replica_stops_the_lines_another_holds(replica_set
 async def test_a_validating_batch_is_failed_only_once_its_creator_is_dead(replica_settings: Settings) -> None:
     async with replica(replica_settings) as survivor:
         async with replica(replica_settings) as creator:
-            ids = {"live": await _validating(creator, creator.app.state.shared.replica),
+            ids = {"live": await _validating(creator, creator.app.state.services.shared.replica),
                    "dead": await _validating(creator, "a-replica-that-never-lived"),
                    "legacy": await _validating(creator, None)}
-            await on_app(survivor, survivor.app.state.batches.recover)  # another replica starting
+            await on_app(survivor, survivor.app.state.services.batches.recover)  # another replica starting
             assert await _status(creator, ids["live"]) == "validating"
             assert await _status(creator, ids["dead"]) == "failed"
             assert await _status(creator, ids["legacy"]) == "failed"
-            assert await on_app(creator, creator.app.state.batches.fail_orphaned) == 0  # its own is left to it
+            assert await on_app(creator, creator.app.state.services.batches.fail_orphaned) == 0  # its own is left to it
         # The creator stopped (its lease given up): the survivor's sweep fails its batch.
-        assert await on_app(survivor, survivor.app.state.batches.fail_orphaned) == 1
+        assert await on_app(survivor, survivor.app.state.services.batches.fail_orphaned) == 1
         assert await _status(survivor, ids["live"]) == "failed"
 
 
@@ -112,7 +112,7 @@ async def _validating(gw: FaultGateway, creator: str | None) -> str:
 
     async def insert() -> None:
         now = utcnow()
-        async with gw.app.state.session_factory() as session, session.begin():
+        async with gw.app.state.services.session_factory() as session, session.begin():
             session.add(Batch(id=batch_id, tenant_id=gw.tenant_id, input_file_id="file_x",
                               endpoint="/v1/completions", completion_window="24h", total=1, created_at=now,
                               expires_at=now, status="validating", created_by=creator))
@@ -123,7 +123,7 @@ async def _validating(gw: FaultGateway, creator: str | None) -> str:
 
 async def _status(gw: FaultGateway, batch_id: str) -> str:
     async def read() -> str:
-        async with gw.app.state.session_factory() as session:
+        async with gw.app.state.services.session_factory() as session:
             row = await session.get(Batch, batch_id)
         assert row is not None
         return row.status

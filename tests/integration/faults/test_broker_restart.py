@@ -55,14 +55,14 @@ async def test_batches_complete_after_a_broker_restart(own_broker: EmbeddedBroke
         await wait_for(lambda c=consumer: c.paused, 60, "the gateway's batch backlog to fill")
         await asyncio.to_thread(restart, own_broker)
         assert (await gw.client.post("/admin/workers/fw/undrain", headers=gw.admin)).status_code == 200
-        await wait_for(lambda b=gw.backend: b.requeued_lines > 0, 120, "the lost lines to be re-enqueued")
+        await wait_for(lambda b=gw.backend: b.batch_lines.requeued_lines > 0, 120, "the lost lines to be re-enqueued")
         after = await _create(gw, 6)
         for batch_id, n in ((before, 24), (after, 6)):
             done = await gw.wait_done(batch_id, timeout=240)
             assert done.status == "completed", done
             assert done.request_counts.completed == n and done.request_counts.failed == 0
             check_every_line_once(await gw.rows(done), n)
-        assert gw.backend.requeued_lines > 0  # the lines really were lost, and came back
+        assert gw.backend.batch_lines.requeued_lines > 0  # the lines really were lost, and came back
     commit_failures = [r for r in caplog.records if "committing" in r.getMessage() and "failed" in r.getMessage()]
     assert len(commit_failures) <= 6, [r.getMessage() for r in commit_failures]  # once per class and condition
 

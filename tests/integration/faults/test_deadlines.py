@@ -50,5 +50,5 @@ async def test_a_request_past_its_deadline_is_stopped_and_released(
             assert streamed.status_code == 504 and streamed.json()["error"]["code"] == "request_timeout"
 
         # Released: nothing is reserved for the tenant, nothing is left at the dispatcher.
-        assert gw.app.state.quotas.live(gw.tenant_id) == (0, 0)
+        assert gw.app.state.services.quotas.live(gw.tenant_id) == (0, 0)
         await wait_for(lambda d=gw.backend.dispatcher: d.num_jobs == 0, 60, "the stopped requests to end")

@@ -55,4 +55,4 @@ async def test_disabling_a_tenant_stops_its_batches(gateway: FaultGateway, datab
     # Nothing of it is left running or reserved.
     assert not any(job.request.batch_id == batch.id for job in
                    [p.payload for p in gateway.backend.dispatcher.scheduler.items()])
-    assert gateway.app.state.quotas.live(gateway.tenant_id) == (0, 0)
+    assert gateway.app.state.services.quotas.live(gateway.tenant_id) == (0, 0)

@@ -25,7 +25,8 @@ import pytest
 from dispatch.conftest import kill_group
 
 from sluice import telemetry
-from sluice.gateway.dispatch.dispatcher import MAX_DISPATCH_ATTEMPTS, Job
+from sluice.gateway.dispatch.dispatcher import MAX_DISPATCH_ATTEMPTS
+from sluice.gateway.generation.state import RequestState
 
 from .conftest import FaultGateway, StartWorker, fault_settings, open_gateway, wait_for
 
@@ -78,10 +79,10 @@ def both_up(gw: FaultGateway) -> bool:
     return all(w in gw.backend.dispatcher.workers for w in WORKER_IDS)
 
 
-def the_job(gw: FaultGateway) -> Job | None:
-    """The one stream this gateway holds (None before it is dispatched)."""
-    streams = list(gw.backend._streams.values())
-    return streams[0].job if streams else None
+def the_job(gw: FaultGateway) -> RequestState | None:
+    """The state of the one stream this gateway runs (None before it is accepted, and after it ended)."""
+    flights = list(gw.app.state.services.generation.flights)
+    return flights[0].state if flights else None
 
 
 async def stream_events(gw: FaultGateway) -> list[dict[str, Any]]:
@@ -96,9 +97,9 @@ async def stream_events(gw: FaultGateway) -> list[dict[str, Any]]:
     return events
 
 
-def watch(gw: FaultGateway, jobs: list[Job], stop: threading.Event, on_poll: Callable[[Job], None] | None,
-          ) -> None:
-    """Notes the stream's job and shows it to `on_poll` every few ms. A thread: the test client runs
+def watch(gw: FaultGateway, jobs: list[RequestState], stop: threading.Event,
+          on_poll: Callable[[RequestState], None] | None) -> None:
+    """Notes the stream's state and shows it to `on_poll` every few ms. A thread: the test client runs
     the app on a loop of its own and blocks this one meanwhile."""
     while not stop.wait(0.005):
         job = the_job(gw)
@@ -108,7 +109,7 @@ def watch(gw: FaultGateway, jobs: list[Job], stop: threading.Event, on_poll: Cal
             on_poll(job)
 
 
-async def run_stream(gw: FaultGateway, jobs: list[Job], on_poll: Callable[[Job], None] | None = None,
+async def run_stream(gw: FaultGateway, jobs: list[RequestState], on_poll: Callable[[RequestState], None] | None = None,
                      ) -> list[dict[str, Any]]:
     stop = threading.Event()
     watcher = threading.Thread(target=watch, args=(gw, jobs, stop, on_poll), daemon=True)
@@ -142,7 +143,7 @@ async def test_a_lost_workers_stream_continues_on_the_other_worker(
     """sigkill: the worker dies (its connection ends); sigstop: it stops answering (dropped after
     the heartbeat timeout, 5 s here)."""
     gw = gateway
-    jobs: list[Job] = []
+    jobs: list[RequestState] = []
     undisturbed = await run_stream(gw, jobs)
     [reference] = jobs
     assert reference.attempts == 1 and len(reference.output_token_ids) == 200
@@ -151,7 +152,7 @@ async def test_a_lost_workers_stream_continues_on_the_other_worker(
     telemetry.configure(str(record_log))
     killed: dict[str, Any] = {}
 
-    def kill_worker(job: Job) -> None:  # once, mid-generation: 40 of 200 tokens delivered
+    def kill_worker(job: RequestState) -> None:  # once, mid-generation: 40 of 200 tokens delivered
         worker, delivered = job.worker, len(job.output_token_ids)
         if not killed and delivered >= 40:
             killed.update(worker=worker, at=time.time(), delivered=delivered)
@@ -201,10 +202,10 @@ async def test_a_request_that_loses_every_worker_it_lands_on_fails_after_bounded
     on (no real request kills a worker: one that raises in the engine fails alone, test_poison.py),
     and restarts it, so the fleet stays."""
     gw = gateway
-    jobs: list[Job] = []
+    jobs: list[RequestState] = []
     lost: list[tuple[str, int]] = []  # (worker, tokens delivered when it was killed)
 
-    def kill_each_attempt(job: Job) -> None:
+    def kill_each_attempt(job: RequestState) -> None:
         worker, delivered = job.worker, len(job.output_token_ids)  # the app's thread moves on meanwhile
         if worker and job.attempts > len(lost) and delivered > (lost[-1][1] if lost else 0):
             lost.append((worker, delivered))

@@ -7,17 +7,20 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from sluice_testing import drain, state_of, submit
 
 from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.session import make_engine, make_session_factory
-from sluice.gateway.generation.service import Flight, GenerationService, Prepared
+from sluice.gateway.generation.service import GenerationService
 from sluice.gateway.generation.tokenization import ModelTokenizer, TokenizerRegistry
 from sluice.gateway.queueing.backend import BackendUnavailable, GenerationBackend, Submission
 from sluice.gateway.queueing.local import LocalEngineBackend
 from sluice.gateway.quotas.service import QuotaLimits, QuotaService
 from sluice.gateway.quotas.usage import UsageService
-from sluice.gateway.streams.frames import stream_chat
+from sluice.gateway.streams.frames import Framer
+from sluice.gateway.streams.hub import StreamHub
+from sluice.gateway.streams.log import LocalStreamLog
 from sluice.protocol import FinishReason, GenerateRequest, Priority, SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -43,13 +46,13 @@ async def test_submit_stream_abort_and_errors(demo_model_dir: Path, tmp_path: Pa
     try:
         assert [m.name for m in backend.served_models()] == ["demo"]
         assert await backend.ready() == {"workers": True}
-        sub = await backend.submit(request("a", (5, 6, 7), max_tokens=5))
-        assert isinstance(sub, Submission)
-        deltas = [d async for d in sub]
+        sub = await submit(backend, request("a", (5, 6, 7), max_tokens=5))
+        assert isinstance(sub.submission, Submission)
+        deltas = await drain(sub)
         assert deltas[-1].finish_reason is FinishReason.LENGTH and deltas[-1].num_output_tokens == 5
         assert sum(len(d.token_ids) for d in deltas) == 5
 
-        long = await backend.submit(request("b", (5, 6, 7), max_tokens=2000))
+        long = await submit(backend, request("b", (5, 6, 7), max_tokens=2000))
         seen = 0
         async for delta in long:
             seen += len(delta.token_ids)
@@ -59,12 +62,12 @@ async def test_submit_stream_abort_and_errors(demo_model_dir: Path, tmp_path: Pa
         assert delta.finish_reason is FinishReason.ABORT and delta.num_output_tokens < 2000
 
         # An invalid request ends with an error delta, never a hang.
-        broken = await backend.submit(request("c", (10**6,)))
-        final = [d async for d in broken][-1]
+        broken = await submit(backend, request("c", (10**6,)))
+        final = (await drain(broken))[-1]
         assert final.finish_reason is FinishReason.ERROR and final.error
 
         with pytest.raises(BackendUnavailable):
-            await backend.submit(request("d", (1,), model="other"))
+            await submit(backend, request("d", (1,), model="other"))
 
         # The SSE path turns the error delta into an OpenAI error event, then ends.
         engine = make_engine(f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}")
@@ -85,17 +88,15 @@ async def test_submit_stream_abort_and_errors(demo_model_dir: Path, tmp_path: Pa
                 enabled=True,
                 limits=QuotaLimits(tokens_per_minute=10_000),
             )
-            bad = request("e", (10**6,))
-            reservation = await quotas.admit(tenant, 1, 5, Priority.STANDARD)
-            flight = Flight(
-                service,
-                Prepared(bad, registry.get("demo"), "default", True, False),
-                tenant,
-                reservation,
-                await backend.submit(bad),
-            )
-            events = [chunk async for chunk in stream_chat(flight)]
-            error = msgspec.json.decode(events[-1].removeprefix(b"data: "))
+            state = state_of(request("e", (10**6,)))
+            state.reservation = reservation = await quotas.admit(tenant, 1, 5, Priority.STANDARD)
+            flight = service.fly(state, tenant, await backend.submit(state))
+            log = LocalStreamLog()
+            await log.create("e", "t", None)
+            hub = StreamHub(log, service.flights, service.spawn)
+            hub.start(flight, Framer(state, registry.get("demo")), grace_s=30)
+            events = b"".join([chunk async for chunk in hub.follow("e", -1)]).split(b"\n\n")
+            error = msgspec.json.decode(events[-2].split(b"\n")[1].removeprefix(b"data: "))
             assert error["error"]["code"] == "generation_failed"
             assert reservation.done and quotas.live("t") == (0, 0)
             await service.drain()

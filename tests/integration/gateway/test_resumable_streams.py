@@ -405,7 +405,7 @@ def replica_b(gateway, demo_model_dir: Path, shared_mode: str) -> Iterator[str]:
     """A second gateway on the same database and Redis prefix (Redis mode only)."""
     if shared_mode != "redis":
         pytest.skip("two replicas need the shared store")
-    app = create_app(gateway.app.state.settings, LocalEngineBackend({"demo": demo_model_dir}, ENGINE_OPTIONS))
+    app = create_app(gateway.app.state.services.settings, LocalEngineBackend({"demo": demo_model_dir}, ENGINE_OPTIONS))
     sock = _free_socket()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -22,6 +22,7 @@ from sluice.gateway.dispatch.fair import ClassPolicy, FairScheduler, Pending
 from sluice.gateway.dispatch.fair_shared import RedisFairness
 from sluice.gateway.dispatch.links.tcp import WorkerConn
 from sluice.gateway.dispatch.slots import RedisSlots
+from sluice.gateway.generation.state import RequestState
 from sluice.gateway.quotas.redis_ledger import RedisLedger
 from sluice.protocol import GenerateRequest, Priority, SamplingParams, ServedModelInfo, WorkerCapacity, WorkerRegister
 from sluice.telemetry import percentile
@@ -36,7 +37,7 @@ def job(priority: Priority = B, tenant: str = "t") -> Job:
     request = GenerateRequest(
         request_id=f"r{next(_ids)}", tenant_id=tenant, model="demo", priority=priority, prompt_token_ids=(1, 2, 3),
         sampling=SamplingParams(max_tokens=4), cache_salt=tenant, arrival_time=time.time())
-    return Job(request=request, sink=lambda delta: None)
+    return Job(state=RequestState.of(request, "default"), sink=lambda delta: None)
 
 
 def worker(worker_id: str, num_waiting: int = 0) -> WorkerConn:

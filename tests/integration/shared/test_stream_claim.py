@@ -1,25 +1,41 @@
 """Replica takeover's claim (gateway/streams/holder.py) on the real Redis: of replicas racing for a
 stream whose generator's lease ran out, exactly one claims it; a stream whose generator is alive,
 one that ended, and one whose log is gone are never claimed; the claimer reads back the token ids
-logged with the events; held records are finished once their streams end."""
+logged with the events; held records are finished once their streams end; a pump's typed marks
+let a taker rebuild the stream's state."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 from aiokafka import TopicPartition
 from redis.asyncio import Redis
 
+from sluice.gateway.auth.service import TenantContext
+from sluice.gateway.generation.flight import Flight
+from sluice.gateway.generation.service import GenerationService
+from sluice.gateway.generation.state import Envelope, RequestState, RequestTable
+from sluice.gateway.generation.tokenization import ModelTokenizer
+from sluice.gateway.queueing.backend import QueuedSubmission
 from sluice.gateway.queueing.kafka import RecordRef
 from sluice.gateway.quotas.redis_ledger import RedisLedger
+from sluice.gateway.streams.frames import Framer
 from sluice.gateway.streams.holder import ALIVE, CLAIMED, ENDED, GONE, Claimed, StreamHolder
-from sluice.gateway.streams.log import RedisStreamLog
-from sluice.protocol import GenerateRequest, Priority, SamplingParams
+from sluice.gateway.streams.hub import StreamHub
+from sluice.gateway.streams.log import EventKind, Mark, RedisStreamLog, pack_tokens
+from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
 
 pytestmark = [pytest.mark.integration]
 
 LEASE_S = 30.0  # leases are given up explicitly here, never left to run out
+
+
+def _mark(*tokens: int) -> Mark:
+    """A chunk's checkpoint: the output token ids first sent with it."""
+    return Mark(EventKind.CHUNK, pack_tokens(tokens))
 
 
 def _request(rid: str) -> GenerateRequest:
@@ -65,9 +81,9 @@ async def test_exactly_one_replica_claims_an_orphaned_stream_and_never_an_ended_
         for rid in ("chatcmpl-open", "chatcmpl-ended"):
             assert await accepted.create(rid, "t", "key-" + rid) is None
             accepted.append(rid, b"data: {\"n\":0}\n\n")
-            accepted.append(rid, b"data: {\"n\":1}\n\n", [11, 12])
+            accepted.append(rid, b"data: {\"n\":1}\n\n", _mark(11, 12))
             accepted.append(rid, b"data: {\"n\":2}\n\n")
-            accepted.append(rid, b"data: {\"n\":3}\n\n", [13])
+            accepted.append(rid, b"data: {\"n\":3}\n\n", _mark(13))
         accepted.end("chatcmpl-ended")
         await accepted.flushed()
 
@@ -82,7 +98,6 @@ async def test_exactly_one_replica_claims_an_orphaned_stream_and_never_an_ended_
         assert (claimed.tenant, claimed.next_seq, claimed.token_ids, claimed.whole, claimed.ended) == (
             "t", 4, [11, 12, 13], True, False)
         assert claimed.key is not None and claimed.key.startswith(f"{prefix}:sk:t:")
-        assert len(claimed.frames) == 4
 
         # Ended (its generator lost too): never claimed. Unknown: gone.
         assert {await h.claim("chatcmpl-ended") for h in holders} == {(ENDED, 0)}
@@ -110,13 +125,13 @@ async def test_held_records_are_finished_at_the_end_and_an_orphan_is_resumed_onc
     resumer = _Resumer()
     resumed = resumer.resumed
     for holder in holders:
-        holder.resumer = resumer
+        holder.bind(resumer)
     refs = {rid: RecordRef(Priority.STANDARD, TopicPartition("t", 0), offset)
             for offset, rid in enumerate(("chatcmpl-a", "chatcmpl-b", "cmpl-not-a-stream"))}
     try:
         for rid in ("chatcmpl-a", "chatcmpl-b"):
             await accepted.create(rid, "t", None)
-            accepted.append(rid, b"data: {}\n\n", [7])
+            accepted.append(rid, b"data: {}\n\n", _mark(7))
         await accepted.flushed()
         for holder in holders:  # both hold every record (a rebalance moved the partition meanwhile)
             for rid, ref in refs.items():
@@ -153,7 +168,7 @@ async def test_an_event_is_shown_here_only_once_it_is_in_redis(redis: Redis, pre
     await stream_log.start()
     try:
         await stream_log.create("chatcmpl-x", "t", None)
-        stream_log.append("chatcmpl-x", b"data: {}\n\n", [5, 6])
+        stream_log.append("chatcmpl-x", b"data: {}\n\n", _mark(5, 6))
         page = await stream_log.read("chatcmpl-x", -1, wait_s=0)  # the flusher has not run yet
         assert page is not None and page.frames == []
         page = await stream_log.read("chatcmpl-x", -1, wait_s=5)  # woken by the write
@@ -177,13 +192,15 @@ async def test_a_record_is_held_while_its_stream_is_not_filed_yet_and_claimed_on
     finished: list[RecordRef] = []
     holder = _holder(redis, taker_log, prefix, finished, gone_after_s=30.0)
     resumer = _Resumer(ready=False)
-    holder.resumer = resumer
+    holder.bind(resumer)
     ref = RecordRef(Priority.STANDARD, TopicPartition("t", 0), 0)
     try:
         holder.hold(_request("chatcmpl-late"), ref)
         await holder.check()
         assert finished == [] and holder.held == 1  # not filed yet: held on
-        assert await accepted.create("chatcmpl-late", "t", "key-late", include_usage=True) is None
+        envelope = Envelope(id="chatcmpl-late", created=1, model="demo", service_tier="default", endpoint="chat",
+                            include_usage=True)
+        assert await accepted.create("chatcmpl-late", "t", "key-late", envelope=envelope) is None
         assert await accepted.create("chatcmpl-other", "t", "key-late") == "chatcmpl-late"  # one key, one response
         assert await accepted.by_key("t", "key-late") == "chatcmpl-late"
         await acceptor.stop()  # lost before its first event
@@ -197,10 +214,56 @@ async def test_a_record_is_held_while_its_stream_is_not_filed_yet_and_claimed_on
                 break
             await asyncio.sleep(0.02)
         [(rid, claimed)] = resumer.resumed
-        assert (rid, claimed.frames, claimed.next_seq, claimed.include_usage) == ("chatcmpl-late", [], 0, True)
+        assert (rid, claimed.token_ids, claimed.next_seq, claimed.envelope) == ("chatcmpl-late", [], 0, envelope)
         assert claimed.key is not None
     finally:
         await holder.stop()
         await accepted.stop()
         await taker_log.stop()
         await taker_lease.stop()
+
+
+class _Usage:
+    async def record(self, *args: object) -> None:
+        return None
+
+
+async def test_a_pumped_streams_marks_let_a_taker_rebuild_its_state(redis: Redis, prefix: str) -> None:
+    """A real pump over the Redis log, its deltas fed by hand as the dispatcher folds and delivers
+    them: what a taker reads back is the state, typed (no SSE text parsed). The usage rows stand in
+    for the database."""
+    _, stream_log = await _replica(redis, prefix, "acceptor")
+    flights: RequestTable[Flight] = RequestTable()
+    service = SimpleNamespace(flights=flights, spawn=asyncio.ensure_future, usage=_Usage(), request_timeout_s=600.0)
+    hub = StreamHub(stream_log, flights, asyncio.ensure_future)
+    envelope = Envelope(id="chatcmpl-p", created=1, model="demo", service_tier="default", endpoint="chat",
+                        include_usage=True)
+    state = RequestState(request=_request("chatcmpl-p"), envelope=envelope, tenant_name="t", stream=True)
+    submission = QueuedSubmission("chatcmpl-p", lambda rid: None)
+    flight = Flight(cast(GenerationService, service), state, cast(TenantContext, SimpleNamespace(id="t")), submission)
+    flights.add("chatcmpl-p", flight)
+    holder = _holder(redis, stream_log, prefix, [])
+    try:
+        await stream_log.create("chatcmpl-p", "t", None, envelope=envelope)
+        hub.start(flight, Framer(state, cast(ModelTokenizer, None)), grace_s=30)
+        for delta in (RequestDelta(request_id="chatcmpl-p", token_ids=(5, 6), text="ab", num_output_tokens=2),
+                      RequestDelta(request_id="chatcmpl-p", token_ids=(7,), text="", num_output_tokens=3),
+                      RequestDelta(request_id="chatcmpl-p", token_ids=(8,), text="cd", num_output_tokens=4)):
+            state.take_output(delta)
+            submission.deliver(delta)
+        await stream_log.flushed()
+        claimed = await holder.read("chatcmpl-p", 1)
+        assert (claimed.envelope, claimed.token_ids, claimed.chars, claimed.next_seq) == (envelope, [5, 6, 7, 8], 4, 3)
+        assert (claimed.finish, claimed.usage_sent, claimed.final) == (None, False, False)
+        final = RequestDelta(request_id="chatcmpl-p", finish_reason=FinishReason.STOP, num_output_tokens=4)
+        state.take_output(final)
+        submission.deliver(final)
+        pump = hub.pump("chatcmpl-p")
+        assert pump is not None and pump.task is not None
+        await asyncio.wait_for(pump.task, 10)
+        await stream_log.flushed()
+        claimed = await holder.read("chatcmpl-p", 1)
+        assert (claimed.finish, claimed.usage_sent, claimed.final, claimed.ended) == ("stop", True, True, True)
+    finally:
+        await holder.stop()
+        await stream_log.stop()

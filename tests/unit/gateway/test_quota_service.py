@@ -8,7 +8,7 @@ import pytest
 
 from sluice.gateway.auth.service import TenantContext, generate_key, hash_secret
 from sluice.gateway.edge.errors import OpenAIError
-from sluice.gateway.generation.service import resolve_priority
+from sluice.gateway.generation.prepare import resolve_priority
 from sluice.gateway.quotas.service import QuotaExceeded, QuotaLimits, QuotaService, format_reset
 from sluice.protocol import Priority
 

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
+from sluice_testing import state_of
 
 from sluice.gateway.dispatch.dispatcher import Dispatcher
 from sluice.gateway.dispatch.jobs import Job, ended_sink
@@ -136,7 +137,7 @@ def test_a_finished_job_drops_its_sink(no_collector: None) -> None:
     request = GenerateRequest(request_id="j1", tenant_id="t", model="m", priority=Priority.STANDARD,
                               prompt_token_ids=(1, 2, 3), sampling=SamplingParams(max_tokens=4),
                               cache_salt="t", arrival_time=time.time())
-    client.job = Job(request=request, sink=client.deliver)
+    client.job = Job(state=state_of(request), sink=client.deliver)
     dispatcher.enqueue(client.job)
     dispatcher.cancel("j1")  # queued, so it finishes at once (an abort)
     assert client.final is not None and client.final.finish_reason is FinishReason.ABORT

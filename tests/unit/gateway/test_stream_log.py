@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Callable
+import time
 from types import SimpleNamespace
 from typing import cast
 
 import pytest
 
+from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.edge.errors import OpenAIError
-from sluice.gateway.generation.service import Flight
-from sluice.gateway.streams.frames import SSEStream
+from sluice.gateway.generation.flight import Flight
+from sluice.gateway.generation.service import GenerationService
+from sluice.gateway.generation.state import Envelope, RequestState, RequestTable
+from sluice.gateway.generation.tokenization import ModelTokenizer
+from sluice.gateway.queueing.backend import QueuedSubmission
+from sluice.gateway.streams.frames import Framer
 from sluice.gateway.streams.hub import (
     ABANDONED,
     INTERRUPTED,
@@ -22,6 +27,7 @@ from sluice.gateway.streams.hub import (
     parse_last_event_id,
 )
 from sluice.gateway.streams.log import LocalStreamLog, LogTrimmed
+from sluice.protocol import GenerateRequest, Priority, SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -130,32 +136,38 @@ def test_header_rules() -> None:
             check_idempotency_key(bad)
 
 
-class _Stream:
-    """Stands in for an `SSEStream` (a SimpleNamespace for its `Flight`): the fault here, a shutdown
-    landing between a stream's start and its task's first step, cannot be provoked at will with
-    real processes. It records whether its cleanup (where the real one aborts at the worker) ran."""
+class _Usage:
+    """Usage rows, counted (the fault below needs no database)."""
 
     def __init__(self) -> None:
-        self.cleaned_up = False
+        self.recorded = 0
 
-    def begin(self, emit: Callable[[bytes], None]) -> None:
-        emit(b"data: opening\n\n")
-
-    async def run(self, emit: Callable[[bytes], None]) -> None:
-        try:
-            await asyncio.Event().wait()  # the generation, until cancelled
-        finally:
-            self.cleaned_up = True
+    async def record(self, *args: object) -> None:
+        self.recorded += 1
 
 
 @pytest.mark.parametrize("how", ["stop", "abandon"])
 async def test_a_pump_cancelled_before_its_first_step_still_cleans_up(how: str) -> None:
+    """A shutdown landing between a stream's start and its task's first step cannot be provoked at
+    will with real processes: a real pump, flight and submission, with a stand-in for the service's
+    usage rows, check that the cleanup (the abort at the worker, the log's end) still runs."""
     log = LocalStreamLog()
-    hub = StreamHub(log, asyncio.ensure_future)
+    flights: RequestTable[Flight] = RequestTable()
+    usage = _Usage()
+    service = SimpleNamespace(flights=flights, spawn=asyncio.ensure_future, usage=usage, request_timeout_s=600.0)
+    hub = StreamHub(log, flights, asyncio.ensure_future)
     await log.create("r1", "tenant-a", None)
-    stream = _Stream()
-    flight = SimpleNamespace(request_id="r1", unlogged_tokens=[])
-    hub.start(cast(Flight, flight), cast(SSEStream, stream), grace_s=0.0)
+    request = GenerateRequest(request_id="r1", tenant_id="tenant-a", model="m", priority=Priority.STANDARD,
+                              prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=4), cache_salt="a",
+                              arrival_time=time.time())
+    state = RequestState(request=request, tenant_name="a",
+                         envelope=Envelope(id="r1", created=0, model="m", service_tier="default", endpoint="chat"))
+    aborted: list[str] = []
+    submission = QueuedSubmission("r1", aborted.append)
+    flight = Flight(cast(GenerationService, service), state, cast(TenantContext, SimpleNamespace(id="tenant-a")),
+                    submission)
+    flights.add("r1", flight)
+    hub.start(flight, Framer(state, cast(ModelTokenizer, None)), grace_s=0.0)
     pump = hub.pump("r1")
     assert pump is not None and pump.task is not None
     if how == "stop":
@@ -163,7 +175,10 @@ async def test_a_pump_cancelled_before_its_first_step_still_cleans_up(how: str) 
     else:
         pump.cancel()
         await asyncio.gather(pump.task, return_exceptions=True)
-    assert stream.cleaned_up and hub.running == 0
+    await asyncio.sleep(0.01)  # the flight's end runs in the background
+    assert flight.finished and aborted == ["r1"] and len(flights) == 0 and usage.recorded == 1
+    assert state.finish_reason == "abort"
     page = await log.read("r1", -1, wait_s=0)
     assert page is not None and page.ended
-    assert page.frames == [b"data: opening\n\n", INTERRUPTED if how == "stop" else ABANDONED]
+    assert page.frames[1:] == [INTERRUPTED if how == "stop" else ABANDONED]
+    assert page.frames[0].startswith(b'data: {"id":"r1","object":"chat.completion.chunk"')

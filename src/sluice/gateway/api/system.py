@@ -10,17 +10,17 @@ admin token; anything else gets 401.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
-from litestar import Request, Response, get
+from litestar import Response, get
 from litestar.openapi import ResponseSpec
 from sqlalchemy import text
 
 from sluice import telemetry
 from sluice.gateway.auth.guards import metrics_guard
+from sluice.gateway.cluster.drain import Drain
 from sluice.gateway.edge.errors import error_responses
 from sluice.gateway.edge.openapi import METRICS_SECURITY
+from sluice.gateway.services import Injected, Services
 
 
 class Health(msgspec.Struct):
@@ -38,9 +38,9 @@ class Readiness(msgspec.Struct):
     summary="Liveness: the process answers (503 `draining` once SIGTERM began its drain)",
     responses={503: ResponseSpec(Health, description="Draining: stopping, takes no new requests")},
 )
-async def health(request: Request[Any, Any, Any]) -> Response[Health]:
+async def health(drain: Injected[Drain]) -> Response[Health]:
     # A load balancer's health check moves traffic away from a draining replica before it exits.
-    if request.app.state.drain.draining:
+    if drain.draining:
         return Response(Health(status="draining"), status_code=503)
     return Response(Health(status="ok"))
 
@@ -51,17 +51,17 @@ async def health(request: Request[Any, Any, Any]) -> Response[Health]:
     summary="Readiness: database, shared store (when configured) and backend (200, else 503 with details)",
     responses={503: ResponseSpec(Readiness, description="Not ready: `checks` says what is missing")},
 )
-async def ready(request: Request[Any, Any, Any]) -> Response[Readiness]:
-    checks: dict[str, bool] = {"accepting": not request.app.state.drain.draining}
+async def ready(services: Injected[Services]) -> Response[Readiness]:
+    checks: dict[str, bool] = {"accepting": not services.drain.draining}
     try:
-        async with request.app.state.session_factory() as session:
+        async with services.session_factory() as session:
             await session.execute(text("SELECT 1"))
         checks["database"] = True
     except Exception:
         checks["database"] = False
-    checks.update(await request.app.state.shared.ready())
+    checks.update(await services.shared.ready())
     try:
-        checks.update(await request.app.state.backend.ready())
+        checks.update(await services.backend.ready())
     except Exception:
         checks["backend"] = False
     ok = all(checks.values())

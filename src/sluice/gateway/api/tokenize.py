@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Response, post
 from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency, Provide
 from litestar.handlers.base import BaseRouteHandler
@@ -25,15 +25,17 @@ from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.edge.errors import OpenAIError, bad_request, error_responses
 from sluice.gateway.edge.openapi import TENANT_SECURITY
 from sluice.gateway.edge.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from sluice.gateway.generation.service import GenerationService, template_messages
+from sluice.gateway.generation.prepare import template_messages
+from sluice.gateway.generation.service import GenerationService
 from sluice.gateway.generation.tokenization import ModelTokenizer
+from sluice.gateway.services import Injected, services
 
 _ERRORS = error_responses(400, 401, 403, 404, 413, notes={404: "Unknown `model`, or none the tenant may use"})
 
 
 async def tokenize_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     """A tenant key, as on /v1; no Authorization header at all only where anonymous_tokenize is on."""
-    if connection.headers.get("authorization") is None and connection.app.state.settings.gateway.anonymous_tokenize:
+    if connection.headers.get("authorization") is None and services(connection).settings.gateway.anonymous_tokenize:
         connection.state.tenant = None
         return
     await tenant_guard(connection, handler)
@@ -45,17 +47,18 @@ def _tenant_or_none(request: ASGIConnection[Any, Any, Any, Any]) -> TenantContex
 
 def _tokenizer(generation: GenerationService, tenant: TenantContext | None, model: str | None) -> ModelTokenizer:
     if model is not None:
-        return generation.tokenizers.get(model) if tenant is None else generation.model_tokenizer(tenant, model)
+        if tenant is None:
+            return generation.tokenizers.get(model)
+        return generation.preparer.model_tokenizer(tenant, model)
     allowed = [name for name in generation.tokenizers.names() if tenant is None or tenant.allows_model(name)]
     if not allowed:
         raise OpenAIError(404, "No model is available to your tenant.", param="model", code="model_not_found")
     return generation.tokenizers.get(allowed[0])
 
 
-def _resolve(request: Request[Any, Any, Any], tenant: TenantContext | None,
+def _resolve(generation: GenerationService, tenant: TenantContext | None,
              model: str | None) -> tuple[ModelTokenizer, dict[str, str]]:
     """The tokenizer a request names (or its tenant's first model) and the answer's quota headers."""
-    generation: GenerationService = request.app.state.generation
     tokenizer = _tokenizer(generation, tenant, model)
     return tokenizer, {} if tenant is None else generation.quotas.headers(tenant)
 
@@ -70,11 +73,11 @@ class TokenizeController(Controller):
     @post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages (vLLM)", responses=_ERRORS)
     async def tokenize(
         self,
-        request: Request[Any, Any, Any],
         tenant: NamedDependency[TenantContext | None],
+        generation: Injected[GenerationService],
         data: JSONBody[TokenizeRequest],
     ) -> Response[TokenizeResponse]:
-        tokenizer, headers = _resolve(request, tenant, data.model)
+        tokenizer, headers = _resolve(generation, tenant, data.model)
         if data.prompt is not None and data.messages is None:
             add_special = True if data.add_special_tokens is None else data.add_special_tokens
             tokens = tokenizer.encode(data.prompt, add_special_tokens=add_special)
@@ -107,11 +110,11 @@ class TokenizeController(Controller):
     @post("/detokenize", status_code=200, summary="Text of a token sequence (vLLM)", responses=_ERRORS)
     async def detokenize(
         self,
-        request: Request[Any, Any, Any],
         tenant: NamedDependency[TenantContext | None],
+        generation: Injected[GenerationService],
         data: JSONBody[DetokenizeRequest],
     ) -> Response[DetokenizeResponse]:
-        tokenizer, headers = _resolve(request, tenant, data.model)
+        tokenizer, headers = _resolve(generation, tenant, data.model)
         if any(t < 0 or t >= tokenizer.vocab_size for t in data.tokens):
             raise bad_request(f"tokens must be between 0 and {tokenizer.vocab_size - 1}.", "tokens")
         body = DetokenizeResponse(prompt=tokenizer.decode(data.tokens))

@@ -1,6 +1,6 @@
 """The guards of tenant, admin and metrics routes: who may call a route, from its bearer token.
 
-Each guard asks the `AuthService` (auth/service.py) of the app it guards; a tenant guard leaves
+Each guard asks the `AuthService` (auth/service.py) of the app it guards (gateway/services.py); a tenant guard leaves
 the caller's `TenantContext` on the connection for `current_tenant`, the tenant routes' dependency.
 """
 
@@ -12,8 +12,9 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from sluice.gateway.auth.service import KEY_PREFIX, AuthService, TenantContext, bearer_token, hash_secret
+from sluice.gateway.auth.service import KEY_PREFIX, TenantContext, bearer_token, hash_secret
 from sluice.gateway.edge.errors import OpenAIError
+from sluice.gateway.services import services
 
 
 def _required_token(connection: ASGIConnection[Any, Any, Any, Any], missing: str, placeholder: str) -> str:
@@ -27,7 +28,7 @@ def _required_token(connection: ASGIConnection[Any, Any, Any, Any], missing: str
 
 async def tenant_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """Authenticates a tenant key; stores the TenantContext on `connection.state.tenant`."""
-    auth: AuthService = connection.app.state.auth
+    auth = services(connection).auth
     token = bearer_token(connection)
     # Whatever it looks like (SLUICE_ADMIN_TOKEN is free-form), the admin token gets a 403 that says so.
     if token is not None and not token.startswith(KEY_PREFIX) and auth.verify_admin(token):
@@ -41,7 +42,7 @@ async def tenant_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRo
 
 
 async def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    auth: AuthService = connection.app.state.auth
+    auth = services(connection).auth
     token = _required_token(connection, "admin token", "admin token")
     if not auth.verify_admin(token):
         if token.startswith(KEY_PREFIX):
@@ -56,9 +57,10 @@ async def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRou
 
 async def metrics_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """`/metrics`: the configured metrics token or the admin token, compared in constant time."""
-    auth: AuthService = connection.app.state.auth
+    found = services(connection)
+    auth = found.auth
     token = _required_token(connection, "token", "metrics token or admin token")
-    configured = connection.app.state.settings.gateway.metrics_token
+    configured = found.settings.gateway.metrics_token
     metrics_ok = bool(configured) and hmac.compare_digest(hash_secret(token), hash_secret(configured))
     if not (auth.verify_admin(token) or metrics_ok):
         raise OpenAIError(401, "Incorrect metrics token.", type="invalid_request_error", code="invalid_api_key")

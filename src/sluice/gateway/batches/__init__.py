@@ -1,9 +1,10 @@
 """The OpenAI Batch API: Files + Batches routes, the batch line runner and their tables.
 
-`batch_components(settings)` gives `sluice serve` (and tests) what to wire: the route handlers
-for `create_app(extra_route_handlers=...)`, the `BatchLineHandler` for `KafkaBackend`, and
-`attach(app, backend)` / `start()` / `stop()` to call from the app's startup and shutdown hooks
-(the services need the app's session factory, quota and usage services, built by `create_app`).
+`batch_components(settings)` gives `sluice serve` (and tests) what to wire: its `handler` (the
+`BatchLineHandler`) for `KafkaBackend`, then the components themselves for `create_app(batches=...)`,
+which builds the Batch API's service with its other services (`build`), serves its routes and
+runs `start()` / `stop()` with the app. The handler exists before the app (the backend needs it
+first) and forwards to the line runner once `build` made it.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ ORPHAN_SWEEP_S = 15.0  # how often a live replica fails batches a dead replica l
 
 
 class _DeferredHandler:
-    """The BatchLineHandler given to KafkaBackend before the app exists; forwards once attached.
+    """The BatchLineHandler given to KafkaBackend before the app exists; forwards once built.
 
-    The backend starts (and may replay batch lines) before the app's later startup hooks run;
-    `prepare` holds such lines until `attach` (it only delays the batch topic's consumer).
+    `prepare` holds a line that arrives before that (it only delays the batch topic's consumer).
     """
 
     def __init__(self) -> None:
@@ -44,14 +44,14 @@ class _DeferredHandler:
             await self._attached.wait()
         return await self.runner.prepare(request)
 
-    def collector(self, request: Any) -> Any:
-        return self.runner.collector(request)
+    def start(self, request: Any) -> Any:
+        return self.runner.start(request)
 
-    def tenant_label(self, tenant_id: str) -> str:
-        return self.runner.tenant_label(tenant_id) if self.runner is not None else tenant_id
+    def failed(self, request: Any, error: str) -> Any:
+        return self.runner.failed(request, error)
 
-    async def persist(self, request: Any, final: Any) -> None:
-        await self.runner.persist(request, final)
+    async def persist(self, state: Any) -> None:
+        await self.runner.persist(state)
 
     async def lost_lines(self, settled: Any) -> list[Any]:
         if self.runner is None:
@@ -72,30 +72,26 @@ class BatchComponents:
 
         return [FilesController, BatchesController]
 
-    def attach(self, app: Any, backend: Any) -> None:
+    def build(self, settings: Settings, session_factory: Any, generation: Any, backend: Any, shared: Any,
+              quotas: Any, usage: Any, admin: Any) -> Any:
+        """The Batch API's service, built with the app's other services (gateway/app.py); its line
+        runner becomes what the backend's handler forwards to."""
         from sluice.gateway.batches.runner import BatchRunner
         from sluice.gateway.batches.service import BatchService
 
-        state = app.state
-        self.service = BatchService(
-            state.session_factory,
-            state.generation,
-            backend,
-            max_file_bytes=self.settings.gateway.max_body_bytes,
-            shared=state.shared,
-        )
-        runner = BatchRunner(self.service, state.quotas, state.usage)
-        state.shared.bus.subscribe(runner.on_change)  # a tenant changed on any replica
+        self.service = BatchService(session_factory, generation, backend,
+                                    max_file_bytes=settings.gateway.max_body_bytes, shared=shared)
+        runner = BatchRunner(self.service, quotas, usage)
+        shared.bus.subscribe(runner.on_change)  # a tenant changed on any replica
         self.handler.set_runner(runner)
-        state.batches = self.service
         service = self.service
 
         async def stop_tenant(tenant_id: str) -> None:
             runner.forget_tenant(tenant_id)
             await service.stop_tenant(tenant_id)
 
-        state.admin.on_tenant_disabled.append(stop_tenant)
-        app.on_shutdown.append(self.stop)  # ends the orphan sweep with the app (stop is idempotent)
+        admin.on_tenant_disabled.append(stop_tenant)
+        return service
 
     async def start(self) -> None:
         if self.service is not None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
-from litestar import Controller, Request, Response, delete, get, post
+from litestar import Controller, Response, delete, get, post
 from litestar.datastructures import UploadFile
 from litestar.di import NamedDependency, Provide
 from litestar.enums import RequestEncodingType
@@ -18,6 +18,7 @@ from sluice.gateway.batches.service import BatchService
 from sluice.gateway.batches.views import file_view
 from sluice.gateway.edge.errors import OpenAIError, error_responses
 from sluice.gateway.edge.openapi import TENANT_SECURITY, IdPath, IdQuery
+from sluice.gateway.services import Injected, Services
 
 MAX_FILENAME_CHARS = 255
 
@@ -48,8 +49,8 @@ class FileUpload:
     purpose: Literal["batch"]
 
 
-def _service(request: Request[Any, Any, Any]) -> BatchService:
-    service = getattr(request.app.state, "batches", None)
+def _service(services: Services) -> BatchService:
+    service = services.batches
     if service is None:
         raise OpenAIError(
             503, "The Batch API is starting; try again shortly.", type="server_error", code="service_unavailable"
@@ -79,11 +80,11 @@ class FilesController(_TenantController):
     )
     async def create(
         self,
-        request: Request[Any, Any, Any],
+        services: Injected[Services],
         tenant: NamedDependency[TenantContext],
         data: Annotated[FileUpload, Body(media_type=RequestEncodingType.MULTI_PART)],
     ) -> dict[str, Any]:
-        service = _service(request)
+        service = _service(services)
         filename = data.file.filename or ""
         if len(filename) > MAX_FILENAME_CHARS:
             raise OpenAIError(
@@ -98,19 +99,19 @@ class FilesController(_TenantController):
     @get("", summary="List your files", responses=_LIST)
     async def list(
         self,
-        request: Request[Any, Any, Any],
+        services: Injected[Services],
         tenant: NamedDependency[TenantContext],
         purpose: Annotated[str | None, QueryParameter(pattern=r"^[a-z_-]{1,32}$")] = None,
         after: IdQuery = None,
         limit: Annotated[int, QueryParameter(ge=1, le=100)] = 100,
     ) -> dict[str, Any]:
-        return await _service(request).list_files(tenant.id, purpose, after, limit)
+        return await _service(services).list_files(tenant.id, purpose, after, limit)
 
     @get("/{file_id:str}", summary="Retrieve a file", responses=_BY_ID)
     async def retrieve(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], file_id: IdPath
+        self, services: Injected[Services], tenant: NamedDependency[TenantContext], file_id: IdPath
     ) -> dict[str, Any]:
-        return file_view(await _service(request).file_row(tenant.id, file_id))
+        return file_view(await _service(services).file_row(tenant.id, file_id))
 
     @get(
         "/{file_id:str}/content",
@@ -119,16 +120,16 @@ class FilesController(_TenantController):
         responses=_BY_ID,
     )
     async def content(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], file_id: IdPath
+        self, services: Injected[Services], tenant: NamedDependency[TenantContext], file_id: IdPath
     ) -> Response[bytes]:
-        row = await _service(request).file_row(tenant.id, file_id)
+        row = await _service(services).file_row(tenant.id, file_id)
         return Response(row.content, media_type="application/jsonl")
 
     @delete("/{file_id:str}", status_code=200, summary="Delete a file", responses=_BY_ID)
     async def remove(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], file_id: IdPath
+        self, services: Injected[Services], tenant: NamedDependency[TenantContext], file_id: IdPath
     ) -> dict[str, Any]:
-        return await _service(request).delete_file(tenant.id, file_id)
+        return await _service(services).delete_file(tenant.id, file_id)
 
 
 class BatchesController(_TenantController):
@@ -144,30 +145,30 @@ class BatchesController(_TenantController):
     )
     async def create(
         self,
-        request: Request[Any, Any, Any],
+        services: Injected[Services],
         tenant: NamedDependency[TenantContext],
         data: JSONBody[BatchCreate],
     ) -> dict[str, Any]:
-        request.app.state.drain.refuse_new()  # a draining replica starts no new work (gateway/cluster/drain.py)
-        return await _service(request).create_batch(
+        services.drain.refuse_new()  # a draining replica starts no new work (gateway/cluster/drain.py)
+        return await _service(services).create_batch(
             tenant, data.input_file_id, data.endpoint, data.completion_window, data.metadata
         )
 
     @get("", summary="List your batches, newest first", responses=_LIST)
     async def list(
         self,
-        request: Request[Any, Any, Any],
+        services: Injected[Services],
         tenant: NamedDependency[TenantContext],
         after: IdQuery = None,
         limit: Annotated[int, QueryParameter(ge=1, le=100)] = 20,
     ) -> dict[str, Any]:
-        return await _service(request).list_batches(tenant.id, after, limit)
+        return await _service(services).list_batches(tenant.id, after, limit)
 
     @get("/{batch_id:str}", summary="Retrieve a batch", responses=_BY_ID)
     async def retrieve(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], batch_id: IdPath
+        self, services: Injected[Services], tenant: NamedDependency[TenantContext], batch_id: IdPath
     ) -> dict[str, Any]:
-        service = _service(request)
+        service = _service(services)
         return await service.view(await service.batch_row(tenant.id, batch_id))
 
     @post(
@@ -177,6 +178,6 @@ class BatchesController(_TenantController):
         responses=error_responses(*_BASE, 404, notes={400: "The batch has already ended"}),
     )
     async def cancel(
-        self, request: Request[Any, Any, Any], tenant: NamedDependency[TenantContext], batch_id: IdPath
+        self, services: Injected[Services], tenant: NamedDependency[TenantContext], batch_id: IdPath
     ) -> dict[str, Any]:
-        return await _service(request).cancel_batch(tenant.id, batch_id)
+        return await _service(services).cancel_batch(tenant.id, batch_id)

@@ -1,12 +1,14 @@
-"""Runs batch lines consumed from Kafka: the `BatchLineHandler` of `KafkaBackend`.
+"""Runs batch lines consumed from Kafka: the `BatchLineHandler` of `KafkaBackend` (queueing/batch_lines.py).
 
 prepare(): skip a line whose result is already stored (a replay after a crash) or whose batch is
 no longer runnable (a cancelled batch's line gets a `batch_cancelled` result instead); then admit
 it under the tenant's quotas. A line over a rate limit is deferred for the limit's retry-after (it
 is not failed, and other lines keep flowing); a line over the daily budget fails with
 `insufficient_quota`.
+start(): the line's `RequestState` (generation/state.py) and the sink that keeps its text.
 persist(): store the line's output (or error) row, unique on (batch_id, custom_id), settle the
-quota reservation, record usage, and finalize the batch when it was the last line.
+quota reservation, record usage, and finalize the batch when it was the last line. The result's
+body is the same whole answer an HTTP client gets (generation/answers.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
@@ -33,7 +36,11 @@ from sluice.gateway.batches.service import (
 from sluice.gateway.batches.views import line_number
 from sluice.gateway.cluster.invalidation import Change
 from sluice.gateway.db.base import utcnow
-from sluice.gateway.queueing.acceptance import Defer
+from sluice.gateway.dispatch.jobs import DeltaSink
+from sluice.gateway.generation.answers import whole_answer
+from sluice.gateway.generation.prepare import CLASS_TO_TIER
+from sluice.gateway.generation.state import Endpoint, RequestState
+from sluice.gateway.queueing.batch_lines import Defer
 from sluice.gateway.quotas.service import QuotaExceeded, QuotaService, Reservation
 from sluice.gateway.quotas.usage import UsageService
 from sluice.protocol import FinishReason, GenerateRequest, RequestDelta
@@ -55,10 +62,12 @@ def _abort_code(batch: Batch) -> str:
 
 @dataclass(slots=True)
 class _Line:
+    """What this runner keeps of a line between its preparation and its stored result."""
+
     endpoint: str
     reservation: Reservation | None
+    tenant_name: str = ""
     texts: list[str] = field(default_factory=list)
-    created: int = field(default_factory=lambda: int(time.time()))
     stored: bool | None = None  # None: its row is not stored yet; then whether this call inserted it
     abort_code: str = "batch_cancelled"  # the error an aborted line is answered with
 
@@ -133,7 +142,7 @@ class BatchRunner:
             return False
         if isinstance(reservation, Defer):
             return reservation
-        self._lines[request.request_id] = _Line(batch.endpoint, reservation)
+        self._lines[request.request_id] = _Line(batch.endpoint, reservation, tenant.name)
         return True
 
     async def _admit(self, tenant: TenantContext, request: GenerateRequest) -> Reservation | Defer | None:
@@ -146,31 +155,46 @@ class BatchRunner:
                 return None
             return Defer(min(float(exc.retry_after), MAX_RATE_WAIT_S))
 
-    def collector(self, request: GenerateRequest):  # -> DeltaSink
+    def start(self, request: GenerateRequest) -> tuple[RequestState, DeltaSink]:
         line = self._lines.get(request.request_id)
+        state = self._state(request, line)
+        texts = line.texts if line is not None else []
 
         def sink(delta: RequestDelta) -> None:
-            if line is not None and delta.text:
-                line.texts.append(delta.text)
+            if delta.text:
+                texts.append(delta.text)
 
-        return sink
+        return state, sink
 
-    async def persist(self, request: GenerateRequest, final: RequestDelta) -> None:
+    def failed(self, request: GenerateRequest, error: str) -> RequestState:
+        state = self._state(request, self._lines.get(request.request_id))
+        state.finish_reason, state.error = str(FinishReason.ERROR), error
+        return state
+
+    def _state(self, request: GenerateRequest, line: _Line | None) -> RequestState:
+        endpoint: Endpoint = "text" if line is not None and line.endpoint == "/v1/completions" else "chat"
+        tenant = line.tenant_name if line is not None and line.tenant_name else self.tenant_label(request.tenant_id)
+        state = RequestState.of(request, CLASS_TO_TIER[request.priority], endpoint=endpoint, tenant_name=tenant)
+        state.reservation = line.reservation if line is not None else None
+        return state
+
+    async def persist(self, state: RequestState) -> None:
         """Stores the line's result; raises when the database fails, and may then be called again
-        with the same arguments: the line's output stays here until its row is stored, so a retry
+        with the same state: the line's output stays here until its row is stored, so a retry
         writes the real result, and the tokens are billed once, by the call that stored it."""
+        request = state.request
         line = self._lines.get(request.request_id)
         if line is None:  # nothing prepared it here (e.g. a record this gateway could not route)
             line = self._lines[request.request_id] = _Line("", None)  # answered with an error
         if line.stored is None:
-            if final.finish_reason == FinishReason.ABORT:
+            if state.finish_reason == FinishReason.ABORT:
                 async with self.service.sessions() as session:
                     batch = await session.get(Batch, request.batch_id)
                 line.abort_code = _abort_code(batch) if batch is not None else "batch_cancelled"
-            ran = final.num_output_tokens > 0 or final.first_scheduled_time is not None
-            prompt = (final.num_prompt_tokens or len(request.prompt_token_ids)) if ran else 0
-            completion = final.num_output_tokens
-            ok, result = self._result_line(request, line, final, prompt, completion)
+            ran = state.ran
+            prompt = state.num_prompt_tokens if ran else 0
+            completion = state.num_output_tokens
+            ok, result = self._result_line(state, line)
             line.stored = await self._insert(request, ok, result)
             # Settled (and billed) once, by the call that stored the row; a line that never ran
             # (cancelled or failed before dispatch) costs nothing.
@@ -188,15 +212,14 @@ class BatchRunner:
         await self.service.maybe_finalize(request.batch_id)
         del self._lines[request.request_id]
 
-    def _result_line(self, request: GenerateRequest, line: _Line, final: RequestDelta,
-                     prompt: int, completion: int) -> tuple[bool, dict[str, Any]]:
-        if final.finish_reason == FinishReason.ABORT:
+    def _result_line(self, state: RequestState, line: _Line) -> tuple[bool, dict[str, Any]]:
+        request = state.request
+        if state.finish_reason == FinishReason.ABORT:
             return False, _error_line(request, line.abort_code, _ABORT_MESSAGES[line.abort_code])
-        if final.finish_reason == FinishReason.ERROR:
+        if state.finish_reason == FinishReason.ERROR or state.finish_reason is None:
             return False, _error_line(request, "generation_failed",
-                                      f"Generation failed: {final.error or 'backend error'}")
-        body = _response_body(request, line.endpoint, "".join(line.texts), str(final.finish_reason),
-                              prompt, completion, final.num_cached_tokens, line.created)
+                                      f"Generation failed: {state.error or 'backend error'}")
+        body = msgspec.to_builtins(whole_answer(state, "".join(line.texts)))
         return True, {
             "id": request.request_id,
             "custom_id": request.custom_id,
@@ -238,44 +261,4 @@ def _error_line(request: GenerateRequest, code: str, message: str) -> dict[str, 
         "custom_id": request.custom_id,
         "response": None,
         "error": {"code": code, "message": message},
-    }
-
-
-def _response_body(
-    request: GenerateRequest,
-    endpoint: str,
-    text: str,
-    finish: str,
-    prompt: int,
-    completion: int,
-    cached: int,
-    created: int,
-) -> dict[str, Any]:
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-             "prompt_tokens_details": {"cached_tokens": cached}}
-    if endpoint == "/v1/completions":
-        return {
-            "id": request.request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": request.model,
-            "service_tier": "flex",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": usage,
-        }
-    return {
-        "id": request.request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": request.model,
-        "service_tier": "flex",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        ],
-        "usage": usage,
     }

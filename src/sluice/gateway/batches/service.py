@@ -46,8 +46,8 @@ from sluice.gateway.cluster.shared import SharedState
 from sluice.gateway.db.base import new_id, utcnow
 from sluice.gateway.edge.errors import OpenAIError, service_unavailable
 from sluice.gateway.generation.service import GenerationService
-from sluice.gateway.queueing.acceptance import HeldLines
 from sluice.gateway.queueing.backend import BackendUnavailable
+from sluice.gateway.queueing.batch_lines import HeldLines
 from sluice.protocol import GenerateRequest, Priority
 
 log = logging.getLogger(__name__)
@@ -239,9 +239,9 @@ class BatchService:
     def _line_request(self, tenant: TenantContext, batch_id: str, line: Any) -> GenerateRequest:
         body = line.body
         if line.url == "/v1/chat/completions":
-            prepared = self.generation.prepare_chat(tenant, body)
+            prepared = self.generation.preparer.prepare_chat(tenant, body)
         else:
-            prepared = self.generation.prepare_completion(tenant, body)
+            prepared = self.generation.preparer.prepare_completion(tenant, body)
         return msgspec.structs.replace(
             prepared.request,
             request_id=line_request_id(batch_id, line.line_no),

@@ -6,7 +6,7 @@ sessions, CSRF and the Content-Security-Policy are in `security.py`; every actio
 the admin API's services and is audited (`actions.py`).
 
 `create_app` adds `console_route_handlers()` and `template_config()`, and keeps a
-`security.ConsoleSessions` on `app.state.console_sessions`.
+`security.ConsoleSessions` (gateway/services.py).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from sluice.gateway.console import forms, views
 from sluice.gateway.console.pages import ACTOR, AnyRequest, Form, admin_service, render, tenant_names
 from sluice.gateway.console.security import console_guard
 from sluice.gateway.edge.errors import OpenAIError
+from sluice.gateway.services import services
 from sluice.live_window import WINDOW
 
 
@@ -111,17 +112,17 @@ class ActionsController(Controller):
 
     async def _set_draining(self, request: AnyRequest, worker_id: str, draining: bool) -> Template:
         try:
-            await operations.set_draining(request.app.state, worker_id, draining, actor=ACTOR)
+            await operations.set_draining(services(request), worker_id, draining, actor=ACTOR)
         except OpenAIError as exc:
             return refused(request, exc)
-        rows = views.worker_rows(request.app.state.backend.snapshot(), WINDOW)
+        rows = views.worker_rows(services(request).backend.snapshot(), WINDOW)
         return render(request, "live/workers.html.j2", workers=rows)
 
     @post("/batches/{batch_id:str}/cancel", include_in_schema=False, status_code=200)
     async def cancel_batch(self, request: AnyRequest, batch_id: FromPath[str]) -> Template:
         try:
-            await operations.cancel_batch(request.app.state, batch_id, actor=ACTOR)
-            batches = await operations.recent_batches(request.app.state, 20)
+            await operations.cancel_batch(services(request), batch_id, actor=ACTOR)
+            batches = await operations.recent_batches(services(request), 20)
         except OpenAIError as exc:
             return refused(request, exc)
         return render(request, "live/batches.html.j2", batches=batches, names=await tenant_names(request))

@@ -33,6 +33,7 @@ from sluice.gateway.console.security import (
 )
 from sluice.gateway.db.models import QUOTA_FIELDS
 from sluice.gateway.edge.errors import OpenAIError
+from sluice.gateway.services import services
 from sluice.live_window import WINDOW
 from sluice.protocol import Priority
 
@@ -56,7 +57,7 @@ def render(request: AnyRequest, name: str, status_code: int = 200, headers: dict
 
 
 def admin_service(request: AnyRequest) -> AdminService:
-    return request.app.state.admin
+    return services(request).admin
 
 
 async def tenant_names(request: AnyRequest) -> dict[str, str]:
@@ -66,12 +67,12 @@ async def tenant_names(request: AnyRequest) -> dict[str, str]:
 async def live_context(request: AnyRequest) -> dict[str, Any]:
     async def recent_batches() -> list[dict[str, Any]] | None:
         try:
-            return await operations.recent_batches(request.app.state, 20)
+            return await operations.recent_batches(services(request), 20)
         except OpenAIError:
             return None  # the Batch API is not enabled here
 
     names, batches = await asyncio.gather(tenant_names(request), recent_batches())  # two sessions at once
-    snapshot = request.app.state.backend.snapshot()
+    snapshot = services(request).backend.snapshot()
     class_rows, tenant_rows = views.queue_rows(snapshot, names, WINDOW)
     return {
         "class_rows": class_rows, "tenant_rows": tenant_rows,
@@ -97,13 +98,13 @@ class SignInController(Controller):
     async def login(self, request: AnyRequest, data: Form) -> Response[Any]:
         nonce = str(data.get("nonce", ""))
         expected = request.cookies.get(LOGIN_COOKIE, "")
-        auth: AuthService = request.app.state.auth
+        auth: AuthService = services(request).auth
         if not nonce or not expected or not hmac.compare_digest(nonce.encode(), expected.encode()):
             error, status = "The sign-in form expired; please try again.", 403
         elif not auth.verify_admin(str(data.get("token", "")).strip()):
             error, status = "That is not a valid admin token.", 401
         else:
-            sessions: ConsoleSessions = request.app.state.console_sessions
+            sessions: ConsoleSessions = services(request).console_sessions
             value = await sessions.start()
             await admin_service(request).record("console.sign_in", "console", {}, ACTOR)
             return Redirect("/console", status_code=303, cookies=[
@@ -122,7 +123,7 @@ class PagesController(Controller):
 
     @post("/logout", include_in_schema=False, status_code=200)
     async def logout(self, request: AnyRequest) -> Response[Any]:
-        sessions: ConsoleSessions = request.app.state.console_sessions
+        sessions: ConsoleSessions = services(request).console_sessions
         await sessions.end(request.cookies.get(SESSION_COOKIE))
         await admin_service(request).record("console.sign_out", "console", {}, ACTOR)
         return Response(content="", headers={"HX-Redirect": "/console/login"},

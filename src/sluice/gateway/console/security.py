@@ -32,6 +32,7 @@ from sluice.gateway.auth.service import hash_secret
 from sluice.gateway.db.base import utcnow
 from sluice.gateway.db.models import ConsoleSession
 from sluice.gateway.edge.errors import OpenAIError
+from sluice.gateway.services import services
 
 SESSION_COOKIE = "sluice_console"
 LOGIN_COOKIE = "sluice_console_login"
@@ -110,12 +111,12 @@ def cleared(key: str) -> Cookie:
 
 
 def secure_cookies(connection: ASGIConnection[Any, Any, Any, Any]) -> bool:
-    return bool(connection.app.state.settings.admin.console_secure_cookie) or connection.url.scheme == "https"
+    return bool(services(connection).settings.admin.console_secure_cookie) or connection.url.scheme == "https"
 
 
 async def console_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """A valid session for every console route; and the CSRF header for every state change."""
-    sessions: ConsoleSessions = connection.app.state.console_sessions
+    sessions: ConsoleSessions = services(connection).console_sessions
     value = connection.cookies.get(SESSION_COOKIE)
     if value is None or not await sessions.valid(value):
         raise SignInRequired()

@@ -1,6 +1,8 @@
 """Dispatch: the worker registry, the dispatch loop, and deltas routed to each job's sink.
 
-The jobs (`gateway/dispatch/jobs.py`) are owned here, from `enqueue` to their final delta.
+The jobs (`dispatch/jobs.py`) are owned here, from `enqueue` to their final delta; each delta
+from a worker is folded into the request's one record (`RequestState.take_output`) before it goes
+to the job's sink.
 
 A worker is anything behind the `WorkerLink` interface (`gateway/dispatch/links/base.py`): a worker process
 connected to the worker port (`gateway/dispatch/links/tcp.py`), an engine in this process
@@ -48,7 +50,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -184,7 +186,7 @@ class Dispatcher:
         request = job.request
         if request.request_id in self._jobs:
             raise ValueError(f"request {request.request_id} is already queued or running")
-        job.queued_at = time.time()
+        job.state.queued_at = time.time()
         self.scheduler.push(Pending(  # first: it refuses a bad item, which must leave no trace here
             request_id=request.request_id, tenant=request.tenant_id, priority=request.priority,
             enqueued_at=job.enqueued_at, payload=job, prompt_tokens=len(request.prompt_token_ids),
@@ -250,7 +252,11 @@ class Dispatcher:
             telemetry.count_worker_tokens(worker_id, tokens)
 
     def _finish(self, job: Job, delta: RequestDelta) -> None:
+        """Ends a job with its final delta: a worker's (folded in already), or one made here (an
+        abort while queued, a lost worker, a model nobody serves), folded in now."""
         self._count_tokens()  # before its sink ends the request: its tokens are in the metrics then
+        if job.state.finish_reason is None:
+            job.state.take_output(delta)
         self._jobs.pop(job.request_id, None)
         try:
             job.sink(delta)
@@ -277,10 +283,11 @@ class Dispatcher:
                                self.settings.scheduler.priority_enabled)
 
     def _send(self, job: Job, worker: WorkerLink) -> None:
-        job.worker, job.started = worker.worker_id, False
-        if job.dispatch_time is None:  # a resumed job keeps its first: records measure from it
-            job.dispatch_time = time.time()
-        job.attempts += 1
+        state = job.state
+        state.worker, job.started = worker.worker_id, False
+        if state.dispatch_time is None:  # a resumed job keeps its first: records measure from it
+            state.dispatch_time = time.time()
+        state.attempts += 1
         request = job.request
         if not self.settings.scheduler.priority_enabled and request.priority != Priority.STANDARD:
             # Priority off: the engine must not reorder by class either.
@@ -438,7 +445,7 @@ class Dispatcher:
         if not job.started:
             job.started = True
             self.slots.release(job)  # it left the worker's waiting queue
-        delta, new_tokens = job.take_output(delta)
+        new_tokens = job.state.take_output(delta)
         if new_tokens > 0:
             self.scheduler.charge(job.request.tenant_id, job.request.priority, new_tokens)
             uncounted = self._uncounted_tokens
@@ -463,15 +470,16 @@ class Dispatcher:
         """A job whose worker is gone: back in line (True), or ended with an error: its attempts are
         spent, or it is a stream an upstream held (module docstring)."""
         self.slots.release(job)
-        if job.attempts >= MAX_DISPATCH_ATTEMPTS:
-            error = (f"{job.attempts} workers serving this request were lost (the last, {worker.worker_id}, "
+        state = job.state
+        if state.attempts >= MAX_DISPATCH_ATTEMPTS:
+            error = (f"{state.attempts} workers serving this request were lost (the last, {worker.worker_id}, "
                      f"{reason}); it is not tried again")
-        elif worker.resumes and job.resumable:
+        elif worker.resumes and state.resumable:
             # Resumed after what its sink already has; its timing and its tenant's charge so far stay.
-            self._requeue(job, tuple(job.output_token_ids))
+            self._requeue(job, state.output_token_ids)
             return True
         elif job.request.batch_id is not None:  # an upstream's batch line: run again from scratch
-            job.reset_output()
+            state.reset_output()
             self._requeue(job, ())
             return True
         else:
@@ -480,17 +488,17 @@ class Dispatcher:
         self._finish(job, RequestDelta(
             request_id=job.request_id, finish_reason=FinishReason.ERROR, error=error,
             num_prompt_tokens=len(job.request.prompt_token_ids),
-            num_output_tokens=job.num_output_tokens,
+            num_output_tokens=state.num_output_tokens,
         ))
         return False
 
-    def _requeue(self, job: Job, resume: tuple[int, ...]) -> None:
+    def _requeue(self, job: Job, resume: Sequence[int]) -> None:
         """Back into the scheduler, ahead of its tenant's newer work (its first place in line)."""
-        if resume != job.request.resume_token_ids:
-            job.request = msgspec.structs.replace(job.request, resume_token_ids=resume)
-        job.worker, job.started = "", False
+        state = job.state
+        state.resume_after(resume)
+        state.worker, job.started = "", False
         if not resume:  # nothing delivered: it starts over, dispatched anew
-            job.dispatch_time = None
+            state.dispatch_time = None
         self.scheduler.requeue(Pending(
             request_id=job.request_id, tenant=job.request.tenant_id, priority=job.request.priority,
             enqueued_at=job.enqueued_at, payload=job,

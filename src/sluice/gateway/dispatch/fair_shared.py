@@ -24,9 +24,9 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from sluice.gateway.cluster import redis_scripts
 from sluice.gateway.cluster.pubsub import cancel_and_wait
 from sluice.gateway.dispatch.fair import FairScheduler
-from sluice.gateway.cluster import redis_scripts
 from sluice.protocol import Priority
 
 log = logging.getLogger(__name__)

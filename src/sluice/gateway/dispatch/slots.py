@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from sluice.gateway.cluster.pubsub import Subscription
 from sluice.gateway.cluster import redis_scripts
+from sluice.gateway.cluster.pubsub import Subscription
 from sluice.protocol import Priority
 
 if TYPE_CHECKING:

@@ -20,8 +20,9 @@ from litestar.enums import RequestEncodingType
 from litestar.params import BodyKwarg
 from litestar.utils.scope.state import ScopeState
 
-from sluice.gateway.edge.body_decode import BodyJudge, InvalidBody, decode, is_dense
+from sluice.gateway.edge.body_decode import InvalidBody, decode, is_dense
 from sluice.gateway.edge.errors import OpenAIError, body_fault
+from sluice.gateway.services import services
 
 
 def _json_body_type(request: Request[Any, Any, Any]) -> Any | None:
@@ -43,8 +44,8 @@ async def strict_json_body(request: Request[Any, Any, Any]) -> None:
     if not raw.strip():
         raise OpenAIError(400, "The request needs a JSON body.")
     if is_dense(raw):
-        judge: BodyJudge = request.app.state.body_judge
-        fault = await judge.judge(raw, body_type, request.app.state.generation.limits)
+        found = services(request)
+        fault = await found.body_judge.judge(raw, body_type, found.generation.limits)
         if fault is not None:
             raise body_fault(fault)
     try:

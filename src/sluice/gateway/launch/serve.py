@@ -318,6 +318,7 @@ def run_gateway(settings: Settings, role: GatewayRole) -> int:
     from sluice.gateway.batches import batch_components
     from sluice.gateway.cluster.shared import open_shared
     from sluice.gateway.queueing.acceptance import KafkaBackend
+    from sluice.gateway.services import services
 
     var = Path("var")
     broker: EmbeddedBroker | None = None
@@ -355,9 +356,9 @@ def run_gateway(settings: Settings, role: GatewayRole) -> int:
         server.should_exit = True
 
     async def drain_then_exit(app: Any) -> None:
+        found = services(app)
         try:
-            await app.state.drain.run(lambda: backend.open_requests + app.state.streams.running,
-                                      backend.stop_consuming, app.state.streams.stop)
+            await found.drain.run(lambda: len(found.generation.flights), backend.stop_consuming, found.streams.stop)
         finally:
             server.should_exit = True
 
@@ -366,8 +367,6 @@ def run_gateway(settings: Settings, role: GatewayRole) -> int:
         loop.call_soon_threadsafe(lambda: tasks.append(asyncio.ensure_future(drain_then_exit(app))))
 
     async def after_start(app: Any) -> None:
-        batches.attach(app, backend)
-        await batches.start()
         server.on_term = functools.partial(on_sigterm, app, asyncio.get_running_loop())
         if role.parent_pid is not None:
             tasks.append(asyncio.create_task(watch_parent(role.parent_pid)))
@@ -383,20 +382,19 @@ def run_gateway(settings: Settings, role: GatewayRole) -> int:
             flush=True,
         )
         if role.demo_key and settings.admin.demo_tenant:
-            demo = await ensure_demo_key(app.state.admin, settings.admin.demo_tenant,
+            demo = await ensure_demo_key(services(app).admin, settings.admin.demo_tenant,
                                          ttl_days=settings.admin.demo_key_ttl_days, renew=role.renew_demo_key)
             print_demo_key(demo, settings, gw.host, gw.port, var)
 
     async def before_stop(app: Any) -> None:
         for task in tasks:
             task.cancel()
-        await batches.stop()
         await asyncio.to_thread(workers.stop)
 
     app = create_app(
         settings,
         backend,
-        extra_route_handlers=batches.route_handlers,
+        batches=batches,
         on_startup=[after_start],
         on_shutdown=[before_stop],
         announce_secret=announce,

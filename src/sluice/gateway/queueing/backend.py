@@ -1,20 +1,23 @@
 """The seam between the HTTP gateway and whatever generates tokens.
 
-`GenerationBackend` is what the OpenAI routes talk to: `submit()` returns once a request is
-accepted (durably, for the Kafka backend, queueing/acceptance.py) and yields its `RequestDelta`s.
-`LocalEngineBackend` (queueing/local.py) is the dispatcher without Kafka, for tests and a no-Kafka
-development mode.
+`GenerationBackend` is what the OpenAI routes talk to: `submit(state)` returns once a request is
+accepted (durably, for the Kafka backend, queueing/acceptance.py) with its `Submission`, which
+pushes the request's deltas to one listener. `LocalEngineBackend` (queueing/local.py) is the
+dispatcher without Kafka, for tests and a no-Kafka development mode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from sluice.protocol import GenerateRequest, RequestDelta
+from sluice.protocol import RequestDelta
+
+if TYPE_CHECKING:
+    from sluice.gateway.generation.state import RequestState
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +28,17 @@ class BackendUnavailable(Exception):
 
 @runtime_checkable
 class Submission(Protocol):
-    """One accepted request's stream of deltas; iteration ends after a delta with finish_reason."""
+    """One accepted request's deltas, pushed to one listener in order, the final one last."""
 
     request_id: str
 
-    def __aiter__(self) -> AsyncIterator[RequestDelta]: ...
+    def first(self) -> asyncio.Future[None]:
+        """Done once a delta has arrived (none is taken: `listen` gets it)."""
+        ...
+
+    def listen(self, listener: Callable[[RequestDelta], None]) -> None:
+        """From now on each delta goes to `listener` within its delivery, those queued first."""
+        ...
 
     async def abort(self) -> None:
         """The client went away: abort at the worker. Idempotent, safe after the end."""
@@ -57,25 +66,25 @@ class GenerationBackend(Protocol):
 
     async def ready(self) -> dict[str, bool]: ...
 
-    async def submit(self, request: GenerateRequest) -> Submission: ...
+    async def submit(self, state: RequestState) -> Submission:
+        """Accepts the request (its deltas are folded into `state` as they arrive)."""
+        ...
 
     def snapshot(self) -> dict[str, Any]: ...
 
 
-# ---- in-process engine backend -----------------------------------------------------------------
-
-
 class QueuedSubmission:
-    """A Submission fed on the event loop through `deliver`; `abort` calls `on_abort` once.
+    """A Submission fed on the event loop through `deliver` (the dispatcher's sink for the job);
+    deltas wait in a list until someone listens. `abort` calls `on_abort` once."""
 
-    Both backends stream this way, from the dispatcher's sinks.
-    """
+    __slots__ = ("_aborted", "_finished", "_first", "_listener", "_on_abort", "_queued", "request_id")
 
     def __init__(self, request_id: str, on_abort: Callable[[str], None]) -> None:
         self.request_id = request_id
         self._on_abort = on_abort
-        self._queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self._queued: list[RequestDelta] = []
         self._listener: Callable[[RequestDelta], None] | None = None
+        self._first: asyncio.Future[None] | None = None
         self._finished = False
         self._aborted = False
 
@@ -85,32 +94,31 @@ class QueuedSubmission:
 
     def deliver(self, delta: RequestDelta) -> None:
         listener = self._listener
-        if listener is None:
-            self._queue.put_nowait(delta)
-            return
         if delta.finish_reason is not None:
             self._finished = True
             self._listener = None  # it holds its reader, which holds this: no cycle outlives the request
+        if listener is None:
+            self._queued.append(delta)
+            if self._first is not None and not self._first.done():
+                self._first.set_result(None)
+            return
         listener(delta)
 
+    def first(self) -> asyncio.Future[None]:
+        if self._first is None:
+            self._first = asyncio.get_running_loop().create_future()
+            if self._queued or self._listener is not None:
+                self._first.set_result(None)
+        return self._first
+
     def listen(self, listener: Callable[[RequestDelta], None]) -> None:
-        """From now on each delta goes to `listener` within `deliver` (the deliverer's call: the
-        stream pump frames and logs it there, with no task step per token), those queued first;
-        the submission is not iterated any more. `listener` must not raise."""
-        while not self._queue.empty():
-            delta = self._queue.get_nowait()
-            if delta.finish_reason is not None:
-                self._finished = True
+        """`listener` must not raise. A listener is taken once; the submission is done with it at
+        the final delta."""
+        queued, self._queued = self._queued, []
+        for delta in queued:
             listener(delta)
         if not self._finished:
             self._listener = listener
-
-    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
-        while not self._finished:
-            delta = await self._queue.get()
-            if delta.finish_reason is not None:
-                self._finished = True
-            yield delta
 
     async def abort(self) -> None:
         if self._aborted or self._finished:

@@ -15,8 +15,8 @@ from typing import Any
 from sluice.gateway.dispatch.dispatcher import Dispatcher
 from sluice.gateway.dispatch.jobs import Job
 from sluice.gateway.dispatch.links.inprocess import InProcessLink
+from sluice.gateway.generation.state import RequestState
 from sluice.gateway.queueing.backend import BackendUnavailable, QueuedSubmission, ServedModel, Submission
-from sluice.protocol import GenerateRequest
 from sluice.settings import Settings
 from sluice.workers.engine_host import EngineHost
 
@@ -107,13 +107,13 @@ class LocalEngineBackend:
     async def ready(self) -> dict[str, bool]:
         return {"workers": bool(self._hosts) and all(h.alive for h in self._hosts.values())}
 
-    async def submit(self, request: GenerateRequest) -> Submission:
+    async def submit(self, state: RequestState) -> Submission:
         dispatcher = self.dispatcher
-        host = self._hosts.get(request.model)
+        host = self._hosts.get(state.request.model)
         if dispatcher is None or host is None or not host.alive:
-            raise BackendUnavailable(f"no worker is serving model {request.model!r}")
-        submission = QueuedSubmission(request.request_id, dispatcher.cancel)
-        dispatcher.enqueue(Job(request=request, sink=submission.deliver))
+            raise BackendUnavailable(f"no worker is serving model {state.request.model!r}")
+        submission = QueuedSubmission(state.request_id, dispatcher.cancel)
+        dispatcher.enqueue(Job(state=state, sink=submission.deliver))
         return submission
 
     def snapshot(self) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def backend_snapshot(backend: KafkaBackend) -> dict[str, Any]:
             # Replica takeover (docs/streams.md): stream records held here, streams this replica took over.
             "held_streams": backend.holder.held if backend.holder is not None else 0,
             "streams_taken_over": backend.holder.taken_over if backend.holder is not None else 0,
-            "deferred_batch_lines": backend.deferred,
+            "deferred_batch_lines": backend.batch_lines.deferred if backend.batch_lines is not None else 0,
         },
         "workers": dispatcher.workers_view(),
     }

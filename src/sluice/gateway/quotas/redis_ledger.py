@@ -28,8 +28,8 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
-from sluice.gateway.edge.errors import service_unavailable
 from sluice.gateway.cluster import redis_scripts
+from sluice.gateway.edge.errors import service_unavailable
 from sluice.gateway.quotas.ledger import WINDOW_S, Ask, DayUnseeded, Outcome, Refusal, RefusedLimit, WindowView
 
 log = logging.getLogger(__name__)

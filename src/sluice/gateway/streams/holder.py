@@ -12,10 +12,11 @@ A held stream whose generator (`gen` in P:sm:ID: the acceptor, or the replica th
 last) has let its lease in P:replicas run out while its log has no end marker is an *orphan*: the
 holder claims it with one script (`CLAIM`) that checks all of that again and files itself as the
 generator, so exactly one replica continues a stream, and never one that ended. It then reads
-the log (the token ids sent with each event, the first event's envelope) and hands the stream to
-its `Resumer` (gateway/streams/resumer.py), which dispatches the request again with
-`resume_token_ids` and pumps the rest into the same log. A stream is taken over at most
-`MAX_TAKEOVERS` times: a request that keeps losing its replica ends with an error event instead.
+the log's typed checkpoints (the stream's `Envelope`, each event's `Mark`: token ids, text
+characters, finish reason, kind) and hands the stream to its `Resumer` (streams/resumer.py),
+which dispatches the request again with `resume_token_ids` and pumps the rest into the same
+log. A stream is taken over at most `MAX_TAKEOVERS` times: a request that keeps losing its
+replica ends with an error event instead.
 """
 
 from __future__ import annotations
@@ -31,8 +32,17 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from sluice.gateway.generation.state import Envelope
 from sluice.gateway.queueing.kafka import RecordRef
-from sluice.gateway.streams.log import READ_BATCH, RedisStreamLog, unpack_tokens
+from sluice.gateway.streams.log import (
+    READ_BATCH,
+    EventKind,
+    Mark,
+    RedisStreamLog,
+    decode_envelope,
+    decode_mark,
+    unpack_tokens,
+)
 from sluice.protocol import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -108,11 +118,22 @@ class Claimed:
     takeovers: int
     next_seq: int  # of the next event
     grace_s: float | None = None  # its disconnect grace as its POST chose it (None: not filed)
-    include_usage: bool = False  # its POST asked for the usage chunk (stream_options.include_usage)
+    envelope: Envelope | None = None  # as its acceptor filed it
     token_ids: list[int] = field(default_factory=list)  # sent so far, in order
-    frames: list[bytes] = field(default_factory=list)  # every event so far (seq 0 first)
+    chars: int = 0  # characters of output text sent so far
+    finish: str | None = None  # the finish reason a logged chunk carried
+    usage_sent: bool = False  # the usage chunk was logged
+    final: bool = False  # [DONE] or an error event was logged: nothing was to follow
     whole: bool = True  # False: the log has a gap (trimmed, or events Redis never got)
     ended: bool = False  # its end marker was written after all (late, by the lost replica)
+
+    def take(self, mark: Mark) -> None:
+        """One logged event's checkpoint, in order."""
+        self.token_ids.extend(unpack_tokens(mark.tokens))
+        self.chars += mark.chars
+        self.finish = mark.finish or self.finish
+        self.usage_sent = self.usage_sent or mark.kind == EventKind.USAGE
+        self.final = self.final or mark.final
 
 
 class Resumer(Protocol):
@@ -147,8 +168,13 @@ class StreamHolder:
         self._claiming: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self.resumer: Resumer | None = None  # the app's (gateway/streams/resumer.py); None: no takeover
+        self.resumer: Resumer | None = None  # the app's (streams/resumer.py, `bind`); None: no takeover
         self.taken_over = 0  # streams this replica claimed
+
+    def bind(self, resumer: Resumer) -> None:
+        """The app's resumer: orphaned streams are continued from now on. The holder is made with
+        the Kafka backend, before the app whose services the resumer uses (gateway/app.py)."""
+        self.resumer = resumer
 
     @property
     def held(self) -> int:
@@ -252,10 +278,10 @@ class StreamHolder:
             self._claiming.discard(rid)
 
     def end_with(self, claimed: Claimed, frame: bytes | None) -> None:
-        """Ends a claimed stream's log here (after `frame`, when given)."""
+        """Ends a claimed stream's log here (after `frame`, an error event, when given)."""
         self._log.adopt(claimed.response_id, claimed.tenant, claimed.next_seq, claimed.key)
         if frame is not None:
-            self._log.append(claimed.response_id, frame)
+            self._log.append(claimed.response_id, frame, Mark(EventKind.ERROR))
         self._log.end(claimed.response_id)
 
     async def read(self, rid: str, takeovers: int) -> Claimed:
@@ -263,8 +289,10 @@ class StreamHolder:
         meta = await self._redis.hgetall(f"{self._prefix}:sm:{rid}")
         key = meta.get(b"key")
         grace = meta.get(b"grace")
+        envelope = meta.get(b"env")
         claimed = Claimed(rid, meta.get(b"tenant", b"").decode(), key.decode() if key else None, takeovers, 0,
-                          float(grace) if grace else None, include_usage=meta.get(b"usage") == b"1")
+                          float(grace) if grace else None,
+                          envelope=decode_envelope(envelope) if envelope else None)
         name, after = f"{self._prefix}:sl:{rid}", "-"
         while True:
             entries = await self._redis.xrange(name, min=after, count=READ_BATCH)
@@ -275,8 +303,9 @@ class StreamHolder:
                 if b"e" in fields:
                     claimed.ended = True
                     return claimed
-                claimed.frames.append(fields[b"f"])
-                claimed.token_ids.extend(unpack_tokens(fields.get(b"t", b"")))
+                packed = fields.get(b"m")
+                if packed:
+                    claimed.take(decode_mark(packed))
                 claimed.next_seq = seq + 1
             if len(entries) < READ_BATCH:
                 return claimed

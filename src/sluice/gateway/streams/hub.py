@@ -1,11 +1,11 @@
 """Streamed responses that outlive their connection (docs/streams.md).
 
-A streamed completion is no longer generated inside its HTTP response: a *pump* task runs the SSE
-loop (`streaming.SSEStream.run`: each delta framed within its delivery) and appends each event to
-the stream log; every client, the one that
-sent the POST as well as any that attach later (`GET .../{id}/events`, or the POST re-sent with
-its `Idempotency-Key`), is a *follower* that reads the log after its `Last-Event-ID` and writes
-each event with `id: <response id>:<seq>`.
+A streamed completion is not generated inside its HTTP response: a *pump* (one per stream running
+in this process, found through its flight in `GenerationService.flights`) frames each delta within
+its delivery (streams/frames.py) and appends the events to the stream log, each with its `Mark`;
+every client, the one that sent the POST as well as any that attach later (`GET .../{id}/events`,
+or the POST re-sent with its `Idempotency-Key`), is a *follower* that reads the log after its
+`Last-Event-ID` and writes each event with `id: <response id>:<seq>`.
 
 When the last follower of a running response goes away, its pump starts the disconnect grace: if
 no follower attaches (here, or on another replica: `StreamLog.followed_elsewhere`) within
@@ -22,9 +22,11 @@ from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 from sluice.gateway.edge.errors import OpenAIError, bad_request
-from sluice.gateway.generation.service import Flight
-from sluice.gateway.streams.frames import DONE, SSEStream, sse
-from sluice.gateway.streams.log import LogTrimmed, StreamLog
+from sluice.gateway.generation.flight import Flight, RequestTimedOut
+from sluice.gateway.generation.state import RequestTable
+from sluice.gateway.streams.frames import DONE, Framer, sse
+from sluice.gateway.streams.log import EventKind, LogTrimmed, Mark, StreamLog, pack_tokens
+from sluice.protocol import FinishReason, RequestDelta
 
 log = logging.getLogger(__name__)
 
@@ -33,36 +35,16 @@ FIRST_ATTACH_S = 10.0  # the POST's own follower must start within this long (or
 FOLLOW_WAIT_S = 1.0  # one blocking read of the log (under the Redis client's 2 s socket timeout)
 MAX_KEY_CHARS = 255
 
-ABANDONED = sse(
-    {
-        "error": {
-            "message": "The stream was stopped: its client went away and none attached within the grace window.",
-            "type": "server_error",
-            "param": None,
-            "code": "stream_abandoned",
-        }
-    }
-)
-INTERRUPTED = sse(
-    {
-        "error": {
-            "message": "The stream was stopped: the gateway replica generating it shut down before it ended.",
-            "type": "server_error",
-            "param": None,
-            "code": "stream_interrupted",
-        }
-    }
-)
-LOST = sse(
-    {
-        "error": {
-            "message": "The stream's log expired or was lost before it ended.",
-            "type": "server_error",
-            "param": None,
-            "code": "stream_lost",
-        }
-    }
-)
+
+def _ending(message: str, code: str) -> bytes:
+    return sse({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
+
+
+ABANDONED = _ending("The stream was stopped: its client went away and none attached within the grace window.",
+                    "stream_abandoned")
+INTERRUPTED = _ending("The stream was stopped: the gateway replica generating it shut down before it ended.",
+                      "stream_interrupted")
+LOST = _ending("The stream's log expired or was lost before it ended.", "stream_lost")
 
 
 def parse_last_event_id(value: str | None, response_id: str | None) -> tuple[str | None, int]:
@@ -115,11 +97,12 @@ def not_found(response_id: str) -> OpenAIError:
 
 
 class _Pump:
-    """One streamed response of this process: its generation task and its followers here."""
+    """One streamed response of this process: its flight's events into the log, its followers here."""
 
-    def __init__(self, hub: StreamHub, flight: Flight, grace_s: float) -> None:
+    def __init__(self, hub: StreamHub, flight: Flight, framer: Framer, grace_s: float) -> None:
         self.hub = hub
         self.flight = flight
+        self.framer = framer
         self.response_id = flight.request_id
         self.grace_s = grace_s
         self.followers = 0
@@ -131,36 +114,73 @@ class _Pump:
         self._timer: asyncio.TimerHandle | None = None
         self._arm(max(grace_s, FIRST_ATTACH_S))  # until the POST's own follower starts
 
-    async def run(self, stream: SSEStream) -> None:
-        self._started = True
-        if self._cancel_on_start and self.task is not None:
-            self.task.cancel()  # delivered at the stream's first wait, within its cleanup's reach
-        cancelled = False
-        try:
-            await stream.run(self.emit)  # its own cleanup aborts an unfinished request at its worker
-        except asyncio.CancelledError:
-            cancelled = True
-        finally:
-            stream_log = self.hub.log
-            if cancelled:
-                stream_log.append(self.response_id, self.ending)
-            stream_log.end(self.response_id)
-            self.done = True
-            self._disarm()
-            self.hub.forget(self)
+    def begin(self) -> None:
+        """In the caller's call: the events that exist already (the opening, the deltas that came)
+        are logged before the POST's response starts; the rest as each delta is delivered."""
+        opening = self.framer.opening()
+        if opening is not None:
+            self.emit(opening, 0, None)
+        self.flight.listen(self._on_delta)
 
-    def emit(self, frame: bytes) -> None:
-        """One event into the log (called within a delta's delivery: see `SSEStream.run`)."""
+    def _on_delta(self, delta: RequestDelta) -> None:
+        if delta.finish_reason is FinishReason.ERROR:
+            self._log(self.framer.error(), EventKind.ERROR)
+            return
+        self.framer.frames(delta, self.emit)
+        if delta.finish_reason is not None:
+            usage = self.framer.usage()
+            if usage is not None:
+                self._log(usage, EventKind.USAGE)
+
+    def emit(self, frame: bytes, chars: int, finish: str | None) -> None:
+        """One chunk into the log, with the output token ids not logged yet (a delta's go with its
+        first event; those of a delta that made no event, e.g. half a character, with the next)."""
         if self.done:
             return
-        flight = self.flight
-        # A delta's tokens go with its first event (those of a delta that made no event, e.g.
-        # half a character, with the next one): the log's tokens match its text.
-        if flight.unlogged_tokens:
-            tokens, flight.unlogged_tokens = flight.unlogged_tokens, []
-            self.hub.log.append(self.response_id, frame, tokens)
+        state = self.flight.state
+        if self.hub.log.keeps_marks:
+            tokens = state.unlogged_tokens()
+            mark = Mark(EventKind.CHUNK, pack_tokens(tokens) if tokens else b"", chars, finish)
+            self.hub.log.append(self.response_id, frame, mark)
         else:
             self.hub.log.append(self.response_id, frame)
+
+    def _log(self, frame: bytes, kind: EventKind) -> None:
+        if not self.done:
+            self.hub.log.append(self.response_id, frame, Mark(kind))
+
+    async def run(self) -> None:
+        """Until the stream ends: [DONE] after the quota is settled (the client's next request finds
+        this one ended), or an error event; on cancellation (grace over, shutdown) the request is
+        aborted at its worker and the log ends with `ending`."""
+        self._started = True
+        if self._cancel_on_start and self.task is not None:
+            self.task.cancel()  # delivered at the first wait, within the cleanup's reach
+        flight = self.flight
+        aborted = True
+        try:
+            try:
+                await flight.ended()
+            except RequestTimedOut as exc:  # after the first byte: an error event ends the stream
+                self._log(Framer.failed(exc), EventKind.ERROR)
+                return  # `aborted` stays set: the request is stopped at its worker
+            aborted = False
+            if flight.state.finish_reason == "error":
+                return  # its error event is logged
+            flight.finish()
+            await flight.settled()
+            self._log(DONE, EventKind.DONE)
+        except asyncio.CancelledError:
+            self._log(self.ending, EventKind.ERROR)
+        except Exception:  # a delta that could not be framed: this stream alone ends, with an error
+            log.exception("stream %s: its events could not be written", self.response_id)
+            self._log(self.framer.error(), EventKind.ERROR)
+        finally:
+            flight.finish(aborted=aborted and flight.state.finish_reason is None)
+            self.hub.log.end(self.response_id)
+            self.done = True
+            self._disarm()
+            flight.pump = None
 
     def attach(self) -> None:
         self.followers += 1
@@ -202,8 +222,8 @@ class _Pump:
 
     def cancel(self) -> None:
         """Stops the generation. A task cancelled before its first step never runs `run`, so its
-        cleanup (the abort at the worker, the log's end, the hub forgetting it) would be skipped:
-        a task not started yet is let start and cancels itself."""
+        cleanup (the abort at the worker, the log's end) would be skipped: a task not started yet
+        is let start and cancels itself."""
         if self._started and self.task is not None:
             self.task.cancel()
         else:
@@ -216,6 +236,7 @@ class StreamHub:
     def __init__(
         self,
         stream_log: StreamLog,
+        flights: RequestTable[Flight],
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Future[None] | None],
         *,
         grace_s: float = DEFAULT_GRACE_S,
@@ -223,43 +244,35 @@ class StreamHub:
         if grace_s < 0:
             raise ValueError(f"gateway.disconnect_grace_s must be zero or positive, got {grace_s}")
         self.log = stream_log
+        self.flights = flights
         self.spawn = spawn
         self.grace_s = grace_s
-        self._pumps: dict[str, _Pump] = {}
 
     def pump(self, response_id: str) -> _Pump | None:
-        return self._pumps.get(response_id)
+        flight = self.flights.get(response_id)
+        return None if flight is None else flight.pump
 
-    def start(self, flight: Flight, frames: SSEStream, grace_s: float) -> None:
+    def start(self, flight: Flight, framer: Framer, grace_s: float) -> None:
         """Generation of `flight` now runs on its own; its events go to the log (already created)."""
-        pump = _Pump(self, flight, grace_s)
-        self._pumps[pump.response_id] = pump
-        frames.begin(pump.emit)  # the events that exist already are logged before the task runs
-        pump.task = asyncio.ensure_future(pump.run(frames))
+        pump = _Pump(self, flight, framer, grace_s)
+        flight.pump = pump
+        pump.begin()  # the events that exist already are logged before the task runs
+        pump.task = asyncio.ensure_future(pump.run())
         self.spawn(self._await(pump.task))  # shutdown waits for it (GenerationService.drain)
 
     @staticmethod
     async def _await(task: asyncio.Future[None]) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
-    @property
-    def running(self) -> int:
-        """Streamed responses still generating in this process (a drain waits for them)."""
-        return len(self._pumps)
-
     async def stop(self) -> None:
         """At shutdown (or a drain's timeout): streams cannot outlive the process, so each is
         aborted (as a disconnect was before there was a grace); their logs end with
         `stream_interrupted`."""
-        pumps = list(self._pumps.values())
+        pumps = [flight.pump for flight in self.flights if flight.pump is not None]
         for pump in pumps:
             pump.ending = INTERRUPTED
             pump.cancel()
         await asyncio.gather(*(p.task for p in pumps if p.task is not None), return_exceptions=True)
-
-    def forget(self, pump: _Pump) -> None:
-        if self._pumps.get(pump.response_id) is pump:
-            del self._pumps[pump.response_id]
 
     async def check_owner(self, response_id: str, tenant: str, after: int) -> None:
         """404 unless `tenant` created it and it is kept; 410 when the events after `after` are trimmed."""
@@ -276,7 +289,7 @@ class StreamHub:
 
     async def follow(self, response_id: str, after: int) -> AsyncGenerator[bytes, None]:
         """The response's SSE events after seq `after`, live until its log ends."""
-        pump = self._pumps.get(response_id)
+        pump = self.pump(response_id)
         if pump is not None:
             pump.attach()
         prefix = b"id: " + response_id.encode() + b":"
@@ -306,4 +319,4 @@ class StreamHub:
                 pump.detach()
 
 
-__all__ = ["DONE", "StreamHub", "check_idempotency_key", "disconnect_grace", "not_found", "parse_last_event_id"]
+__all__ = ["StreamHub", "check_idempotency_key", "disconnect_grace", "not_found", "parse_last_event_id"]

@@ -10,12 +10,18 @@ start above 0-0), so a replay is one XRANGE from the id after the client's last 
 `append` never waits: the Redis store keeps a mirror of the responses pumped in this process (the
 live client reads it, no round trip per token) and writes what was appended to Redis in one
 pipelined batch per wakeup of its flusher task.
+
+Beside each event's SSE bytes the Redis store keeps a typed checkpoint (`Mark`: the output token
+ids first sent with it, its text characters, its finish reason, its kind), and beside each
+response its `Envelope`: a replica that takes a stream over (streams/holder.py) rebuilds the
+stream's state from those, never from the SSE text. The in-process store has no reader for them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import hashlib
 import logging
 import struct
@@ -25,8 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+
+from sluice.gateway.generation.state import Envelope
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,39 @@ MAX_RESPONSES = 20_000  # in-process: the oldest response is forgotten beyond th
 READ_BATCH = 1024  # events per XRANGE / XREAD
 EXPIRE_EVERY_S = 5.0  # a live stream's keys have their TTL renewed this often (it is >= 1 s)
 MIRROR_LINGER_S = 30.0  # Redis mode: the in-process mirror of an ended response lives this long
+
+
+class EventKind(enum.IntEnum):
+    CHUNK = 0  # a chunk with choices (text, logprobs, a finish reason)
+    USAGE = 1  # the chunk that carries the usage
+    DONE = 2  # [DONE]: nothing follows
+    ERROR = 3  # an error event: nothing follows
+
+
+class Mark(msgspec.Struct, frozen=True, array_like=True):
+    """What one event adds to its stream's state, typed, beside its SSE bytes (module docstring)."""
+
+    kind: EventKind = EventKind.CHUNK
+    tokens: bytes = b""  # the output token ids first sent with this event, packed (`pack_tokens`)
+    chars: int = 0  # characters of output text in it
+    finish: str | None = None  # the finish reason its choice carries
+
+    @property
+    def final(self) -> bool:
+        return self.kind in (EventKind.DONE, EventKind.ERROR)
+
+
+_mark_encode = msgspec.msgpack.Encoder().encode
+_mark_decode = msgspec.msgpack.Decoder(Mark).decode
+_envelope_decode = msgspec.msgpack.Decoder(Envelope).decode
+
+
+def decode_mark(data: bytes) -> Mark:
+    return _mark_decode(data)
+
+
+def decode_envelope(data: bytes) -> Envelope:
+    return _envelope_decode(data)
 
 
 class LogTrimmed(Exception):
@@ -56,11 +98,13 @@ class StreamLog(Protocol):
 
     async def stop(self) -> None: ...
 
+    keeps_marks: bool  # whether `append`'s marks are kept (a takeover reads them)
+
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
-                     grace_s: float | None = None, include_usage: bool = False) -> str | None:
+                     grace_s: float | None = None, envelope: Envelope | None = None) -> str | None:
         """Files a new response of `tenant` (its key and its owner in one atomic step). With a key
         already filed by this tenant (within the retention), files nothing and returns that key's
-        response id; else None. `grace_s` (its disconnect grace) and `include_usage` are kept for a
+        response id; else None. `grace_s` (its disconnect grace) and `envelope` are kept for a
         replica that takes it over."""
         ...
 
@@ -68,10 +112,10 @@ class StreamLog(Protocol):
         """Undoes `create` (the request was not accepted)."""
         ...
 
-    def append(self, response_id: str, frame: bytes, token_ids: Sequence[int] = ()) -> None:
-        """The next event of a response pumped in this process. Never waits. `token_ids`: the
-        output token ids first sent with this event (Redis keeps them in the event's entry, for a
-        replica that takes the generation over: gateway/streams/holder.py)."""
+    def append(self, response_id: str, frame: bytes, mark: Mark | None = None) -> None:
+        """The next event of a response pumped in this process. Never waits. `mark`: what it adds
+        to the stream's state (kept where `keeps_marks`, for a replica that takes the generation
+        over: streams/holder.py)."""
         ...
 
     def end(self, response_id: str) -> None:
@@ -162,6 +206,8 @@ class _Entry:
 class LocalStreamLog:
     """A bounded dict of responses; an ended one expires `retention_s` after its end."""
 
+    keeps_marks = False  # no other replica takes its streams over
+
     def __init__(
         self,
         *,
@@ -203,7 +249,7 @@ class LocalStreamLog:
         return entry
 
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
-                     grace_s: float | None = None, include_usage: bool = False) -> str | None:
+                     grace_s: float | None = None, envelope: Envelope | None = None) -> str | None:
         now = time.monotonic()
         self._sweep(now)
         if idempotency_key is not None:
@@ -223,7 +269,7 @@ class LocalStreamLog:
         """Files a response whose events before seq `first` were logged elsewhere (a takeover)."""
         self._entries[response_id] = _Entry(tenant, None, first=first)
 
-    def append(self, response_id: str, frame: bytes, token_ids: Sequence[int] = ()) -> None:
+    def append(self, response_id: str, frame: bytes, mark: Mark | None = None) -> None:
         entry = self._entries.get(response_id)
         if entry is None or entry.ended:
             return
@@ -311,14 +357,15 @@ return false
 
 
 class RedisStreamLog:
-    """P:sl:ID a Redis Stream of the events (field f, and t: the token ids first sent with it; the
-    end marker has field e only), P:sm:ID its owner (a hash: tenant; gen, the replica generating
-    it; key, the Redis key of its Idempotency-Key; grace, its disconnect grace; takeovers,
-    gateway/streams/holder.py),
+    """P:sl:ID a Redis Stream of the events (field f, and m: its `Mark`, msgpack; the end marker has
+    field e only), P:sm:ID its owner (a hash: tenant; gen, the replica generating it; key, the Redis
+    key of its Idempotency-Key; grace, its disconnect grace; env, its `Envelope`, msgpack;
+    takeovers, streams/holder.py),
     P:sk:TENANT:HASH the Idempotency-Key mapping, P:sf:ID set while a follower on another replica
     is attached. Each expires `retention_s` after the last write to it."""
 
     FOLLOWER_TTL_S = 3
+    keeps_marks = True
 
     def __init__(
         self,
@@ -341,7 +388,7 @@ class RedisStreamLog:
         self._next: dict[str, int] = {}  # next seq of each response pumped here
         self._keys: dict[str, str] = {}  # response id -> its Idempotency-Key's Redis key
         self._expired_at: dict[str, float] = {}  # response id -> when its TTLs were last renewed
-        # id, seq, frame (None: the end), packed token ids, when, held back from the mirror
+        # id, seq, frame (None: the end), its packed Mark, when, held back from the mirror
         self._pending: list[tuple[str, int, bytes | None, bytes, float, bool]] = []
         # Events are shown to this process's followers (the mirror) once they are in Redis, so a
         # client never has an event that a replica taking the stream over (gateway/streams/holder.py)
@@ -375,15 +422,15 @@ class RedisStreamLog:
             self._flusher = None
 
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
-                     grace_s: float | None = None, include_usage: bool = False) -> str | None:
+                     grace_s: float | None = None, envelope: Envelope | None = None) -> str | None:
         name = None if idempotency_key is None else self._key_name(tenant, idempotency_key)
-        fields = ["tenant", tenant, "gen", self.replica]
+        fields: list[str | bytes] = ["tenant", tenant, "gen", self.replica]
         if name is not None:
             fields += ["key", name]
         if grace_s is not None:
             fields += ["grace", repr(float(grace_s))]
-        if include_usage:
-            fields += ["usage", "1"]
+        if envelope is not None:
+            fields += ["env", msgspec.msgpack.encode(envelope)]
         # One script: a replica killed between filing the key and the owner must not leave a key
         # whose response has no owner (an attach to it would be a 404).
         keys = [self._k("sm", response_id)] + ([name] if name is not None else [])
@@ -414,17 +461,17 @@ class RedisStreamLog:
         if key:
             self._keys[response_id] = key
 
-    def append(self, response_id: str, frame: bytes, token_ids: Sequence[int] = ()) -> None:
+    def append(self, response_id: str, frame: bytes, mark: Mark | None = None) -> None:
         seq = self._next.get(response_id)
         if seq is None:
             return
+        packed = b"" if mark is None else _mark_encode(mark)  # first: nothing changes if it fails
         self._next[response_id] = seq + 1
         if self._direct:
             self._mirror.append(response_id, frame)
         else:
             self._unmirrored.append((response_id, frame))
-        self._pending.append((response_id, seq, frame, pack_tokens(token_ids) if token_ids else b"",
-                              time.perf_counter(), not self._direct))
+        self._pending.append((response_id, seq, frame, packed, time.perf_counter(), not self._direct))
         self._wake.set()
 
     def end(self, response_id: str) -> None:
@@ -477,10 +524,10 @@ class RedisStreamLog:
     async def _send(self, batch: list[tuple[str, int, bytes | None, bytes, float, bool]]) -> bool:
         pipe = self._redis.pipeline(transaction=False)
         touched: dict[str, bool] = {}
-        for rid, seq, frame, tokens, *_ in batch:
+        for rid, seq, frame, mark, *_ in batch:
             fields: dict[str, bytes] = {"e": b"1"} if frame is None else {"f": frame}
-            if tokens:
-                fields["t"] = tokens
+            if mark:
+                fields["m"] = mark
             pipe.xadd(self._k("sl", rid), fields, id=_entry_id(seq), maxlen=self.max_events, approximate=True)  # type: ignore[arg-type]
             touched[rid] = touched.get(rid, False) or frame is None
         now = time.monotonic()

@@ -1,67 +1,98 @@
 """Continuing a streamed response another replica generated and lost (docs/streams.md, "Replica
-takeover"): `StreamResumer` is what `StreamHolder` (gateway/streams/holder.py) calls with a stream it
+takeover"): `StreamResumer` is what `StreamHolder` (streams/holder.py) calls with a stream it
 claimed.
 
-The log says where the stream stands: its first event holds the envelope every chunk repeats
-(`id`, `created`, `model`, `service_tier`; a `usage` field when include_usage was asked), each
-event the token ids first sent with it. The request is admitted again against the tenant's
-quotas (the lost replica's hold was released by the lease sweep, charged as nothing: this
-admission and its settlement, to the whole completion, are the request's only charge; its usage
-is recorded once, here), dispatched with `resume_token_ids` = the tokens logged, and a pump
-continues the log at its next sequence number with the same envelope and no second role chunk.
-Followers on any replica see the rest. The pump's disconnect grace applies as on the acceptor.
+The log's typed checkpoints say where the stream stands: its `Envelope` (what every chunk repeats)
+and, per event, the output token ids first sent with it, its text characters, its finish reason
+and its kind. The request's state is rebuilt from them; the request is admitted again against the
+tenant's quotas (the lost replica's hold was released by the lease sweep, charged as nothing: this
+admission and its settlement, to the whole completion, are the request's only charge; its usage is
+recorded once, here), dispatched with `resume_token_ids` = the tokens logged, and a pump continues
+the log at its next sequence number with the same envelope and no second role chunk. Followers on
+any replica see the rest. The pump's disconnect grace applies as on the acceptor.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
-import time
-from typing import Any, Protocol
+from typing import Protocol
 
-import msgspec
-
-from sluice.gateway.auth.service import AuthService
+from sluice.gateway.auth.service import AuthService, TenantContext
 from sluice.gateway.edge.errors import OpenAIError
-from sluice.gateway.generation.service import CLASS_TO_TIER, Flight, GenerationService, Prepared
+from sluice.gateway.generation.service import GenerationService
+from sluice.gateway.generation.state import Envelope, RequestState
 from sluice.gateway.queueing.backend import Submission
 from sluice.gateway.quotas.service import Reservation
-from sluice.gateway.streams.frames import DONE, stream_chat, stream_completion
+from sluice.gateway.streams.frames import DONE, Framer
 from sluice.gateway.streams.holder import MAX_TAKEOVERS, TAKEOVER_FAILED, Claimed, StreamHolder
 from sluice.gateway.streams.hub import ABANDONED, StreamHub
-from sluice.gateway.streams.log import RedisStreamLog
-from sluice.protocol import GenerateRequest
+from sluice.gateway.streams.log import EventKind, Mark, RedisStreamLog
+from sluice.protocol import FinishReason, GenerateRequest
 
 log = logging.getLogger(__name__)
 
 ADMIT_WAIT_S = 30.0  # a taken-over stream the quotas refuse (429, 503) is admitted again until this long
-_decode = msgspec.json.Decoder().decode
-_encode = msgspec.json.Encoder().encode
 
 
-def _event(frame: bytes) -> Any:
-    """An event's payload: the chunk as a dict, the string "[DONE]", or None (not JSON)."""
-    body = frame.removeprefix(b"data: ").rstrip(b"\n")
-    if body == b"[DONE]":
-        return "[DONE]"
-    try:
-        return _decode(body)
-    except msgspec.DecodeError:
-        return None
+class Step(enum.Enum):
+    """What a claimed stream needs (`plan`)."""
+
+    NOTHING = "nothing"  # its end marker was written after all: nothing to do
+    ABANDON = "abandon"  # no disconnect grace: its client went with the replica; the log ends, abandoned
+    FAIL = "fail"  # lost too often, or its log has a gap or no envelope: the log ends with an error
+    END = "end"  # it had ended ([DONE] or an error logged): only the end marker is written
+    FINISH = "finish"  # its generation had ended; the finishing events are written from the state
+    CONTINUE = "continue"  # generated further from its logged tokens, on a worker, by a pump here
 
 
-def _finish_reason(event: Any) -> str | None:
-    if isinstance(event, dict):
-        for choice in event.get("choices") or ():
-            if isinstance(choice, dict) and choice.get("finish_reason"):
-                return str(choice["finish_reason"])
-    return None
+def plan(request: GenerateRequest, claimed: Claimed) -> Step:
+    """The step a claimed stream needs, from its log's checkpoints alone (no SSE text is read)."""
+    if claimed.ended:
+        return Step.NOTHING
+    if claimed.grace_s == 0:
+        return Step.ABANDON
+    if claimed.takeovers > MAX_TAKEOVERS or not claimed.whole or claimed.envelope is None:
+        return Step.FAIL
+    if claimed.final:
+        return Step.END
+    if claimed.finish is not None or len(claimed.token_ids) >= request.sampling.max_tokens:
+        return Step.FINISH
+    return Step.CONTINUE
+
+
+def rebuild(request: GenerateRequest, envelope: Envelope, claimed: Claimed) -> RequestState:
+    """The stream's state as its log holds it; what follows goes on after its tokens."""
+    tokens = claimed.token_ids
+    state = RequestState(request=request, envelope=envelope, tenant_name=claimed.tenant, stream=True,
+                         output_token_ids=list(tokens), num_logged_tokens=len(tokens),
+                         text_chars=claimed.chars, finish_reason=claimed.finish)
+    state.resume_after(tokens)
+    return state
+
+
+def tail(claimed: Claimed, framer: Framer) -> list[tuple[bytes, Mark]]:
+    """The last events of a stream whose generation had ended before its replica was lost (a kill
+    between the finishing chunk and [DONE]): the finishing chunk if it is missing, the usage chunk
+    if it was asked for and is missing, [DONE]. Usage was recorded by the lost replica, or is
+    missing (it was lost before): never recorded twice."""
+    events: list[tuple[bytes, Mark]] = []
+
+    def emit(frame: bytes, chars: int, finish: str | None) -> None:
+        events.append((frame, Mark(EventKind.CHUNK, b"", chars, finish)))
+
+    if claimed.finish is None:  # the last token's chunk went out, its finishing chunk did not
+        framer.finishing(FinishReason.LENGTH, emit)
+    usage = None if claimed.usage_sent else framer.usage()
+    if usage is not None:
+        events.append((usage, Mark(EventKind.USAGE)))
+    events.append((DONE, Mark(EventKind.DONE)))
+    return events
 
 
 class ResumingBackend(Protocol):
-    holder: StreamHolder | None
-
-    def resume(self, request: GenerateRequest) -> Submission: ...
+    def resume(self, state: RequestState) -> Submission: ...
 
     def could_serve(self, model: str) -> bool: ...
 
@@ -83,96 +114,52 @@ class StreamResumer:
 
     async def __call__(self, request: GenerateRequest, claimed: Claimed) -> None:
         rid = request.request_id
-        if claimed.ended:
+        step = plan(request, claimed)
+        if step is Step.NOTHING:
             return  # its end marker came late: the holder releases it at the next check
-        if claimed.grace_s == 0:  # `X-Sluice-Disconnect: abort`: its client's connection went with the replica
+        if step is Step.ABANDON:  # `X-Sluice-Disconnect: abort`: its client's connection went with the replica
             log.info("stream %s: its replica was lost and it has no disconnect grace; not continued", rid)
             self.holder.end_with(claimed, ABANDONED)
             return
-        if claimed.takeovers > MAX_TAKEOVERS or not claimed.whole:
-            why = f"lost {claimed.takeovers} times" if claimed.takeovers > MAX_TAKEOVERS else "its log has a gap"
-            log.warning("stream %s: not continued (%s); its log ends with an error", rid, why)
+        if step is Step.FAIL:
+            log.warning("stream %s: not continued (lost %d times, whole log: %s, envelope: %s); its log ends "
+                        "with an error", rid, claimed.takeovers, claimed.whole, claimed.envelope is not None)
             self.holder.end_with(claimed, TAKEOVER_FAILED)
             return
-        if not claimed.frames:  # lost before its first event: no client has seen anything, start it here
-            head = {"created": int(time.time()), "service_tier": CLASS_TO_TIER[request.priority]}
-            if claimed.include_usage:
-                head["usage"] = None
-            await self._continue(request, claimed, head)
-            return
-        last = _event(claimed.frames[-1])
-        if last == "[DONE]" or (isinstance(last, dict) and "error" in last):
+        if step is Step.END:
             self.holder.end_with(claimed, None)  # it had ended: only its end marker was missing
             return
-        head = _event(claimed.frames[0])
-        if not isinstance(head, dict) or "created" not in head:
-            raise ValueError(f"the first event of {rid} is not a chunk")
-        finish = next((r for r in map(_finish_reason, map(_event, claimed.frames[-3:])) if r), None)
-        if finish is not None or len(claimed.token_ids) >= request.sampling.max_tokens:
-            self._finish_tail(request, claimed, head, finish)
+        assert claimed.envelope is not None  # plan() fails a claim without one
+        state = rebuild(request, claimed.envelope, claimed)
+        framer = Framer(state, self.generation.tokenizers.get(request.model), resumed=claimed.next_seq > 0)
+        if step is Step.FINISH:
+            self.log.adopt(rid, claimed.tenant, claimed.next_seq, claimed.key)
+            for frame, mark in tail(claimed, framer):
+                self.log.append(rid, frame, mark)
+            self.log.end(rid)
             return
-        await self._continue(request, claimed, head)
+        await self._continue(claimed, state, framer)
 
-    def _finish_tail(self, request: GenerateRequest, claimed: Claimed, head: dict[str, Any],
-                     finish: str | None) -> None:
-        """The generation had ended before its replica was lost; its last events were not logged
-        (a kill between the finishing chunk and [DONE]): they are written from the log. Usage was
-        recorded by the lost replica, or is missing (it was lost before): never recorded twice."""
-        frames = []
-        chat = request.request_id.startswith("chatcmpl-")
-        if finish is None:  # the last token's chunk went out, its finishing chunk did not
-            choice = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"} if chat
-                      else {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"})
-            frames.append({**head, "choices": [choice]})
-        last = _event(claimed.frames[-1])
-        has_usage = isinstance(last, dict) and last.get("usage") is not None
-        if "usage" in head and not has_usage:
-            prompt, completion = len(request.prompt_token_ids), len(claimed.token_ids)
-            frames.append({**head, "choices": [], "usage": {
-                "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": 0}}})
-        self.log.adopt(claimed.response_id, claimed.tenant, claimed.next_seq, claimed.key)
-        for payload in frames:
-            self.log.append(claimed.response_id, b"data: " + _encode(payload) + b"\n\n")
-        self.log.append(claimed.response_id, DONE)
-        self.log.end(claimed.response_id)
-
-    async def _continue(self, request: GenerateRequest, claimed: Claimed, head: dict[str, Any]) -> None:
+    async def _continue(self, claimed: Claimed, state: RequestState, framer: Framer) -> None:
+        request = state.request
         tenant = await self.auth.tenant_by_id(request.tenant_id)
         if tenant is None or not tenant.enabled:
             raise ValueError(f"tenant {request.tenant_id} is gone or disabled")
-        generation = self.generation
-        tokenizer = generation.tokenizers.get(request.model)
-        resumed = msgspec.structs.replace(request, resume_token_ids=tuple(claimed.token_ids))
-        from_start = not claimed.frames  # its role chunk (chat) is still to be sent
-        tier = head.get("service_tier") or CLASS_TO_TIER[request.priority]
-        prepared = Prepared(request=resumed, tokenizer=tokenizer, tier=str(tier), stream=True,
-                            include_usage="usage" in head)
-        reservation = await self._admit(tenant, request)
+        state.tenant_name = tenant.name
+        state.reservation = await self._admit(tenant, request)
         try:
-            submission = self.backend.resume(resumed)
+            submission = self.backend.resume(state)
         except BaseException:
-            generation.quotas.release(reservation)
+            self.generation.quotas.release(state.reservation)
             raise
-        loop = asyncio.get_running_loop()
-        flight = Flight(generation, prepared, tenant, reservation, submission, created=int(head["created"]),
-                        deadline=loop.time() + generation.request_timeout_s)
+        flight = self.generation.fly(state, tenant, submission)
         self.log.adopt(claimed.response_id, claimed.tenant, claimed.next_seq, claimed.key)
-        if request.request_id.startswith("chatcmpl-"):
-            frames = stream_chat(flight, resumed=not from_start)
-        else:
-            offset = 0  # characters sent so far: the text offsets of completion logprobs
-            if request.sampling.logprobs:
-                for event in map(_event, claimed.frames):
-                    for choice in event.get("choices") or () if isinstance(event, dict) else ():
-                        offset += len(choice.get("text") or "")
-            frames = stream_completion(flight, offset=offset)
         grace_s = claimed.grace_s  # as its POST chose it, else as the tenant's now
         if grace_s is None:
             grace_s = self.hub.grace_s if tenant.disconnect_grace_s is None else tenant.disconnect_grace_s
-        self.hub.start(flight, frames, grace_s)
+        self.hub.start(flight, framer, grace_s)
 
-    async def _admit(self, tenant: Any, request: GenerateRequest) -> Reservation:
+    async def _admit(self, tenant: TenantContext, request: GenerateRequest) -> Reservation:
         """The quota admission of the resumed request, as the acceptor's was (prompt + max_tokens);
         a refusal that waiting may lift (429 with a retry time, 503) is retried, for a while."""
         quotas = self.generation.quotas
@@ -187,3 +174,6 @@ class StreamResumer:
                 if exc.status not in (429, 503) or retry_after is None or loop.time() > give_up:
                     raise
                 await asyncio.sleep(min(max(float(retry_after), 0.2), 2.0))
+
+
+

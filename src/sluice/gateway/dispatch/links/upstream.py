@@ -182,7 +182,7 @@ class UpstreamLink:
         if self.spec.kind != "vllm":
             return 0  # no queue is reported: the cap alone bounds what is sent
         sent_since = sum(1 for job in self.inflight.values()
-                         if not job.started and (job.dispatch_time or 0.0) >= self._read_at)
+                         if not job.started and (job.state.dispatch_time or 0.0) >= self._read_at)
         return self.num_waiting + sent_since
 
     def has_room_for(self, priority: Priority, max_waiting: int) -> bool:
