@@ -14,6 +14,7 @@ import hmac
 import math
 import struct
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -46,6 +47,27 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024  # a schema, regex, choice list or grammar; the grammar module bounds more
+MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias (OpenAI's own limit)
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """What a request's output must match, enforced token by token by the engine's grammar.
+
+    `kind` and `spec`:
+    - "json": a JSON Schema as JSON text (`{"type": "object"}` is OpenAI's `json_object`);
+    - "regex": the whole output matches the regular expression;
+    - "choice": a JSON array of strings; the output is exactly one of them;
+    - "grammar": a context-free grammar, in the syntax of the grammar library the engine uses;
+    - "tagged": JSON `{"begin": str, "schema": <JSON Schema>, "end": str, "repeat": bool}`: `begin`,
+      one JSON value matching `schema`, `end`; once, or one or more times when `repeat` (a model
+      family's tool-call format).
+    """
+
+    kind: Literal["json", "regex", "choice", "grammar", "tagged"]
+    spec: str
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Per-request sampling settings. `validate()` raises ValueError with a message fit for a 400."""
 
@@ -63,6 +85,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    structured: StructuredOutput | None = None
+    # (token id, bias in [-100, 100]) added to the logits before sampling and before a grammar's mask
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +129,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             raise ValueError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.structured is not None and len(self.structured.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise ValueError(f"a structured output's spec must be at most {MAX_STRUCTURED_SPEC_CHARS} characters")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids, got {token_id}")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias values must be between -100 and 100, got {bias}")
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
