@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Controller, Response, post
+from litestar import Controller, Request, Response, post
 from litestar.connection import ASGIConnection
-from litestar.di import NamedDependency, Provide
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import JSONBody
 
@@ -68,16 +67,15 @@ class TokenizeController(Controller):
     tags = ["vLLM tokenization"]  # noqa: RUF012
     guards = [tokenize_guard]  # noqa: RUF012
     security = TENANT_SECURITY
-    dependencies = {"tenant": Provide(_tenant_or_none, sync_to_thread=False)}  # noqa: RUF012
 
     @post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages (vLLM)", responses=_ERRORS)
     async def tokenize(
         self,
-        tenant: NamedDependency[TenantContext | None],
+        request: Request[Any, Any, Any],
         generation: Injected[GenerationService],
         data: JSONBody[TokenizeRequest],
     ) -> Response[TokenizeResponse]:
-        tokenizer, headers = _resolve(generation, tenant, data.model)
+        tokenizer, headers = _resolve(generation, _tenant_or_none(request), data.model)
         if data.prompt is not None and data.messages is None:
             add_special = True if data.add_special_tokens is None else data.add_special_tokens
             tokens = tokenizer.encode(data.prompt, add_special_tokens=add_special)
@@ -110,11 +108,11 @@ class TokenizeController(Controller):
     @post("/detokenize", status_code=200, summary="Text of a token sequence (vLLM)", responses=_ERRORS)
     async def detokenize(
         self,
-        tenant: NamedDependency[TenantContext | None],
+        request: Request[Any, Any, Any],
         generation: Injected[GenerationService],
         data: JSONBody[DetokenizeRequest],
     ) -> Response[DetokenizeResponse]:
-        tokenizer, headers = _resolve(generation, tenant, data.model)
+        tokenizer, headers = _resolve(generation, _tenant_or_none(request), data.model)
         if any(t < 0 or t >= tokenizer.vocab_size for t in data.tokens):
             raise bad_request(f"tokens must be between 0 and {tokenizer.vocab_size - 1}.", "tokens")
         body = DetokenizeResponse(prompt=tokenizer.decode(data.tokens))
