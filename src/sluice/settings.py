@@ -59,6 +59,10 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     metrics_token: str = ""
     """`GET /metrics` needs `Authorization: Bearer <metrics_token>` (or the admin token); empty = the
     admin token only."""
+    metrics_max_tenants: int = 100
+    """Per-tenant Prometheus series (TTFT/ITL histograms, queue depth, admitted/rejected, tokens)
+    for at most this many tenants per gateway process, the first seen; later tenants are counted
+    under the label `tenant="other"`. Each tenant adds about 60 series per model and class it uses."""
     anonymous_tokenize: bool = False
     """Serve `POST /tokenize` and `/detokenize` without an Authorization header (as vLLM serves them,
     for `vllm bench serve`); off: a tenant key is needed and scopes them to its models."""
@@ -411,7 +415,7 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
         raise ConfigError(f"{gw_source}: [gateway] worker_secret must be at least 16 characters")
     if bool(gw.worker_tls_cert) != bool(gw.worker_tls_key):
         raise ConfigError(f"{gw_source}: [gateway] worker_tls_cert and worker_tls_key are set together")
-    for key in ("max_prompt_chars", "max_messages"):
+    for key in ("max_prompt_chars", "max_messages", "metrics_max_tenants"):
         if getattr(gw, key) < 1:
             raise ConfigError(f"{gw_source}: [gateway] {key} must be at least 1, got {getattr(gw, key)}")
     shared, shared_source = settings.shared, sources.get("shared", "[shared]")

@@ -137,7 +137,7 @@ def create_app(
     async def startup(app: Litestar) -> None:
         if owned_engine is not None:
             await migrate(settings.database.url)
-        telemetry.configure(settings.gateway.record_log_path)
+        telemetry.configure(settings.gateway.record_log_path, settings.gateway.metrics_max_tenants)
         await services.shared.start()
         generated = await services.auth.ensure_admin_token(settings.admin.token)
         await seed_tenants(services.admin, settings.tenants)

@@ -393,10 +393,17 @@ class Dispatcher:
                     log.warning("worker %s missed heartbeats for %.1fs; dropping it",
                                 worker.worker_id, now - worker.last_seen)
                     self._lose_worker(worker, "stopped sending heartbeats")
-            for p in Priority:
-                telemetry.set_queue_depth(p.label, self.scheduler.depth(p))
-                telemetry.set_running(p.label, sum(
-                    1 for w in self.workers.values() for j in w.inflight.values() if j.request.priority == p))
+            self._publish_queues()
+
+    def _publish_queues(self) -> None:
+        """Waiting and running requests per class, and per tenant and class, to the metrics."""
+        waiting = [(item.payload.state.tenant_name, item.priority.label) for item in self.scheduler.items()]
+        running = [(job.state.tenant_name, job.request.priority.label)
+                   for worker in self.workers.values() for job in worker.inflight.values()]
+        for p in Priority:
+            telemetry.set_queue_depth(p.label, sum(1 for _, label in waiting if label == p.label))
+            telemetry.set_running(p.label, sum(1 for _, label in running if label == p.label))
+        telemetry.set_tenant_queues(waiting, running)
 
     # ---- worker connections --------------------------------------------------------------------
 
