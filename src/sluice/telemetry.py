@@ -255,6 +255,12 @@ WORKER_TOKENS = _counter("sluice:worker_generation_tokens_total", "Tokens genera
 ADMISSIONS = _counter("sluice:request_admissions_total", "Requests admitted (accepted into a queue).",
                       ("tenant", "class"))
 USAGE_WRITE_FAILURES = _counter("sluice:usage_write_failures_total", "Failed usage writes (retried later).")
+# For the alert rules (deploy/prometheus/alerts.yml): workers lost, a dependency unreachable, 5xx.
+WORKERS_CONNECTED = _gauge("sluice:workers_connected", "Workers and upstreams this gateway can dispatch to now.")
+READINESS = _gauge("sluice:readiness_check", "/ready's checks at the last scrape (1 passes, 0 fails): "
+                   "accepting, database, shared (Redis), broker (Kafka), workers.", ("check",))
+ERROR_RESPONSES = _counter("sluice:http_error_responses_total", "Error answers (4xx and 5xx) by status code.",
+                           ("status",))
 
 
 class _BoundedLabel:
@@ -442,6 +448,15 @@ def set_tenant_queues(waiting: Iterable[tuple[str, str]], running: Iterable[tupl
     `sluice:tenant_num_requests_waiting` / `_running` by tenant (capped) and class."""
     TENANT_QUEUES.publish(((tenant_label(t), class_label(c)) for t, c in waiting),
                           ((tenant_label(t), class_label(c)) for t, c in running))
+
+
+def set_readiness(checks: dict[str, bool]) -> None:
+    for check, ok in checks.items():
+        READINESS.labels(check=check).set(1 if ok else 0)
+
+
+def count_error_response(status: int) -> None:
+    ERROR_RESPONSES.labels(status=str(status)).inc()
 
 
 def observe_worker(capacity: WorkerCapacity) -> None:

@@ -115,3 +115,21 @@ def test_tenants_past_the_cap_are_counted_under_other_without_their_names(gatewa
     assert _total(samples, "sluice:time_to_first_token_seconds_count", tenant="other") >= 1
     assert _total(samples, "sluice:inter_token_latency_seconds_count", tenant="other") >= 3
     assert len({labels["tenant"] for labels, _ in samples["sluice:request_admissions_total"]}) <= CAP + 1
+
+
+def test_alert_inputs_readiness_workers_and_error_answers_are_exported(gateway) -> None:
+    """What deploy/prometheus/alerts.yml reads besides latency: /ready's checks, the workers a
+    gateway can reach, error answers by status."""
+    _, before = _scrape(gateway)
+    _, key = gateway.tenant()
+    with gateway.client(key) as client:
+        assert client.get("/v1/no-such-route").status_code == 404
+        assert client.post("/v1/chat/completions", json={"model": "demo"}).status_code == 400
+    _, samples = _scrape(gateway)
+    for status in ("404", "400"):
+        grew = _total(samples, "sluice:http_error_responses_total", status=status) - _total(
+            before, "sluice:http_error_responses_total", status=status)
+        assert grew == 1, status
+    checks = {labels["check"]: value for labels, value in samples["sluice:readiness_check"]}
+    assert checks == {"accepting": 1, "database": 1, "workers": 1}  # in-process state: no "shared" check
+    assert _total(samples, "sluice:workers_connected") >= 1

@@ -404,6 +404,7 @@ class Dispatcher:
             telemetry.set_queue_depth(p.label, sum(1 for _, label in waiting if label == p.label))
             telemetry.set_running(p.label, sum(1 for _, label in running if label == p.label))
         telemetry.set_tenant_queues(waiting, running)
+        telemetry.WORKERS_CONNECTED.set(len(self.workers))
 
     # ---- worker connections --------------------------------------------------------------------
 
