@@ -203,6 +203,7 @@ _SECTION_INTROS = {
     "scheduler": "The gateway's scheduler: priority classes and their anti-starvation.",
     "dispatch": "Sending work to workers and upstreams; `sluice serve`'s local workers.",
     "shared": "State the gateway replicas share (docs/scale-out.md).",
+    "tracing": "OpenTelemetry traces over OTLP/HTTP, off by default (docs/measuring.md, \"Traces\").",
 }
 
 _ENGINE_INTRO = (

@@ -211,6 +211,19 @@ class SharedSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Of every Redis key and channel (several deployments on one Redis)."""
 
 
+class TracingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """OpenTelemetry traces of requests across the gateway and the workers (docs/measuring.md)."""
+
+    enabled: bool = False
+    """Export spans over OTLP/HTTP; needs the OpenTelemetry SDK (`pip install 'sluice[tracing]'`).
+    Gateways and workers read it (set it on both)."""
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    """Where spans go: an OpenTelemetry Collector's (or Jaeger's, Tempo's) OTLP/HTTP traces URL."""
+    sample_ratio: float = 1.0
+    """Share of traces kept (0..1) for requests without a sampled `traceparent`; a client's sampled
+    flag is followed."""
+
+
 def check_shared_url(url: str) -> None:
     """Raises ValueError unless `url` is empty or redis://HOST[:PORT][/DB] (rediss:// for TLS).
     The messages never repeat the URL: it may hold a password."""
@@ -327,6 +340,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
     dispatch: DispatchSettings = msgspec.field(default_factory=DispatchSettings)
     shared: SharedSettings = msgspec.field(default_factory=SharedSettings)
+    tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
     # Engine options for workers: keys of sluice.workers.config.EngineConfig (validated there).
     engine: dict[str, Any] = msgspec.field(default_factory=dict)
     models: tuple[ModelSpec, ...] = ()
@@ -335,7 +349,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     config_dir: str = "config"
 
 
-_SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "shared", "engine")
+_SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "shared", "tracing",
+             "engine")
 _FILES = {"sluice.toml": None, "models.toml": "models", "tenants.toml": "tenants", "upstreams.toml": "upstreams"}
 
 
@@ -376,7 +391,7 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, dict[str, tuple[str, An
 _SECTION_TYPES: dict[str, type[msgspec.Struct]] = {
     "gateway": GatewaySettings, "admin": AdminSettings, "database": DatabaseSettings,
     "kafka": KafkaSettings, "broker": BrokerSettings, "scheduler": SchedulerSettings,
-    "dispatch": DispatchSettings, "shared": SharedSettings,
+    "dispatch": DispatchSettings, "shared": SharedSettings, "tracing": TracingSettings,
 }
 
 
@@ -427,6 +442,9 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
         raise ConfigError(f"{shared_source}: [shared] lease_s must be positive, got {shared.lease_s}")
     if not shared.prefix or any(c.isspace() for c in shared.prefix):
         raise ConfigError(f"{shared_source}: [shared] prefix must be non-empty, without spaces")
+    if not 0.0 <= settings.tracing.sample_ratio <= 1.0:
+        raise ConfigError(f"{sources.get('tracing', '[tracing]')}: [tracing] sample_ratio must be 0..1, "
+                          f"got {settings.tracing.sample_ratio}")
     kafka = settings.kafka
     if not 0 < kafka.heartbeat_interval_ms < kafka.session_timeout_ms:
         raise ConfigError(f"{sources.get('kafka', '[kafka]')}: [kafka] heartbeat_interval_ms must be positive and "

@@ -13,8 +13,8 @@ from sluice.gateway.admin.service import AdminService
 from sluice.gateway.auth.service import AuthService
 from sluice.gateway.batches import window
 from sluice.gateway.batches.models import Batch, BatchResult
-from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.base import utcnow
+from sluice.gateway.db.migrate import migrate
 from sluice.gateway.db.session import make_engine, make_session_factory
 
 pytestmark = pytest.mark.integration
@@ -24,6 +24,11 @@ def _batch(batch_id: str, tenant_id: str, status: str, total: int, left: dt.time
     now = utcnow()
     return Batch(id=batch_id, tenant_id=tenant_id, input_file_id="file-x", endpoint="/v1/chat/completions",
                  completion_window="24h", status=status, total=total, created_at=now, expires_at=now + left)
+
+
+def _result(batch_id: str, line_no: int) -> BatchResult:
+    return BatchResult(batch_id=batch_id, custom_id=f"r{line_no}", line_no=line_no, ok=True, line="{}",
+                       created_at=utcnow())
 
 
 async def test_open_batches_lines_left_and_the_earliest_window(database_url: str) -> None:
@@ -41,9 +46,8 @@ async def test_open_batches_lines_left_and_the_earliest_window(database_url: str
                 _batch("batch-done", tenant.id, "completed", 100, dt.timedelta(hours=1)),  # closed: not counted
             ])
         async with sessions() as session, session.begin():
-            session.add_all([BatchResult(batch_id="batch-a", custom_id=f"r{i}", line_no=i, ok=True, line="{}", created_at=utcnow())
-                             for i in range(4)])
-            session.add(BatchResult(batch_id="batch-done", custom_id="r0", line_no=0, ok=True, line="{}", created_at=utcnow()))
+            session.add_all([_result("batch-a", i) for i in range(4)])
+            session.add(_result("batch-done", 0))
         report = await window.measure(sessions)
         assert (report.open_batches, report.lines_remaining) == (2, 10 + 5 - 4)
         assert report.window_left_s is not None and 3 * 3600 - 60 < report.window_left_s <= 3 * 3600

@@ -24,7 +24,6 @@ from sluice.gateway.edge.errors import error_responses
 from sluice.gateway.edge.openapi import METRICS_SECURITY
 from sluice.gateway.services import Injected, Services
 
-
 CHECK_TIMEOUT_S = 3.0  # under a probe's usual timeout, so /ready answers 503 rather than not at all
 
 

@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 import msgspec
 from redis.exceptions import RedisError
 
-from sluice import telemetry
+from sluice import telemetry, tracing
 from sluice.gateway.cluster.shared import SharedState
 from sluice.gateway.dispatch.fair import ClassPolicy, FairScheduler, Pending
 from sluice.gateway.dispatch.jobs import DeltaSink as DeltaSink
@@ -293,6 +293,14 @@ class Dispatcher:
             # Priority off: the engine must not reorder by class either.
             request = msgspec.structs.replace(request, priority=Priority.STANDARD)
         worker.inflight[job.request_id] = job
+        if request.traceparent is not None and tracing.enabled():
+            sent = time.time()
+            tracing.record_span("queue.wait", request.traceparent, state.queued_at or sent, sent,
+                                {"sluice.class": request.priority.label})
+            worker.send(request)
+            tracing.record_span("dispatch", request.traceparent, sent, time.time(),
+                                {"sluice.worker": worker.worker_id, "sluice.attempt": state.attempts})
+            return
         worker.send(request)
 
     def _next(self, now: float, refused: set[tuple[str, Priority]],
