@@ -40,7 +40,7 @@ class Receiver:
         spans = self.spans
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - the http.server interface
+            def do_POST(self) -> None:  # the http.server interface names it
                 body = self.rfile.read(int(self.headers["content-length"]))
                 request = trace_service.ExportTraceServiceRequest.FromString(body)
                 with lock:
@@ -155,8 +155,8 @@ def test_the_trace_goes_on_through_an_upstream(tmp_path: Path, demo_model_dir: P
             f'[[upstreams]]\nname = "second"\nbase_url = "http://127.0.0.1:{up_port}/v1"\n'
             'api_key_env = "UPSTREAM_KEY"\nmodels = ["demo"]\n')
         front_env = serve_environment(tmp_path / "front", config, bootstrap_servers, "tfront")
-        front = Serve(tmp_path / "front", {**front_env, **tracing_env, "UPSTREAM_KEY": tenant_key(upstream, "demo-chat")},
-                      free_port(), "--workers", "0")
+        front_env.update(tracing_env, UPSTREAM_KEY=tenant_key(upstream, "demo-chat"))
+        front = Serve(tmp_path / "front", front_env, free_port(), "--workers", "0")
         front.wait_ready()
         trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
         answer = httpx.post(front.base + "/v1/chat/completions", timeout=60,

@@ -36,5 +36,5 @@ def test_the_sdk_is_not_imported_while_off() -> None:
 
 @pytest.mark.parametrize("ratio", ["-0.1", "1.5"])
 def test_sample_ratio_must_be_a_share(ratio: str) -> None:
-    with pytest.raises(ConfigError, match="sample_ratio must be 0..1"):
+    with pytest.raises(ConfigError, match=r"sample_ratio must be 0\.\.1"):
         load_settings(REPO / "config", environ={"SLUICE_TRACING_SAMPLE_RATIO": ratio})
