@@ -181,9 +181,14 @@ async def test_two_replicas_route_the_next_turn_to_the_same_worker(
         # Each replica indexes the same worker's events on its own link.
         await wait_for(lambda: all(holds(r, home, conversation, "salt-t1") >= 10 for r in replicas), 30,
                        "both replicas to index the first turn")
+        # ... and to have heard that the first turn ended there (each replica's own link reports it).
+        await wait_for(lambda: all(r.dispatcher.workers[w].capacity.num_running == 0 for r in replicas for w in ids),
+                       30, "both workers idle on both replicas")
         turn2 = await submit(b, request(conversation))
         await drain(turn2)
-        assert turn2.state.worker == home and turn2.state.route == "cache"
+        views = {v["worker_id"]: (v["load"], v["free_kv_blocks"], v["total_kv_blocks"]) for v in b.dispatcher.workers_view()}
+        assert turn2.state.worker == home and turn2.state.route == "cache", (
+            turn2.state.route, turn2.state.route_cached_tokens, views)
         assert turn2.state.cached_tokens >= 160
     finally:
         for replica in replicas:
@@ -198,7 +203,7 @@ async def test_unknown_and_malformed_frames_are_logged_and_skipped(
     assert isinstance(challenge, WorkerChallenge) and challenge.kv_events
     capacity = WorkerCapacity(worker_id="raw", num_running=0, num_waiting=0, free_kv_blocks=64, total_kv_blocks=64,
                               max_num_seqs=4, sent_at=time.time())
-    register = WorkerRegister(worker_id="raw", models=(ServedModelInfo(name="demo", max_model_len=512),),
+    register = WorkerRegister(worker_id="raw", models=(ServedModelInfo(name="demo", max_model_len=1 << 20),),
                               device="cpu", pid=os.getpid(), capacity=capacity,
                               proof=worker_proof(WORKER_SECRET, challenge.nonce, "raw"))
     writer.write(encode_frame(register))

@@ -89,8 +89,11 @@ def test_cost_weighs_uncached_tokens_against_load() -> None:
 
 def test_least_loaded_and_round_robin() -> None:
     a, b = Candidate("a", load=0.5), Candidate("b", load=0.1)
-    ranked = router("least_loaded").rank([a, b], PromptBlocks(request()))
+    blocks = PromptBlocks(request())
+    ranked = router("least_loaded").rank([a, b], blocks)
     assert [d.worker for d in ranked] == [b, a] and ranked[0].reason == REASON_LEAST_LOADED
+    router("least_loaded").note_sent(b, blocks)
+    assert not blocks.by_block_size and len(b.cache) == 0  # least_loaded never hashes a prompt
     rr = router("round_robin")
     firsts = [rr.route([a, b], PromptBlocks(request())).worker.worker_id for _ in range(4)]  # type: ignore[union-attr]
     assert firsts == ["a", "b", "a", "b"]

@@ -44,7 +44,8 @@ REASON_SPREAD = "spread"  # cache_aware: the worker holding the prefix was loade
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """One candidate as routing sees it: why it ranks where it does, and the prompt tokens it holds."""
+    """One candidate as routing sees it: why it ranks where it does, and the prompt tokens it holds
+    (cache_aware only; 0 under the policies that do not look)."""
 
     worker: WorkerLink
     reason: str
@@ -87,10 +88,9 @@ class Router:
             start = next(self._turn) % len(candidates)
             ordered = sorted(candidates, key=lambda w: w.worker_id)
             ordered = ordered[start:] + ordered[:start]
-            return [Decision(w, REASON_ROUND_ROBIN, _cached_tokens(w, blocks)) for w in ordered]
-        if policy == "least_loaded":
-            return [Decision(w, REASON_LEAST_LOADED, _cached_tokens(w, blocks))
-                    for w in sorted(candidates, key=lambda w: w.load)]
+            return [Decision(w, REASON_ROUND_ROBIN) for w in ordered]
+        if policy == "least_loaded":  # no prompt hashing: today's cost exactly
+            return [Decision(w, REASON_LEAST_LOADED) for w in sorted(candidates, key=lambda w: w.load)]
         return self._rank_by_cost(candidates, blocks)
 
     def route(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks) -> Decision | None:
@@ -128,7 +128,10 @@ class Router:
 
     def note_sent(self, worker: WorkerLink, blocks: PromptBlocks) -> None:
         """The prompt went to `worker`: its index counts the blocks as coming (an engine's events
-        confirm or evict them; an upstream's index has nothing else)."""
+        confirm or evict them; an upstream's index has nothing else). Under cache_aware only: the
+        other policies never hash a prompt."""
+        if self.settings.policy != "cache_aware":
+            return
         cache = worker.cache
         block_size = cache.block_size or self.settings.upstream_block_size
         cache.note_sent(block_size, blocks.hashes(block_size))
