@@ -194,6 +194,41 @@ class DispatchSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     only models some worker announced (a model whose workers are all down keeps being accepted)."""
 
 
+RoutingPolicy = Literal["least_loaded", "round_robin", "cache_aware"]
+
+
+class RoutingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which worker a dispatched request goes to (docs/routing.md). The fair scheduler decides which
+    request goes next; routing decides where."""
+
+    policy: RoutingPolicy = "least_loaded"
+    """`least_loaded`: the worker with the fewest running and waiting requests per slot;
+    `round_robin`: each worker in turn; `cache_aware`: the lowest predicted cost, the prompt tokens
+    a worker would have to prefill (those not in its prefix cache, from its KV events) plus its load."""
+    load_cost_tokens: int = 2048
+    """cache_aware: a worker's load in prefill tokens: a worker whose running and waiting requests
+    fill its `max_num_seqs` (load 1.0) costs this many tokens more than an idle one."""
+    spread_margin: float = 0.5
+    """cache_aware: a worker holding the prompt's prefix is passed over for the least loaded one when
+    its load exceeds the least loaded's by more than this (a hot prefix spreads, no worker is driven
+    into overload)."""
+    max_index_blocks: int = 1_000_000
+    """Prefix-cache block hashes the gateway remembers per worker (90-110 MB per million); past it
+    the least recently stored are forgotten."""
+    upstream_block_size: int = 16
+    """Block size of the approximate index kept for an upstream (it sends no KV events)."""
+
+    def __post_init__(self) -> None:
+        if self.load_cost_tokens < 0:
+            raise ValueError(f"routing.load_cost_tokens must be 0 or more, got {self.load_cost_tokens}")
+        if not self.spread_margin >= 0:
+            raise ValueError(f"routing.spread_margin must be 0 or more, got {self.spread_margin}")
+        if self.max_index_blocks < 1:
+            raise ValueError(f"routing.max_index_blocks must be positive, got {self.max_index_blocks}")
+        if self.upstream_block_size < 1:
+            raise ValueError(f"routing.upstream_block_size must be positive, got {self.upstream_block_size}")
+
+
 class SharedSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where gateway replicas share quota counters and cache invalidations (docs/scale-out.md)."""
 
@@ -322,6 +357,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     broker: BrokerSettings = msgspec.field(default_factory=BrokerSettings)
     scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
     dispatch: DispatchSettings = msgspec.field(default_factory=DispatchSettings)
+    routing: RoutingSettings = msgspec.field(default_factory=RoutingSettings)
     shared: SharedSettings = msgspec.field(default_factory=SharedSettings)
     # Engine options for workers: keys of sluice.workers.config.EngineConfig (validated there).
     engine: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -331,7 +367,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     config_dir: str = "config"
 
 
-_SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "shared", "engine")
+_SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "routing", "shared",
+             "engine")
 _FILES = {"sluice.toml": None, "models.toml": "models", "tenants.toml": "tenants", "upstreams.toml": "upstreams"}
 
 
@@ -372,7 +409,7 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, dict[str, tuple[str, An
 _SECTION_TYPES: dict[str, type[msgspec.Struct]] = {
     "gateway": GatewaySettings, "admin": AdminSettings, "database": DatabaseSettings,
     "kafka": KafkaSettings, "broker": BrokerSettings, "scheduler": SchedulerSettings,
-    "dispatch": DispatchSettings, "shared": SharedSettings,
+    "dispatch": DispatchSettings, "routing": RoutingSettings, "shared": SharedSettings,
 }
 
 

@@ -44,6 +44,7 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from sluice.gateway.dispatch.cache_index import CacheIndex
 from sluice.gateway.dispatch.links.base import LinkHost
 from sluice.gateway.dispatch.links.upstream_http import StreamedResponse, TransportError, UpstreamHTTP
 from sluice.gateway.dispatch.slots import has_room
@@ -142,6 +143,8 @@ class UpstreamLink:
         self.inflight: dict[str, Job] = {}
         self.last_seen = time.monotonic()
         self.sent = 0
+        # Approximate: filled from the prompts sent here (it publishes no KV events to sluice).
+        self.cache = CacheIndex(settings.routing.max_index_blocks, approximate=True)
         self._host = host
         self._priority_enabled = settings.scheduler.priority_enabled
         self._probe_interval_s = METRICS_INTERVAL_S if spec.kind == "vllm" else settings.dispatch.heartbeat_interval_s
@@ -196,6 +199,10 @@ class UpstreamLink:
     def load(self) -> float:
         return len(self.inflight) / self.spec.max_concurrency
 
+    @property
+    def kv_use(self) -> float:
+        return 0.0  # not reported
+
     def view(self, draining: bool = False) -> dict[str, Any]:
         unstarted = sum(1 for job in self.inflight.values() if not job.started)
         vllm = self.spec.kind == "vllm"
@@ -208,6 +215,7 @@ class UpstreamLink:
             "est_waiting": self.est_waiting, "load": round(self.load, 3),
             "total_kv_blocks": 0, "free_kv_blocks": 0,
             "last_heartbeat_age_s": round(time.monotonic() - self.last_seen, 3), "draining": draining,
+            "cache_index_blocks": len(self.cache),
         }
 
     # ---- requests ------------------------------------------------------------------------------
