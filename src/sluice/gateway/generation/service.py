@@ -15,7 +15,7 @@ import asyncio
 import logging
 from typing import Any
 
-from sluice import telemetry
+from sluice import telemetry, tracing
 from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.edge.body_decode import SizeLimits, prompt_chars, size_fault
 from sluice.gateway.edge.errors import service_unavailable
@@ -79,9 +79,10 @@ class GenerationService:
         """Quota admission, then submission; the reservation is refunded when submission fails."""
         request = state.request
         try:
-            state.reservation = await self.quotas.admit(
-                tenant, len(request.prompt_token_ids), request.sampling.max_tokens, request.priority
-            )
+            with tracing.span("admission"):
+                state.reservation = await self.quotas.admit(
+                    tenant, len(request.prompt_token_ids), request.sampling.max_tokens, request.priority
+                )
         except QuotaExceeded as exc:
             telemetry.count_rejection(tenant.name, exc.code or "rate_limit_exceeded", request.priority.label)
             raise

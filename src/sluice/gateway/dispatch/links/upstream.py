@@ -108,6 +108,13 @@ def completion_body(request: GenerateRequest, spec: UpstreamSpec, *, priority_en
     return body
 
 
+def _headers(request_id: str, traceparent: str | None) -> dict[str, str]:
+    """Our request id, and the request's trace context so the server's spans join its trace."""
+    if traceparent is None:
+        return {"x-request-id": request_id}
+    return {"x-request-id": request_id, "traceparent": traceparent}
+
+
 def _error_detail(raw: bytes) -> str:
     """The upstream's own error message (OpenAI's {"error": {"message"}} shape), short."""
     try:
@@ -246,7 +253,7 @@ class UpstreamLink:
         body = _encode(completion_body(request, self.spec, priority_enabled=self._priority_enabled))
         try:
             async with asyncio.timeout(self.spec.request_timeout_s):
-                async with self._http.post("/v1/completions", body, {"x-request-id": rid}) as response:
+                async with self._http.post("/v1/completions", body, _headers(rid, request.traceparent)) as response:
                     if response.status >= 400:
                         detail = _error_detail(await response.read())
                         raise UpstreamError(f"upstream {self.spec.name!r} answered HTTP "
