@@ -150,6 +150,29 @@ class QuotaService:
                 code="max_tokens_exceeded",
             )
 
+    def precheck(self, tenant: TenantContext, pending: int = 0) -> None:
+        """Before any expensive work on a request (tokenizing a large prompt): the 429 that admission
+        would give on requests/min or concurrency, from this process's view of the counters.
+        `pending`: this tenant's requests already waiting for the same work (not admitted yet)."""
+        limits = tenant.limits
+        if limits.requests_per_minute is not None:
+            view = self._ledger.view(tenant.id)
+            if view.requests >= limits.requests_per_minute:
+                raise self._refused(tenant, Refusal("requests", wait_s=view.requests_reset_s), 0)
+        if limits.max_concurrent is not None and self._ledger.live(tenant.id)[0] + pending >= limits.max_concurrent:
+            raise self._refused(tenant, Refusal("concurrent"), 0)
+
+    async def count_request(self, tenant: TenantContext) -> None:
+        """Counts a request against requests/min without reserving tokens: a request refused after
+        expensive work (a large prompt tokenized, then found over the context), or a /tokenize call.
+        Without it a tenant limited to 1 request/min could have any number of large prompts
+        tokenized, each refused with 400 and none counted. Over a limit: counted as nothing."""
+        try:
+            reservation = await self.admit(tenant, 0, 0, Priority.STANDARD)
+        except OpenAIError:
+            return
+        self.settle(reservation, 0, 0)
+
     async def admit(
         self, tenant: TenantContext, prompt_tokens: int, max_tokens: int, priority: Priority
     ) -> Reservation:
