@@ -86,7 +86,8 @@ async def test_a_large_tokenize_leaves_the_event_loop_free(gateway: Any) -> None
         await asyncio.sleep(0.05)
         health = await client.get("/health")
         assert health.status_code == 200
-        assert not all(task.done() for task in big)  # the four tokenizations of one tenant run one by one
+        # Tokenized on the event loop, the first large prompt was answered before /health was read.
+        assert not any(task.done() for task in big)
         assert all(r.status_code == 200 for r in await asyncio.gather(*big))
 
 

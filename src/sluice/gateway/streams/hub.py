@@ -140,8 +140,11 @@ class _Pump:
         state = self.flight.state
         if self.hub.log.keeps_marks:
             tokens = state.unlogged_tokens()
+            # Packed before anything changes: an id that does not pack raises here, with the log,
+            # its readers and the state as they were (the pump ends this stream with an error).
             mark = Mark(EventKind.CHUNK, pack_tokens(tokens) if tokens else b"", chars, finish)
             self.hub.log.append(self.response_id, frame, mark)
+            state.logged()
         else:
             self.hub.log.append(self.response_id, frame)
 
