@@ -95,8 +95,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 class AdminSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     token: str = ""
-    """The admin token. Set: the only admin token, never stored (generated ones are deleted). Empty:
-    the first start generates one, stores it hashed and shows it once."""
+    """The admin token (at least 16 characters). Set: the only admin token, never stored (generated
+    ones are deleted); changing it ends every console session. Empty: the first start generates one,
+    stores it hashed and shows it once."""
     demo_tenant: str = "demo-chat"
     """`sluice serve` keeps one expiring API key for this seed tenant (created once, shown once);
     empty = no demo key (production)."""
@@ -409,6 +410,9 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
     gw, gw_source = settings.gateway, sources.get("gateway", "[gateway]")
     if gw.worker_secret and len(gw.worker_secret) < 16:
         raise ConfigError(f"{gw_source}: [gateway] worker_secret must be at least 16 characters")
+    if settings.admin.token and len(settings.admin.token) < 16:
+        raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] token (SLUICE_ADMIN_TOKEN) must be at least "
+                          "16 characters (a random one, e.g. from `openssl rand -base64 32`)")
     if bool(gw.worker_tls_cert) != bool(gw.worker_tls_key):
         raise ConfigError(f"{gw_source}: [gateway] worker_tls_cert and worker_tls_key are set together")
     for key in ("max_prompt_chars", "max_messages"):

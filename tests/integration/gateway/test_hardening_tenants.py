@@ -16,8 +16,6 @@ from typing import Any
 import httpx
 import pytest
 
-
-
 pytestmark = pytest.mark.integration
 
 MAX_PROMPT_CHARS = 200_000
