@@ -71,6 +71,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     tokenization."""
     max_body_bytes: int = 8 * 2**20
     """Largest request body in bytes; a larger one gets 413."""
+    max_file_storage_bytes: int = 2**30
+    """Bytes of files (Batch API uploads and outputs together) a tenant may keep; an upload that
+    would pass it gets 400 `file_storage_exceeded`."""
     request_timeout_s: float = 600.0
     """Deadline of an API request from its acceptance to its end, the wait for a worker included:
     past it the request is stopped and the client gets 504 `request_timeout` (batch lines are bounded
