@@ -75,6 +75,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     tokenization."""
     max_body_bytes: int = 8 * 2**20
     """Largest request body in bytes; a larger one gets 413."""
+    max_file_storage_bytes: int = 2**30
+    """Bytes of files (Batch API uploads and outputs together) a tenant may keep; an upload that
+    would pass it gets 400 `file_storage_exceeded`."""
     request_timeout_s: float = 600.0
     """Deadline of an API request from its acceptance to its end, the wait for a worker included:
     past it the request is stopped and the client gets 504 `request_timeout` (batch lines are bounded
@@ -99,8 +102,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 class AdminSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     token: str = ""
-    """The admin token. Set: the only admin token, never stored (generated ones are deleted). Empty:
-    the first start generates one, stores it hashed and shows it once."""
+    """The admin token (at least 16 characters). Set: the only admin token, never stored (generated
+    ones are deleted); changing it ends every console session. Empty: the first start generates one,
+    stores it hashed and shows it once."""
     demo_tenant: str = "demo-chat"
     """`sluice serve` keeps one expiring API key for this seed tenant (created once, shown once);
     empty = no demo key (production)."""
@@ -465,6 +469,9 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
     gw, gw_source = settings.gateway, sources.get("gateway", "[gateway]")
     if gw.worker_secret and len(gw.worker_secret) < 16:
         raise ConfigError(f"{gw_source}: [gateway] worker_secret must be at least 16 characters")
+    if settings.admin.token and len(settings.admin.token) < 16:
+        raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] token (SLUICE_ADMIN_TOKEN) must be at least "
+                          "16 characters (a random one, e.g. from `openssl rand -base64 32`)")
     if bool(gw.worker_tls_cert) != bool(gw.worker_tls_key):
         raise ConfigError(f"{gw_source}: [gateway] worker_tls_cert and worker_tls_key are set together")
     for key in ("max_prompt_chars", "max_messages", "metrics_max_tenants"):
