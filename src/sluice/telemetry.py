@@ -99,6 +99,8 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     batch_id: str | None = None
     engine_first_scheduled: float | None = None  # raw engine timestamps (unix s), for joins
     engine_first_token: float | None = None
+    route: str = ""  # why the gateway sent it to `worker` (gateway/dispatch/routing.py; "" = not routed)
+    route_cached_tokens: int = 0  # prompt tokens routing expected that worker to have cached
 
 
 def _gap_summary(token_times: Sequence[float]) -> tuple[float | None, ...]:
@@ -119,7 +121,8 @@ def make_record(*, request_id: str, tenant: str, model: str, priority_class: str
                 finish_time: float, token_times: Sequence[float], prompt_tokens: int,
                 completion_tokens: int, cached_tokens: int, finish_reason: str,
                 engine_first_scheduled: float | None = None, engine_first_token: float | None = None,
-                engine_arrival: float | None = None, batch_id: str | None = None) -> RequestRecord:
+                engine_arrival: float | None = None, batch_id: str | None = None, route: str = "",
+                route_cached_tokens: int = 0) -> RequestRecord:
     """Build a record from raw timestamps.
 
     `token_times` are the times each completion token became available (engine-side in the
@@ -145,6 +148,7 @@ def make_record(*, request_id: str, tenant: str, model: str, priority_class: str
         prefill_s=_since(engine_first_token, engine_first_scheduled),
         decode_s=_since(finish_time, first_token_time), batch_id=batch_id,
         engine_first_scheduled=engine_first_scheduled, engine_first_token=engine_first_token,
+        route=route, route_cached_tokens=route_cached_tokens,
     )
 
 
@@ -254,6 +258,12 @@ WORKER_TOKENS = _counter("sluice:worker_generation_tokens_total", "Tokens genera
                          ("worker",))
 ADMISSIONS = _counter("sluice:request_admissions_total", "Requests admitted (accepted into a queue).",
                       ("tenant", "class"))
+ROUTES = _counter("sluice:route_decisions_total",
+                  "Dispatches by why routing chose the worker (docs/routing.md: cache, load, spread, ...).",
+                  ("reason",))
+CACHE_INDEX_BLOCKS = _gauge("sluice:worker_cache_index_blocks",
+                            "Prefix-cache blocks the gateway's index holds for a worker (from its KV events).",
+                            ("worker",))
 USAGE_WRITE_FAILURES = _counter("sluice:usage_write_failures_total", "Failed usage writes (retried later).")
 # For the alert rules (deploy/prometheus/alerts.yml): workers lost, a dependency unreachable, 5xx.
 WORKERS_CONNECTED = _gauge("sluice:workers_connected", "Workers and upstreams this gateway can dispatch to now.")
@@ -466,6 +476,14 @@ def observe_worker(capacity: WorkerCapacity) -> None:
         KV_USAGE.labels(worker=worker).set(used / capacity.total_kv_blocks)
     WORKER_RUNNING.labels(worker=worker).set(capacity.num_running)
     WORKER_WAITING.labels(worker=worker).set(capacity.num_waiting)
+
+
+def count_route(reason: str) -> None:
+    ROUTES.labels(reason=reason).inc()
+
+
+def set_cache_index_blocks(worker_id: str, blocks: int) -> None:
+    CACHE_INDEX_BLOCKS.labels(worker=worker_label(worker_id)).set(blocks)
 
 
 def count_engine_events(before: WorkerCapacity, after: WorkerCapacity) -> None:

@@ -92,7 +92,7 @@ def build_services(settings: Settings, backend: GenerationBackend, *,
         settings=settings, backend=backend, session_factory=session_factory, shared=shared, auth=auth,
         usage=usage, quotas=quotas, tokenizers=tokenizers, generation=generation, streams=streams,
         drain=Drain(gw.drain_timeout_s), body_judge=BodyJudge(), admin=admin,
-        console_sessions=ConsoleSessions(session_factory, settings.admin.console_session_ttl_s),
+        console_sessions=ConsoleSessions(session_factory, settings.admin.console_session_ttl_s, auth.admin_binding),
         batches=batch_service, started_at=int(time.time()),
     )
 

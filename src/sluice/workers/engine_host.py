@@ -18,7 +18,9 @@ does, it does once for every kind:
   alone) fails every request with an error delta, tells every client it is closed, and `run()`
   raises: a broken engine is not served from.
 Each step's deltas reach a client in one call (`EngineClient.on_deltas`), so 200 streams cost a
-client one hand-off per step, not 200.
+client one hand-off per step, not 200. With `kv_events` on, each step's prefix-cache changes
+(`KvEvents`: blocks cached and evicted) go to every client after its deltas, one batch per step;
+the gateways route by them (gateway/dispatch/routing.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any, Protocol
 import msgspec
 
 from sluice import tracing
-from sluice.protocol import FinishReason, GenerateRequest, RequestDelta, WorkerCapacity
+from sluice.protocol import FinishReason, GenerateRequest, KvEvents, RequestDelta, WorkerCapacity
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,10 @@ class EngineClient(Protocol):
         ...
 
     def on_capacity(self, capacity: WorkerCapacity) -> None: ...
+
+    def on_kv_events(self, events: KvEvents) -> None:
+        """One step's prefix-cache changes (sent to every client; a client may drop them)."""
+        ...
 
     def on_closed(self, reason: str) -> None:
         """The host stopped (its engine failed, or `stop()`): nothing more comes."""
@@ -77,8 +83,11 @@ _Command = Callable[[], None]  # run on the engine thread, between steps
 class EngineHost:
     """Steps one LLMEngine for its clients until `stop()` (module docstring)."""
 
-    def __init__(self, engine: Any, worker_id: str, *, heartbeat_interval_s: float = 1.0) -> None:
+    def __init__(self, engine: Any, worker_id: str, *, heartbeat_interval_s: float = 1.0,
+                 kv_events: bool = True) -> None:
         self.engine = engine  # an LLMEngine: touched on the engine thread only, once running
+        self.kv_events = kv_events
+        engine.enable_kv_events(kv_events)
         self.worker_id = worker_id
         self.heartbeat_interval_s = heartbeat_interval_s
         self._inbox: queue.Queue[_Command] = queue.Queue()
@@ -161,6 +170,11 @@ class EngineHost:
             self._fail_all(f"the worker serving this request ({self.worker_id}) failed; please retry")
             raise
         self._route(deltas)
+        if self.kv_events:
+            events = self.engine.take_kv_events()  # taken even with no client: the log stays one step long
+            if events is not None:
+                for client in self._clients:
+                    client.on_kv_events(events)
 
     def _drain(self, *, block: bool) -> None:
         try:

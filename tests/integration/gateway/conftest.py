@@ -108,9 +108,9 @@ def gateway(
     admin_token = "slc-admin-" + secrets.token_urlsafe(32)
     metrics_token = "metrics-" + secrets.token_urlsafe(24)
     settings = Settings(
-        gateway=GatewaySettings(
-            max_body_bytes=256 * 1024, key_cache_ttl_s=30.0, metrics_token=metrics_token, **gateway_options
-        ),
+        gateway=GatewaySettings(**{
+            "max_body_bytes": 256 * 1024, "key_cache_ttl_s": 30.0, "metrics_token": metrics_token, **gateway_options
+        }),
         admin=AdminSettings(token=admin_token),
         database=DatabaseSettings(url=database_url),
         shared=_shared_settings(shared_mode),

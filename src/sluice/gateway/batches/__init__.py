@@ -80,7 +80,8 @@ class BatchComponents:
         from sluice.gateway.batches.service import BatchService
 
         self.service = BatchService(session_factory, generation, backend,
-                                    max_file_bytes=settings.gateway.max_body_bytes, shared=shared)
+                                    max_file_bytes=settings.gateway.max_body_bytes,
+                                    max_storage_bytes=settings.gateway.max_file_storage_bytes, shared=shared)
         runner = BatchRunner(self.service, quotas, usage)
         shared.bus.subscribe(runner.on_change)  # a tenant changed on any replica
         self.handler.set_runner(runner)
