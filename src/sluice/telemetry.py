@@ -33,6 +33,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from sluice.batch_gauges import BatchWindowCollector
 from sluice.live_window import WINDOW
 from sluice.protocol import WorkerCapacity
 from sluice.tenant_gauges import TenantQueueCollector
@@ -451,6 +452,8 @@ def set_running(priority_class: str, n: int) -> None:
 
 TENANT_QUEUES = TenantQueueCollector()
 REGISTRY.register(TENANT_QUEUES)
+BATCH_WINDOW = BatchWindowCollector()  # published by gateway/batches/window.py
+REGISTRY.register(BATCH_WINDOW)
 
 
 def set_tenant_queues(waiting: Iterable[tuple[str, str]], running: Iterable[tuple[str, str]]) -> None:
