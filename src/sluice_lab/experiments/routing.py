@@ -89,7 +89,10 @@ def _spawn_workers(args: argparse.Namespace, port: int, logdir: Path) -> list[su
 
 
 async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, contexts: dict[str, tuple[int, ...]],
-                   rng: random.Random) -> None:
+                   seed: int) -> None:
+    # Two streams: the arrivals (times, tenants) are the same for every policy of a round; the
+    # content choices (continue which conversation, the user's tokens) may differ with timing.
+    arrivals, rng = random.Random(seed), random.Random(seed + 1)
     dispatcher.router = Router(RoutingSettings(policy=arm.policy))  # type: ignore[arg-type]
     tenants = list(contexts)
     hot = tenants[0]
@@ -157,8 +160,8 @@ async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, c
             convs.clear()
         start = time.time()
     while time.time() - start < args.duration_s:
-        await asyncio.sleep(rng.expovariate(args.rate))
-        tenant = hot if rng.random() < 0.5 else rng.choice(tenants[1:])
+        await asyncio.sleep(arrivals.expovariate(args.rate))
+        tenant = hot if arrivals.random() < 0.5 else arrivals.choice(tenants[1:])
         submit(tenant)
     if pending:
         done.clear()
@@ -256,7 +259,7 @@ async def run_routing(args: argparse.Namespace) -> dict[str, Any]:
             for policy in order:
                 arm = Arm(policy, rnd)
                 print(f"round {rnd + 1}/{args.rounds}: {policy} ...", flush=True)
-                await _run_arm(dispatcher, arm, args, contexts, random.Random(args.seed * 1000 + rnd))
+                await _run_arm(dispatcher, arm, args, contexts, args.seed * 1000 + rnd)
                 arms.append(arm)
         cpu = _children_cpu(processes) - cpu_before
     finally:
