@@ -206,6 +206,7 @@ _SECTION_INTROS = {
     "routing": "Which worker a dispatched request goes to: least loaded, round robin, or by its cached "
                "prefix (docs/routing.md).",
     "shared": "State the gateway replicas share (docs/scale-out.md).",
+    "tracing": "OpenTelemetry traces over OTLP/HTTP, off by default (docs/measuring.md, \"Traces\").",
 }
 
 _ENGINE_INTRO = (

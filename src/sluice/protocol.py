@@ -163,6 +163,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # prompt + these and generates after them, as its preemption does (worker failover, replica
     # takeover). `sampling.max_tokens` stays the whole budget, these included.
     resume_token_ids: tuple[int, ...] = ()
+    # W3C trace context of the request's span at the gateway (sluice/tracing.py): the worker's and
+    # an upstream's spans are its children. None while tracing is off.
+    traceparent: str | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

@@ -59,6 +59,10 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     metrics_token: str = ""
     """`GET /metrics` needs `Authorization: Bearer <metrics_token>` (or the admin token); empty = the
     admin token only."""
+    metrics_max_tenants: int = 100
+    """Per-tenant Prometheus series (TTFT/ITL histograms, queue depth, admitted/rejected, tokens)
+    for at most this many tenants per gateway process, the first seen; later tenants are counted
+    under the label `tenant="other"`. Each tenant adds about 60 series per model and class it uses."""
     anonymous_tokenize: bool = False
     """Serve `POST /tokenize` and `/detokenize` without an Authorization header (as vLLM serves them,
     for `vllm bench serve`); off: a tenant key is needed and scopes them to its models."""
@@ -71,6 +75,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     tokenization."""
     max_body_bytes: int = 8 * 2**20
     """Largest request body in bytes; a larger one gets 413."""
+    max_file_storage_bytes: int = 2**30
+    """Bytes of files (Batch API uploads and outputs together) a tenant may keep; an upload that
+    would pass it gets 400 `file_storage_exceeded`."""
     request_timeout_s: float = 600.0
     """Deadline of an API request from its acceptance to its end, the wait for a worker included:
     past it the request is stopped and the client gets 504 `request_timeout` (batch lines are bounded
@@ -95,8 +102,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 class AdminSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     token: str = ""
-    """The admin token. Set: the only admin token, never stored (generated ones are deleted). Empty:
-    the first start generates one, stores it hashed and shows it once."""
+    """The admin token (at least 16 characters). Set: the only admin token, never stored (generated
+    ones are deleted); changing it ends every console session. Empty: the first start generates one,
+    stores it hashed and shows it once."""
     demo_tenant: str = "demo-chat"
     """`sluice serve` keeps one expiring API key for this seed tenant (created once, shown once);
     empty = no demo key (production)."""
@@ -242,6 +250,19 @@ class SharedSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Of every Redis key and channel (several deployments on one Redis)."""
 
 
+class TracingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """OpenTelemetry traces of requests across the gateway and the workers (docs/measuring.md)."""
+
+    enabled: bool = False
+    """Export spans over OTLP/HTTP; needs the OpenTelemetry SDK (`pip install 'sluice[tracing]'`).
+    Gateways and workers read it (set it on both)."""
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    """Where spans go: an OpenTelemetry Collector's (or Jaeger's, Tempo's) OTLP/HTTP traces URL."""
+    sample_ratio: float = 1.0
+    """Share of traces kept (0..1) for requests without a sampled `traceparent`; a client's sampled
+    flag is followed."""
+
+
 def check_shared_url(url: str) -> None:
     """Raises ValueError unless `url` is empty or redis://HOST[:PORT][/DB] (rediss:// for TLS).
     The messages never repeat the URL: it may hold a password."""
@@ -359,6 +380,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     dispatch: DispatchSettings = msgspec.field(default_factory=DispatchSettings)
     routing: RoutingSettings = msgspec.field(default_factory=RoutingSettings)
     shared: SharedSettings = msgspec.field(default_factory=SharedSettings)
+    tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
     # Engine options for workers: keys of sluice.workers.config.EngineConfig (validated there).
     engine: dict[str, Any] = msgspec.field(default_factory=dict)
     models: tuple[ModelSpec, ...] = ()
@@ -368,7 +390,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 _SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "routing", "shared",
-             "engine")
+             "tracing", "engine")
 _FILES = {"sluice.toml": None, "models.toml": "models", "tenants.toml": "tenants", "upstreams.toml": "upstreams"}
 
 
@@ -410,6 +432,7 @@ _SECTION_TYPES: dict[str, type[msgspec.Struct]] = {
     "gateway": GatewaySettings, "admin": AdminSettings, "database": DatabaseSettings,
     "kafka": KafkaSettings, "broker": BrokerSettings, "scheduler": SchedulerSettings,
     "dispatch": DispatchSettings, "routing": RoutingSettings, "shared": SharedSettings,
+    "tracing": TracingSettings,
 }
 
 
@@ -446,9 +469,12 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
     gw, gw_source = settings.gateway, sources.get("gateway", "[gateway]")
     if gw.worker_secret and len(gw.worker_secret) < 16:
         raise ConfigError(f"{gw_source}: [gateway] worker_secret must be at least 16 characters")
+    if settings.admin.token and len(settings.admin.token) < 16:
+        raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] token (SLUICE_ADMIN_TOKEN) must be at least "
+                          "16 characters (a random one, e.g. from `openssl rand -base64 32`)")
     if bool(gw.worker_tls_cert) != bool(gw.worker_tls_key):
         raise ConfigError(f"{gw_source}: [gateway] worker_tls_cert and worker_tls_key are set together")
-    for key in ("max_prompt_chars", "max_messages"):
+    for key in ("max_prompt_chars", "max_messages", "metrics_max_tenants"):
         if getattr(gw, key) < 1:
             raise ConfigError(f"{gw_source}: [gateway] {key} must be at least 1, got {getattr(gw, key)}")
     shared, shared_source = settings.shared, sources.get("shared", "[shared]")
@@ -460,6 +486,9 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
         raise ConfigError(f"{shared_source}: [shared] lease_s must be positive, got {shared.lease_s}")
     if not shared.prefix or any(c.isspace() for c in shared.prefix):
         raise ConfigError(f"{shared_source}: [shared] prefix must be non-empty, without spaces")
+    if not 0.0 <= settings.tracing.sample_ratio <= 1.0:
+        raise ConfigError(f"{sources.get('tracing', '[tracing]')}: [tracing] sample_ratio must be 0..1, "
+                          f"got {settings.tracing.sample_ratio}")
     kafka = settings.kafka
     if not 0 < kafka.heartbeat_interval_ms < kafka.session_timeout_ms:
         raise ConfigError(f"{sources.get('kafka', '[kafka]')}: [kafka] heartbeat_interval_ms must be positive and "

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from sluice import tracing
 from sluice.protocol import FinishReason, GenerateRequest, KvEvents, RequestDelta, WorkerCapacity
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,16 @@ class _ClientState:
     last_sent: float = 0.0
 
 
+@dataclass(slots=True)
+class _Trace:
+    """A traced request's context and the engine's timestamps so far (unix s)."""
+
+    traceparent: str
+    received: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+
+
 _Command = Callable[[], None]  # run on the engine thread, between steps
 
 
@@ -84,6 +95,7 @@ class EngineHost:
         self._failed = threading.Event()  # set before its clients hear of the failure
         self._clients: dict[EngineClient, _ClientState] = {}
         self._owners: dict[str, EngineClient] = {}  # every request in the engine, by id
+        self._traces: dict[str, _Trace] = {}  # traced requests in the engine (sluice/tracing.py)
         self._thread: threading.Thread | None = None
 
     # ---- from any thread -----------------------------------------------------------------------
@@ -210,6 +222,8 @@ class EngineHost:
             self._reply_error(client, request, text)
             return
         self._owners[rid] = client
+        if request.traceparent is not None and tracing.enabled():
+            self._traces[rid] = _Trace(request.traceparent, time.time())
 
     @staticmethod
     def _reply_error(client: EngineClient, request: GenerateRequest, text: str) -> None:
@@ -233,12 +247,15 @@ class EngineHost:
             failed.setdefault(client, []).append(
                 RequestDelta(request_id=rid, finish_reason=FinishReason.ERROR, error=text))
         self._owners.clear()
+        self._traces.clear()
         for client, deltas in failed.items():
             client.on_deltas(deltas)
 
     def _route(self, deltas: list[RequestDelta]) -> None:
         out: dict[EngineClient, list[RequestDelta]] = {}
         for delta in deltas:
+            if self._traces:
+                self._trace(delta)
             client = self._owners.get(delta.request_id)
             if client is None:
                 continue  # an aborted request of a client that is gone
@@ -248,6 +265,29 @@ class EngineHost:
                 out.setdefault(client, []).append(delta)
         for client, batch in out.items():
             client.on_deltas(batch)
+
+    def _trace(self, delta: RequestDelta) -> None:
+        """Keeps a traced request's engine timestamps; at its end, its spans (children of the
+        gateway's request span): worker.queue, prefill, decode."""
+        trace = self._traces.get(delta.request_id)
+        if trace is None:
+            return
+        trace.first_scheduled = trace.first_scheduled or delta.first_scheduled_time
+        trace.first_token = trace.first_token or delta.first_token_time
+        if delta.finish_reason is None:
+            return
+        del self._traces[delta.request_id]
+        now, parent = time.time(), trace.traceparent
+        attributes = {"sluice.worker": self.worker_id, "sluice.request_id": delta.request_id}
+        if trace.first_scheduled is not None:
+            tracing.record_span("worker.queue", parent, trace.received, trace.first_scheduled, attributes)
+            tracing.record_span("prefill", parent, trace.first_scheduled, trace.first_token or now,
+                                {**attributes, "sluice.prompt_tokens": delta.num_prompt_tokens,
+                                 "sluice.cached_tokens": delta.num_cached_tokens})
+        if trace.first_token is not None:
+            tracing.record_span("decode", parent, trace.first_token, now,
+                                {**attributes, "sluice.output_tokens": delta.num_output_tokens,
+                                 "sluice.finish_reason": str(delta.finish_reason)})
 
     def _send_capacity(self) -> None:
         now = time.monotonic()

@@ -33,11 +33,12 @@ import signal
 import ssl
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from sluice import tracing
 from sluice.protocol import (
     READ_CHUNK_BYTES,
     AbortRequest,
@@ -55,6 +56,7 @@ from sluice.protocol import (
     tokenizer_identity,
     worker_proof,
 )
+from sluice.settings import TracingSettings
 from sluice.workers.engine_host import EngineHost
 
 if TYPE_CHECKING:
@@ -77,6 +79,7 @@ class WorkerOptions:
     secret: str = ""  # the shared worker secret (from settings / SLUICE_GATEWAY_WORKER_SECRET)
     tls_ca: str = ""  # verify the gateways' certificates against this CA file; "" = plain TCP
     rejected_retry_s: float = 5.0  # a gateway that refused this worker is asked again this much later
+    tracing: TracingSettings = field(default_factory=TracingSettings)  # [tracing]: spans of its requests
 
     def __post_init__(self) -> None:
         if not self.gateways:
@@ -328,6 +331,8 @@ def run_worker(engine_config: EngineConfig, options: WorkerOptions) -> None:
     """Builds the engine and serves until SIGTERM/SIGINT."""
     from sluice.workers.engine import LLMEngine
 
+    tracing.configure(options.tracing.enabled, options.tracing.otlp_endpoint, "sluice-worker",
+                      options.tracing.sample_ratio)
     engine = LLMEngine(engine_config)
     server = WorkerServer(engine, options)
 

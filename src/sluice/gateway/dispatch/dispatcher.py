@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 import msgspec
 from redis.exceptions import RedisError
 
-from sluice import telemetry
+from sluice import telemetry, tracing
 from sluice.gateway.cluster.shared import SharedState
 from sluice.gateway.dispatch.fair import ClassPolicy, FairScheduler, Pending
 from sluice.gateway.dispatch.jobs import DeltaSink as DeltaSink
@@ -314,6 +314,14 @@ class Dispatcher:
             # Priority off: the engine must not reorder by class either.
             request = msgspec.structs.replace(request, priority=Priority.STANDARD)
         worker.inflight[job.request_id] = job
+        if request.traceparent is not None and tracing.enabled():
+            sent = time.time()
+            tracing.record_span("queue.wait", request.traceparent, state.queued_at or sent, sent,
+                                {"sluice.class": request.priority.label})
+            worker.send(request)
+            tracing.record_span("dispatch", request.traceparent, sent, time.time(),
+                                {"sluice.worker": worker.worker_id, "sluice.attempt": state.attempts})
+            return
         worker.send(request)
 
     def _next(self, now: float, refused: set[tuple[str, Priority]],
@@ -416,10 +424,18 @@ class Dispatcher:
                     self._lose_worker(worker, "stopped sending heartbeats")
             for worker in self.workers.values():
                 telemetry.set_cache_index_blocks(worker.worker_id, len(worker.cache))
-            for p in Priority:
-                telemetry.set_queue_depth(p.label, self.scheduler.depth(p))
-                telemetry.set_running(p.label, sum(
-                    1 for w in self.workers.values() for j in w.inflight.values() if j.request.priority == p))
+            self._publish_queues()
+
+    def _publish_queues(self) -> None:
+        """Waiting and running requests per class, and per tenant and class, to the metrics."""
+        waiting = [(item.payload.state.tenant_name, item.priority.label) for item in self.scheduler.items()]
+        running = [(job.state.tenant_name, job.request.priority.label)
+                   for worker in self.workers.values() for job in worker.inflight.values()]
+        for p in Priority:
+            telemetry.set_queue_depth(p.label, sum(1 for _, label in waiting if label == p.label))
+            telemetry.set_running(p.label, sum(1 for _, label in running if label == p.label))
+        telemetry.set_tenant_queues(waiting, running)
+        telemetry.WORKERS_CONNECTED.set(len(self.workers))
 
     # ---- worker connections --------------------------------------------------------------------
 

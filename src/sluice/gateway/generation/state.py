@@ -157,10 +157,13 @@ class RequestState:
         self.first_token_time = self.engine_first_token = self.engine_first_scheduled = None
 
     def unlogged_tokens(self) -> list[int]:
-        """The output ids a stream's log does not hold yet; from now on it does (they go with the
-        event being logged)."""
-        start, self.num_logged_tokens = self.num_logged_tokens, len(self.output_token_ids)
-        return self.output_token_ids[start:]
+        """The output ids a stream's log does not hold yet (`logged()` once they went with an event)."""
+        return self.output_token_ids[self.num_logged_tokens:]
+
+    def logged(self) -> None:
+        """The output ids so far are in the stream's log: called after the event went in, so an
+        event that could not be logged leaves them for the next."""
+        self.num_logged_tokens = len(self.output_token_ids)
 
     def record(self, finish_time: float | None = None) -> telemetry.RequestRecord:
         """Its telemetry record (the one builder, for streams, whole answers and batch lines)."""
