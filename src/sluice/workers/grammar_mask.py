@@ -13,8 +13,13 @@ Only the words that are not uniform are expanded to bits: the work is O(rows * w
 
 from __future__ import annotations
 
+import concurrent.futures
+from collections.abc import Sequence
+
 import numpy as np
 import torch
+
+from sluice.grammar.compiler import Matcher
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -48,3 +53,41 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         sub = logits[open_rows]
         sub.masked_fill_(bits.to(logits.device).logical_not_(), float("-inf"))
         logits[open_rows] = sub
+
+
+class MaskFiller:
+    """Fills the bitmask of a step's constrained rows from their requests' matchers.
+
+    A row's mask depends only on the tokens its request has already accepted (and, for a draft row,
+    the drafts before it), all known when the step is scheduled: `start()` computes the masks in a
+    background thread while the model runs (llguidance drops the GIL), `result()` waits for them.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self._words = (vocab_size + 31) // 32
+        self._executor = llguidance.LLExecutor(num_threads=1)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+
+    def start(self, rows: Sequence[tuple[int, Matcher, Sequence[int]]]) -> concurrent.futures.Future[torch.Tensor]:
+        """rows: (logits row, matcher, drafts before that row); a request's rows in draft order."""
+        return self._pool.submit(self.fill, rows)
+
+    def fill(self, rows: Sequence[tuple[int, Matcher, Sequence[int]]]) -> torch.Tensor:
+        """-> bitmask [len(rows), words] int32, row i for rows[i]."""
+        bitmask = torch.empty(len(rows), self._words, dtype=torch.int32)
+        row_bytes = self._words * 4
+        base = [(m.ll, i) for i, (_, m, drafts) in enumerate(rows) if not drafts]
+        if base:  # every matcher at its own state: one parallel call
+            self._executor.unsafe_compute_mask_ptr(base, bitmask.data_ptr(), row_bytes, len(rows))
+        for i, (_, matcher, drafts) in enumerate(rows):
+            if drafts:  # a draft row: the mask after its request's drafts so far, then back
+                matcher.consume(drafts)
+                matcher.ll.unsafe_compute_mask_ptr(bitmask.data_ptr() + i * row_bytes, row_bytes)
+                matcher.rollback(len(drafts))
+        return bitmask
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
