@@ -14,6 +14,7 @@ Only the words that are not uniform are expanded to bits: the work is O(rows * w
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -70,6 +71,7 @@ class MaskFiller:
         self._words = (vocab_size + 31) // 32
         self._executor = llguidance.LLExecutor(num_threads=1)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self.fill_s = 0.0  # seconds spent filling masks (beside the forward pass), for benchmarks
 
     def start(self, rows: Sequence[tuple[int, Matcher, Sequence[int]]]) -> concurrent.futures.Future[torch.Tensor]:
         """rows: (logits row, matcher, drafts before that row); a request's rows in draft order."""
@@ -77,6 +79,13 @@ class MaskFiller:
 
     def fill(self, rows: Sequence[tuple[int, Matcher, Sequence[int]]]) -> torch.Tensor:
         """-> bitmask [len(rows), words] int32, row i for rows[i]."""
+        start = time.perf_counter()
+        try:
+            return self._fill(rows)
+        finally:
+            self.fill_s += time.perf_counter() - start
+
+    def _fill(self, rows: Sequence[tuple[int, Matcher, Sequence[int]]]) -> torch.Tensor:
         bitmask = torch.empty(len(rows), self._words, dtype=torch.int32)
         row_bytes = self._words * 4
         base = [(m.ll, i) for i, (_, m, drafts) in enumerate(rows) if not drafts]

@@ -14,6 +14,8 @@ import concurrent.futures
 import logging
 import os
 import random
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +32,7 @@ from sluice.workers.model.config import ModelConfig
 from sluice.workers.model.cuda_graphs import DecodeGraphRunner
 from sluice.workers.model.llama import LlamaForCausalLM
 from sluice.workers.model.loader import load_model
-from sluice.workers.sampler import Continued, SampleRow, sample
+from sluice.workers.sampler import Continued, SampleRow, apply_bias_and_mask, sample
 from sluice.workers.scheduler import RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,18 @@ def available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(slots=True)
+class GrammarStats:
+    """What constrained rows cost the runner (read by benchmarks): steps with a constrained row,
+    such rows, seconds waited for their masks after the forward pass (the fill runs beside it),
+    and seconds spent applying them."""
+
+    steps: int = 0
+    rows: int = 0
+    wait_s: float = 0.0
+    apply_s: float = 0.0
 
 
 class ModelRunner:
@@ -95,6 +109,7 @@ class ModelRunner:
         self._seeds: dict[str, int] = {}  # per request: its own seed, or one drawn for it
         self._seed_source = random.Random(config.seed)
         self._masks = MaskFiller(self.model_config.vocab_size)  # grammar masks, beside the forward pass
+        self.grammar_stats = GrammarStats()
         self._graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
             self._graphs = DecodeGraphRunner(self.model, self.kv_caches, self.device,
@@ -165,7 +180,12 @@ class ModelRunner:
                 concurrent.futures.wait([masks])
             raise
         sample_chunks = [(b, c) for b, c in enumerate(chunks) if c.sample]
+        wait_start = time.perf_counter()
         bitmask = masks.result() if masks is not None else None  # before any early return
+        if masks is not None:
+            self.grammar_stats.steps += 1
+            self.grammar_stats.rows += len(mask_rows)
+            self.grammar_stats.wait_s += time.perf_counter() - wait_start
         if not sample_chunks:
             return RunnerOutput(sampled_token_ids={})
         # A sampling chunk samples at its last num_sample_rows rows: its last token and each draft.
@@ -183,7 +203,11 @@ class ModelRunner:
             for j in range(1, c.num_sample_rows):  # after draft j - 1: as if drafts[:j] were output
                 output = Continued(req.output_token_ids, c.draft_token_ids[:j])
                 rows.append(SampleRow(req.sampling, req.prompt_token_ids, output, seed))
-        out = sample(logits, rows, [row for row, _, _ in mask_rows], bitmask)
+        apply_start = time.perf_counter()
+        logits = apply_bias_and_mask(logits, rows, [row for row, _, _ in mask_rows], bitmask)
+        if masks is not None:
+            self.grammar_stats.apply_s += time.perf_counter() - apply_start
+        out = sample(logits, rows)
         sampled: dict[str, tuple[int, ...]] = {}
         logprobs: dict[str, tuple[PositionLogprobs, ...]] = {}
         i = 0
