@@ -10,6 +10,9 @@ For each library, with the model's tokenizer (SmolLM2's 49k vocab by default):
   it to a [rows, vocab] float32 logits tensor, while each row walks a valid document token by token
   (rows start at different offsets, so their parser states differ).
 Every round alternates the libraries (interleaved), and the medians are reported.
+
+xgrammar is not a dependency of sluice (it was measured and not chosen; it needs torch): install it
+into the venv that runs this command (`pip install xgrammar`).
 """
 
 from __future__ import annotations
