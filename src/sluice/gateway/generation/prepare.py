@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from sluice import tracing
 from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.edge.body_decode import SizeLimits, size_fault
 from sluice.gateway.edge.errors import OpenAIError, bad_request, body_fault
@@ -260,6 +261,7 @@ class RequestPreparer:
             cache_salt=tenant.id,
             arrival_time=arrival,
             tenant_weight=tenant.weight,
+            traceparent=tracing.current_traceparent(),
         )
         envelope = Envelope(
             id=request_id, created=int(arrival), model=tokenizer.name, service_tier=CLASS_TO_TIER[priority],
