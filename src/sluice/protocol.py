@@ -160,6 +160,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # prompt + these and generates after them, as its preemption does (worker failover, replica
     # takeover). `sampling.max_tokens` stays the whole budget, these included.
     resume_token_ids: tuple[int, ...] = ()
+    # The tool-call format of the answer ("hermes", "llama3_json", "mistral") when the request gave
+    # tools: the gateway parses the output with it (a batch line's too). The engine ignores it.
+    tool_format: str | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

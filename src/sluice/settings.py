@@ -244,6 +244,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     serve --demo` (or when no other model is listed)."""
     fetch: str | None = None
     """A known model (`smollm2`) that `sluice model fetch NAME` creates when absent; not with demo."""
+    tool_parser: str | None = None
+    """How the model writes tool calls: `hermes` (`<tool_call>` JSON; Hermes, Qwen), `llama3_json` or
+    `mistral` (`[TOOL_CALLS]`). Unset: read from the chat template (hermes for a template without
+    tool support, which gets the documented fallback system message)."""
 
 
 class QuotaSeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -445,6 +449,9 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
                               f"model; known: {', '.join(KNOWN_MODELS)}")
         if model.fetch is not None and model.demo:
             raise ConfigError(f"{models_source}: model {model.name!r}: set demo or fetch, not both")
+        if model.tool_parser is not None and model.tool_parser not in ("hermes", "llama3_json", "mistral"):
+            raise ConfigError(f"{models_source}: model {model.name!r}: tool_parser = {model.tool_parser!r}; "
+                              "expected hermes, llama3_json or mistral")
     _check_upstreams(settings.upstreams, names, sources.get("upstreams", "upstreams.toml"))
     tenant_source = sources.get("tenants", "tenants.toml")
     seen: set[str] = set()

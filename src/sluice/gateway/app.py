@@ -64,11 +64,11 @@ async def _load_tokenizers(backend: GenerationBackend, registry: TokenizerRegist
             continue
         shared = getattr(backend, "tokenizer", None)  # LocalEngineBackend shares its engine's tokenizer
         if callable(shared):
-            registry.add(ModelTokenizer(model.name, shared(model.name), model.max_model_len))
+            registry.add(ModelTokenizer(model.name, shared(model.name), model.max_model_len,
+                                        tool_parser=model.tool_parser))
         else:
-            registry.add(
-                await asyncio.to_thread(ModelTokenizer.load, model.name, model.path, model.max_model_len)
-            )
+            registry.add(await asyncio.to_thread(ModelTokenizer.load, model.name, model.path, model.max_model_len,
+                                                 tool_parser=model.tool_parser))
 
 
 def build_services(settings: Settings, backend: GenerationBackend, *,
