@@ -147,6 +147,8 @@ class ToolCallParser:
                     call = _json_call(self._buffer[:close])  # another key order: parsed whole
                     if call is not None:
                         out.calls.append(self._whole_delta(*call))
+                    else:  # not a call after all: the text stays the answer's
+                        out.content += _HERMES_OPEN + self._buffer[:close + len(_HERMES_CLOSE)]
                     self._buffer = self._buffer[close + len(_HERMES_CLOSE):]
                     self._in_call = False
                     continue
