@@ -101,6 +101,18 @@ def test_bad_constraints_get_a_400_naming_the_field(preparer: RequestPreparer) -
     refused(lambda: chat(preparer, structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs")
     refused(lambda: chat(preparer, structured_outputs={"structural_tag": "{}"}), "structured_outputs")
     refused(lambda: chat(preparer, response_format={"type": "json_object"}, guided_regex="a"), "guided_regex")
+    # what the grammar library cannot enforce (sluice.grammar.check): named in the message
+    message = refused(lambda: chat(preparer, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "contains": {"type": "integer"}}}}), "response_format")
+    assert "contains" in message
+    deep: dict[str, Any] = {"type": "object"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    refused(lambda: chat(preparer, guided_json=deep), "guided_json")
+    refused(lambda: chat(preparer, structured_outputs={"grammar": "root ::= ("}), "structured_outputs")
+    refused(lambda: chat(preparer, tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "(("}}}}}],
+        tool_choice="required"), "tools")
 
 
 def test_logit_bias_keys_are_token_ids_of_the_model(preparer: RequestPreparer, tokenizer: ModelTokenizer) -> None:

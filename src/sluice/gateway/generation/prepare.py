@@ -21,13 +21,9 @@ from sluice.gateway.generation.state import Endpoint, Envelope, RequestState
 from sluice.gateway.generation.structured import structured_output
 from sluice.gateway.generation.tokenization import ModelTokenizer, TokenizerRegistry
 from sluice.gateway.generation.tools import call_constraint, fallback_messages, template_tool_calls, tool_request
+from sluice.grammar import GrammarError
+from sluice.grammar import check as grammar_check
 from sluice.protocol import GenerateRequest, Priority, SamplingParams, StructuredOutput
-
-try:  # the engine's grammar module (issue #31, engine side): the gateway checks specs with it
-    from sluice.grammar import GrammarError
-    from sluice.grammar import check as grammar_check
-except ImportError:  # not merged yet: the engine refuses what it cannot compile
-    grammar_check = None  # type: ignore[assignment]
 
 TIER_TO_CLASS = {
     "priority": Priority.INTERACTIVE,
@@ -100,12 +96,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def _check_grammar(structured: StructuredOutput, param: str) -> None:
     """What the engine's grammar library can enforce (keywords, size, depth): a 400 otherwise."""
-    if grammar_check is None:
-        return
     try:
-        grammar_check(structured)
+        grammar_check(structured, param=param)
     except GrammarError as exc:
-        raise bad_request(f"{param}: {exc.message}", param) from None
+        message = exc.message if param in exc.message else f"{param}: {exc.message}"
+        raise bad_request(message, exc.param) from None
 
 
 def _constraint_param(body: _SamplingFields) -> str:
@@ -257,7 +252,7 @@ class RequestPreparer:
         tool_format: str | None = None,
     ) -> RequestState:
         if structured is not None:
-            _check_grammar(structured, "tool_choice" if structured.kind == "tagged" else _constraint_param(body))
+            _check_grammar(structured, "tools" if structured.kind == "tagged" else _constraint_param(body))
         logit_bias = _logit_bias(body, tokenizer)
         # The body's types bound every number (edge/schemas.py); what is left depends on the model and tenant.
         priority = resolve_priority(tenant, body.service_tier)
