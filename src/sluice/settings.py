@@ -69,6 +69,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_messages: int = 2048
     """Messages of one chat request (OpenAI's own limit); more is refused with 400 before any
     tokenization."""
+    max_n: int = 8
+    """Choices of one answer (`n`); more is refused with 400. Each choice is its own engine request
+    (sharing the prompt's KV through the prefix cache) and is admitted against the quotas as one."""
     max_body_bytes: int = 8 * 2**20
     """Largest request body in bytes; a larger one gets 413."""
     request_timeout_s: float = 600.0
@@ -415,7 +418,7 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
         raise ConfigError(f"{gw_source}: [gateway] worker_secret must be at least 16 characters")
     if bool(gw.worker_tls_cert) != bool(gw.worker_tls_key):
         raise ConfigError(f"{gw_source}: [gateway] worker_tls_cert and worker_tls_key are set together")
-    for key in ("max_prompt_chars", "max_messages"):
+    for key in ("max_prompt_chars", "max_messages", "max_n"):
         if getattr(gw, key) < 1:
             raise ConfigError(f"{gw_source}: [gateway] {key} must be at least 1, got {getattr(gw, key)}")
     shared, shared_source = settings.shared, sources.get("shared", "[shared]")

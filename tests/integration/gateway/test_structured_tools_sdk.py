@@ -105,7 +105,8 @@ def test_bad_input_gets_a_400_naming_the_param_and_the_next_request_is_served(
         ({"tools": [WEATHER, WEATHER]}, "tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),  # above gateway.max_n (8)
+        ({"n": 2, "stream": True}, "n"),
         ({"logit_bias": {"99999999": 5}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
     ]
@@ -128,6 +129,19 @@ def test_a_conversation_with_a_tool_result_goes_on(client: openai.OpenAI, stack:
     answer = client.chat.completions.create(model=stack.model, messages=turns, max_tokens=4, tools=[WEATHER])
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert answer.usage.prompt_tokens > with_tools.usage.prompt_tokens - 60
+
+
+def test_n_choices_are_seeded_requests_with_usage_summed(client: openai.OpenAI, stack: Stack) -> None:
+    answer = client.chat.completions.create(model=stack.model, messages=ASK, max_tokens=6, n=3, seed=40,
+                                            extra_body={"ignore_eos": True})
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert answer.usage.completion_tokens == 18
+    single = client.chat.completions.create(model=stack.model, messages=ASK, max_tokens=6, seed=41,
+                                            extra_body={"ignore_eos": True})
+    assert answer.choices[1].message.content == single.choices[0].message.content  # choice i: seed + i
+    assert answer.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
+    texts = client.completions.create(model=stack.model, prompt="Once", max_tokens=4, n=2, temperature=0)
+    assert len(texts.choices) == 2 and texts.choices[0].text == texts.choices[1].text  # greedy: equal
 
 
 @needs_grammar

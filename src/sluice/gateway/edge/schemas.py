@@ -41,6 +41,8 @@ MAX_TOOLS = 128  # OpenAI's limit on tools per request
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 ServiceTier = Literal["auto", "default", "flex", "priority"]
 OnlyOne = Annotated[int, Meta(ge=1, le=1, description="Only 1 is supported: send separate requests")]
+MAX_CHOICES = 128  # OpenAI's bound on n; the gateway's own cap is `gateway.max_n`
+Choices = Annotated[int, Meta(ge=1, le=MAX_CHOICES, description="At most the gateway's max_n (default 8)")]
 # OpenAI's shape: token id (as a string) -> bias in [-100, 100], at most 300 entries.
 LogitBias = Annotated[
     dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], Annotated[float, Meta(ge=-100.0, le=100.0)]],
@@ -96,7 +98,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     service_tier: ServiceTier | None = None  # priority -> interactive, auto/default -> standard, flex -> batch
     user: str | None = None  # accepted and not used (OpenAI uses it for abuse monitoring)
     ignore_eos: bool | None = None
-    n: OnlyOne | None = None
+    n: Choices | None = None  # choices of one answer, each its own engine request (generation/choices.py)
     logit_bias: LogitBias | None = None  # keys must be token ids of the model (checked in prepare)
     # vLLM's request extensions for constrained output (generation/structured.py): its current
     # `structured_outputs` object and the older `guided_*` fields, with vLLM's names.

@@ -304,6 +304,10 @@ class RequestPreparer:
         stream = bool(body.stream)
         if body.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+        choices = body.n or 1
+        if choices > 1 and stream:
+            raise bad_request("n above 1 is not supported with stream yet: stream one request per choice, or "
+                              "ask without stream.", "n")
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         arrival = time.time()
         request = GenerateRequest(
@@ -321,5 +325,6 @@ class RequestPreparer:
         envelope = Envelope(
             id=request_id, created=int(arrival), model=tokenizer.name, service_tier=CLASS_TO_TIER[priority],
             endpoint=endpoint, include_usage=bool(stream and body.stream_options and body.stream_options.include_usage),
+            choices=choices,
         )
         return RequestState(request=request, envelope=envelope, tenant_name=tenant.name, stream=stream)

@@ -48,6 +48,7 @@ class Envelope(msgspec.Struct, frozen=True, kw_only=True):
     service_tier: str
     endpoint: Endpoint
     include_usage: bool = False  # a stream's last chunk carries the usage (stream_options.include_usage)
+    choices: int = 1  # n: the answer's choices, each its own request (generation/choices.py)
 
 
 @dataclass(slots=True, eq=False)

@@ -43,11 +43,14 @@ def structured_output(body: ChatCompletionRequest | CompletionRequest) -> Struct
             found.append(("response_format", fmt))
     if body.structured_outputs is not None:
         found.append(("structured_outputs", _structured_outputs(body.structured_outputs)))
-    legacy = (("guided_json", body.guided_json, _json), ("guided_regex", body.guided_regex, _regex),
-              ("guided_choice", body.guided_choice, _choice), ("guided_grammar", body.guided_grammar, _grammar))
-    for name, value, convert in legacy:
-        if value is not None:
-            found.append((name, convert(value, name)))  # type: ignore[operator]
+    if body.guided_json is not None:
+        found.append(("guided_json", _json(body.guided_json, "guided_json")))
+    if body.guided_regex is not None:
+        found.append(("guided_regex", _regex(body.guided_regex, "guided_regex")))
+    if body.guided_choice is not None:
+        found.append(("guided_choice", _choice(body.guided_choice, "guided_choice")))
+    if body.guided_grammar is not None:
+        found.append(("guided_grammar", _grammar(body.guided_grammar, "guided_grammar")))
     if len(found) > 1:
         raise bad_request(f"{found[1][0]} cannot be combined with {found[0][0]}: give one output constraint.",
                           found[1][0])
