@@ -108,7 +108,7 @@ def test_bad_input_gets_a_400_naming_the_param_and_the_next_request_is_served(
         ({"n": 9}, "n"),  # above gateway.max_n (8)
         ({"n": 2, "stream": True}, "n"),
         ({"logit_bias": {"99999999": 5}}, "logit_bias"),
-        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias[...]"),  # the edge names the entry
     ]
     for fields, param in cases:
         refused(create(**fields), param)
