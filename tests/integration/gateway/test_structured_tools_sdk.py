@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import json
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -215,3 +216,50 @@ def test_logit_bias_steers_greedy_output(client: openai.OpenAI, stack: Stack) ->
     expected = httpx.post(f"{stack.base_url}/detokenize", json={"model": stack.model, "tokens": [42] * 4},
                           headers={"Authorization": f"Bearer {client.api_key}"}, timeout=30)
     assert answer.choices[0].text == expected.json()["prompt"]
+
+
+def _run_batch(client: openai.OpenAI, bodies: list[dict[str, Any]]) -> Any:
+    lines = "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": body}) + "\n" for i, body in enumerate(bodies))
+    uploaded = client.files.create(file=("lines.jsonl", lines.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    deadline = time.monotonic() + 240
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, "the batch did not end in time"
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    return batch
+
+
+def _results(client: openai.OpenAI, batch: Any) -> dict[str, Any]:
+    text = client.files.content(batch.output_file_id).text
+    return {row["custom_id"]: row["response"]["body"] for row in map(json.loads, text.splitlines()) if row}
+
+
+def test_batch_lines_take_constraints_tools_and_logit_bias(client: openai.OpenAI, stack: Stack) -> None:
+    turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    base = {"model": stack.model, "max_tokens": 4}
+    batch = _run_batch(client, [
+        {**base, "messages": turns, "tools": [WEATHER, CLOCK]},
+        {**base, "messages": ASK, "logit_bias": {"7": 3}},
+        {**base, "messages": ASK, "response_format": {"type": "json_object"}},
+        {**base, "messages": ASK, "guided_choice": ["yes", "no"]},
+    ])
+    assert batch.status == "completed" and batch.request_counts.completed == 4
+    refused_batch = _run_batch(client, [{**base, "messages": ASK, "n": 2}])
+    assert refused_batch.status == "failed"
+    assert refused_batch.errors.data[0].param == "n"
+
+
+@needs_grammar
+def test_batch_line_with_a_forced_tool_call(client: openai.OpenAI, stack: Stack) -> None:
+    batch = _run_batch(client, [{"model": stack.model, "max_tokens": 200, "messages": ASK, "tools": [WEATHER, CLOCK],
+                                 "tool_choice": "required", "parallel_tool_calls": False}])
+    body = _results(client, batch)["line-0"]
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    for call in choice["message"]["tool_calls"]:
+        _check_call(call["function"]["name"], call["function"]["arguments"], "required")
