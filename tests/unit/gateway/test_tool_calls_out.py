@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from pathlib import Path
 from typing import cast
 
 import msgspec
@@ -32,15 +33,15 @@ def _calls(calls: list[object]) -> list[tuple[str, object]]:
 
 
 def test_whole_answers_per_family() -> None:
-    content, calls = parse_whole(HERMES, "hermes")
+    content, calls = parse_whole(HERMES, "hermes", "chatcmpl-1")
     assert content == "Let me check.\n" and _calls(calls) == CALLS  # type: ignore[arg-type]
     assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == 2
     mistral = ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
                '{"name": "get_time", "arguments": {}}]')
-    content, calls = parse_whole(mistral, "mistral")
+    content, calls = parse_whole(mistral, "mistral", "chatcmpl-1")
     assert content is None
     assert _calls(calls) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]  # type: ignore[arg-type]
-    content, calls = parse_whole('{"name": "get_time", "parameters": {"tz": "UTC"}}', "llama3_json")
+    content, calls = parse_whole('{"name": "get_time", "parameters": {"tz": "UTC"}}', "llama3_json", "chatcmpl-1")
     assert content is None and _calls(calls) == [("get_time", {"tz": "UTC"})]  # type: ignore[arg-type]
 
 
@@ -48,14 +49,14 @@ def test_whole_answers_per_family() -> None:
                                   "[TOOL_CALLS] nope"])
 def test_text_that_is_not_a_call_stays_content(text: str) -> None:
     for fmt in ("hermes", "llama3_json", "mistral"):
-        content, calls = parse_whole(text, fmt)  # type: ignore[arg-type]
+        content, calls = parse_whole(text, fmt, "r")  # type: ignore[arg-type]
         assert calls == [] and content == text, fmt
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_streamed_pieces_assemble_to_the_whole_answer(seed: int) -> None:
     rng = random.Random(seed)
-    parser = ToolCallParser("hermes")
+    parser = ToolCallParser("hermes", "chatcmpl-1")
     content, args, names = "", {0: "", 1: ""}, {}
     pos = 0
     while pos < len(HERMES):
@@ -104,3 +105,38 @@ def test_the_sdk_stream_accumulator_assembles_the_framed_calls(fmt: str, text: s
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == CALLS
     ids = [c.id for c in choice.message.tool_calls or []]
     assert all(i and i.startswith("call_") for i in ids)
+
+
+def _frames_of(framer: Framer, deltas: list[tuple[tuple[int, ...], str]], last: bool) -> list[bytes]:
+    frames: list[bytes] = []
+    for i, (ids, piece) in enumerate(deltas):
+        finish = FinishReason.STOP if last and i == len(deltas) - 1 else None
+        delta = RequestDelta(request_id="chatcmpl-1", token_ids=ids, text=piece, finish_reason=finish)
+        framer.state.take_output(delta)
+        framer.frames(delta, lambda frame, chars, finish: frames.append(frame))
+    return frames
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.5, 0.8])
+def test_a_stream_taken_over_mid_call_goes_on_with_the_same_calls(demo_model_dir: Path, cut: float) -> None:
+    tokenizer = ModelTokenizer.load("demo", demo_model_dir)
+    ids = tokenizer.encode(HERMES, add_special_tokens=False)
+    texts = [tokenizer.output_text(ids[:k]) for k in range(len(ids) + 1)]
+    assert texts[-1] == HERMES
+    deltas = [((ids[k],), texts[k + 1][len(texts[k]):]) for k in range(len(ids))]
+    split = int(len(deltas) * cut)
+    first = Framer(_state("hermes"), tokenizer)
+    opening = first.opening()
+    assert opening is not None
+    frames = [opening, *_frames_of(first, deltas[:split], last=False)]
+    # The replica that takes over: the state as the log holds it (rebuild), a resumed framer.
+    state = _state("hermes")
+    state.output_token_ids = [t for (t,), _ in deltas[:split]]
+    frames += _frames_of(Framer(state, tokenizer, resumed=True), deltas[split:], last=True)
+    accumulator = ChatCompletionStreamState()
+    for frame in frames:
+        accumulator.handle_chunk(ChatCompletionChunk.model_validate_json(frame.removeprefix(b"data: ")))
+    message = accumulator.get_final_completion().choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == CALLS
+    _, whole = parse_whole(HERMES, "hermes", "chatcmpl-1")
+    assert [c.id for c in message.tool_calls or []] == [c.id for c in whole]

@@ -115,7 +115,8 @@ def whole_answer(state: RequestState, text: str, positions: Sequence[PositionLog
             logprobs = ChoiceLogprobs(content=chat_logprobs(tokenizer, positions, sampling.top_logprobs))
         message = AssistantMessage(content=text)
         if state.request.tool_format is not None:
-            content, calls = parse_whole(text, state.request.tool_format)  # type: ignore[arg-type]
+            content, calls = parse_whole(text, state.request.tool_format,  # type: ignore[arg-type]
+                                         state.envelope.id)
             if calls:
                 message = AssistantMessage(content=content, tool_calls=calls)
                 finish = tool_calls_finish(finish)

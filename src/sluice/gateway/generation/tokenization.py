@@ -84,6 +84,10 @@ class ModelTokenizer:
         """The text of a token sequence, special tokens included (as vLLM's /detokenize)."""
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
+    def output_text(self, token_ids: Sequence[int]) -> str:
+        """The text of output tokens as a worker streams it (special tokens skipped)."""
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """The vocabulary entry of each token (e.g. 'Ġworld'), for /tokenize's token_strs."""
         return [str(t) for t in self._tokenizer.convert_ids_to_tokens(list(token_ids))]

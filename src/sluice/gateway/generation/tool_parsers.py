@@ -17,9 +17,9 @@ arguments go in one delta. Text that does not parse as calls stays content (as v
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +37,10 @@ def tool_calls_finish(finish: str | None) -> str | None:
     return "tool_calls" if finish == "stop" else finish
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def call_id(request_id: str, index: int) -> str:
+    """A call's id, the same wherever the answer is parsed (a whole answer, a stream, the replica
+    that takes a stream over): derived from the request and the call's index."""
+    return "call_" + hashlib.sha256(f"{request_id}:{index}".encode()).hexdigest()[:24]
 
 
 class _ValueEnd:
@@ -81,8 +83,9 @@ class Parsed:
 class ToolCallParser:
     """Incremental tool-call parser of one answer (module docstring)."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, request_id: str) -> None:
         self.fmt = fmt
+        self.request_id = request_id
         self.num_calls = 0
         self._buffer = ""  # text not yet given out
         self._in_call = False  # hermes: after <tool_call>
@@ -153,7 +156,8 @@ class ToolCallParser:
                     self._in_call = False
                     continue
                 name = json.loads(head.group(1))
-                out.calls.append(ToolCallDelta(index=self.num_calls, id=new_call_id(), type="function",
+                out.calls.append(ToolCallDelta(index=self.num_calls, id=call_id(self.request_id, self.num_calls),
+                                               type="function",
                                                function=ToolCallFunctionDelta(name=name, arguments="")))
                 self.num_calls += 1
                 self._buffer = self._buffer[head.end():]
@@ -202,7 +206,7 @@ class ToolCallParser:
 
     def _whole_delta(self, name: str, arguments: Any) -> ToolCallDelta:
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        delta = ToolCallDelta(index=self.num_calls, id=new_call_id(), type="function",
+        delta = ToolCallDelta(index=self.num_calls, id=call_id(self.request_id, self.num_calls), type="function",
                               function=ToolCallFunctionDelta(name=name, arguments=text))
         self.num_calls += 1
         return delta
@@ -256,9 +260,9 @@ def _parse_calls(text: str, fmt: ToolFormat) -> list[tuple[str, Any]] | None:
     return [c for c in calls if c is not None]
 
 
-def parse_whole(text: str, fmt: ToolFormat) -> tuple[str | None, list[ToolCall]]:
+def parse_whole(text: str, fmt: ToolFormat, request_id: str) -> tuple[str | None, list[ToolCall]]:
     """A whole answer's content (None when it is only calls) and its tool calls."""
-    parser = ToolCallParser(fmt)
+    parser = ToolCallParser(fmt, request_id)
     content: list[str] = []
     by_index: dict[int, ToolCall] = {}
     for parsed in (parser.feed(text), parser.finish()):

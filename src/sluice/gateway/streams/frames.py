@@ -76,10 +76,15 @@ class Framer:
         envelope = state.envelope
         self._chat = envelope.endpoint == "chat"
         # A request with tools: its text goes through the family's parser (content and tool_calls
-        # deltas). A stream resumed on another replica starts a fresh parser: a call that was open
-        # when the replica was lost comes out as content.
+        # deltas). A stream resumed on another replica primes its parser with the text of the
+        # tokens the log holds (what the lost replica's parser had read), so a call half-streamed
+        # there goes on here, under the same ids.
         fmt = state.request.tool_format
-        self._tools = ToolCallParser(fmt) if self._chat and fmt is not None else None  # type: ignore[arg-type]
+        self._tools = None
+        if self._chat and fmt is not None:
+            self._tools = ToolCallParser(fmt, envelope.id)  # type: ignore[arg-type]
+            if resumed and state.output_token_ids:
+                self._tools.feed(tokenizer.output_text(state.output_token_ids))
         # Its usage is null on every chunk when include_usage is set (only the last carries it), else absent.
         chunk_usage = None if envelope.include_usage else msgspec.UNSET
         self._template: ChatCompletionChunk | CompletionChunk
