@@ -140,3 +140,10 @@ def test_a_stream_taken_over_mid_call_goes_on_with_the_same_calls(demo_model_dir
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == CALLS
     _, whole = parse_whole(HERMES, "hermes", "chatcmpl-1")
     assert [c.id for c in message.tool_calls or []] == [c.id for c in whole]
+
+
+def test_mistral_calls_without_their_special_token() -> None:
+    content, calls = parse_whole('[{"name": "get_time", "arguments": {"tz": "UTC"}}]', "mistral", "r")
+    assert content is None and _calls(calls) == [("get_time", {"tz": "UTC"})]  # type: ignore[arg-type]
+    content, calls = parse_whole("[not calls]", "mistral", "r")
+    assert content == "[not calls]" and calls == []

@@ -187,12 +187,13 @@ class ToolCallParser:
         stripped = self._buffer.lstrip()
         if not stripped:
             return
-        marker = _MISTRAL_OPEN if self.fmt == "mistral" else "{"
-        if stripped.startswith(marker) and not self._seen_text:
+        # Mistral: `[TOOL_CALLS]`, or the array alone (workers skip special tokens in their text).
+        markers = (_MISTRAL_OPEN, "[{") if self.fmt == "mistral" else ("{",)
+        if not self._seen_text and any(stripped.startswith(m) for m in markers):
             self._started = True
             return
-        if marker.startswith(stripped) and not self._seen_text:
-            return  # maybe the marker, not complete yet
+        if not self._seen_text and any(m.startswith(stripped) for m in markers):
+            return  # maybe a marker, not complete yet
         self._seen_text = True
         if self.fmt == "mistral":  # calls may follow some text
             at = self._buffer.find(_MISTRAL_OPEN)
@@ -248,7 +249,7 @@ def _parse_calls(text: str, fmt: ToolFormat) -> list[tuple[str, Any]] | None:
     text = text.strip()
     if fmt == "mistral":
         try:
-            value = json.loads(text[len(_MISTRAL_OPEN):])
+            value = json.loads(text.removeprefix(_MISTRAL_OPEN))
         except ValueError:
             return None
         items = value if isinstance(value, list) else [value]
