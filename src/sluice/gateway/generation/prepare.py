@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from sluice import tracing
 from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.edge.body_decode import SizeLimits, size_fault
 from sluice.gateway.edge.errors import OpenAIError, bad_request, body_fault
@@ -320,6 +321,7 @@ class RequestPreparer:
             cache_salt=tenant.id,
             arrival_time=arrival,
             tenant_weight=tenant.weight,
+            traceparent=tracing.current_traceparent(),
             tool_format=tool_format,
         )
         envelope = Envelope(
