@@ -266,6 +266,15 @@ class TracingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     flag is followed."""
 
 
+def _installed(*modules: str) -> bool:
+    import importlib.util
+
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in modules)
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 def check_shared_url(url: str) -> None:
     """Raises ValueError unless `url` is empty or redis://HOST[:PORT][/DB] (rediss:// for TLS).
     The messages never repeat the URL: it may hold a password."""
@@ -493,6 +502,9 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
         raise ConfigError(f"{shared_source}: [shared] lease_s must be positive, got {shared.lease_s}")
     if not shared.prefix or any(c.isspace() for c in shared.prefix):
         raise ConfigError(f"{shared_source}: [shared] prefix must be non-empty, without spaces")
+    if settings.tracing.enabled and not _installed("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"):
+        raise ConfigError(f"{sources.get('tracing', '[tracing]')}: [tracing] enabled needs the OpenTelemetry SDK "
+                          "and OTLP exporter: pip install 'sluice[tracing]'")
     if not 0.0 <= settings.tracing.sample_ratio <= 1.0:
         raise ConfigError(f"{sources.get('tracing', '[tracing]')}: [tracing] sample_ratio must be 0..1, "
                           f"got {settings.tracing.sample_ratio}")

@@ -14,7 +14,7 @@ computed by `percentile()` below (linear interpolation between closest ranks, nu
 records agree.
 
 Metric names and semantics follow vLLM's (`vllm:time_to_first_token_seconds` and friends) with the
-`sluice:` prefix. Label values for tenants and workers are capped (see `_BoundedLabel`; the tenant cap
+`sluice:` prefix. Label values for tenants and workers are capped (see sluice/metric_labels.py; the tenant cap
 is `gateway.metrics_max_tenants`) so a deployment with thousands of tenants cannot explode the series
 count: the tenants past the cap share the label value "other".
 """
@@ -33,7 +33,9 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from sluice.batch_gauges import BatchWindowCollector
 from sluice.live_window import WINDOW
+from sluice.metric_labels import MAX_TENANT_LABELS, MAX_WORKER_LABELS, class_label, tenant_label, worker_label
 from sluice.protocol import WorkerCapacity
 from sluice.tenant_gauges import TenantQueueCollector
 
@@ -273,40 +275,6 @@ ERROR_RESPONSES = _counter("sluice:http_error_responses_total", "Error answers (
                            ("status",))
 
 
-class _BoundedLabel:
-    """Passes the first `limit` distinct values through, maps later ones to "other"."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._seen: set[str] = set()
-        self._lock = threading.Lock()
-
-    def reset(self, limit: int) -> None:
-        """A new cap and no value labelled yet (a process configures this once, at start)."""
-        with self._lock:
-            self.limit = limit
-            self._seen.clear()
-
-    def __call__(self, value: str) -> str:
-        value = value or "unknown"
-        with self._lock:
-            if value in self._seen:
-                return value
-            if len(self._seen) < self.limit:
-                self._seen.add(value)
-                return value
-        return "other"
-
-
-MAX_TENANT_LABELS = 100  # the default of gateway.metrics_max_tenants
-MAX_WORKER_LABELS = 256
-tenant_label = _BoundedLabel(MAX_TENANT_LABELS)
-worker_label = _BoundedLabel(MAX_WORKER_LABELS)
-_KNOWN_CLASSES = frozenset({"interactive", "standard", "batch"})
-
-
-def class_label(value: str) -> str:
-    return value if value in _KNOWN_CLASSES else "other"
 
 
 class _RecordSink:
@@ -451,6 +419,8 @@ def set_running(priority_class: str, n: int) -> None:
 
 TENANT_QUEUES = TenantQueueCollector()
 REGISTRY.register(TENANT_QUEUES)
+BATCH_WINDOW = BatchWindowCollector()  # published by gateway/batches/window.py
+REGISTRY.register(BATCH_WINDOW)
 
 
 def set_tenant_queues(waiting: Iterable[tuple[str, str]], running: Iterable[tuple[str, str]]) -> None:

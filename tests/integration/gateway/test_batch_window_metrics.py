@@ -8,6 +8,7 @@ import datetime as dt
 import pytest
 
 from sluice import telemetry
+from sluice.batch_gauges import WindowReport
 from sluice.gateway.admin.schemas import TenantCreate
 from sluice.gateway.admin.service import AdminService
 from sluice.gateway.auth.service import AuthService
@@ -36,7 +37,7 @@ async def test_open_batches_lines_left_and_the_earliest_window(database_url: str
     engine = make_engine(database_url)
     sessions = make_session_factory(engine)
     try:
-        assert await window.measure(sessions) == window.WindowReport(0, 0, None)
+        assert await window.measure(sessions) == WindowReport(0, 0, None)
         tenant = await AdminService(sessions, AuthService(sessions, cache_ttl_s=1.0)).create_tenant(
             TenantCreate(name="batcher"))
         async with sessions() as session, session.begin():
@@ -51,10 +52,10 @@ async def test_open_batches_lines_left_and_the_earliest_window(database_url: str
         report = await window.measure(sessions)
         assert (report.open_batches, report.lines_remaining) == (2, 10 + 5 - 4)
         assert report.window_left_s is not None and 3 * 3600 - 60 < report.window_left_s <= 3 * 3600
-        window.BATCH_WINDOW.publish(report)
+        telemetry.BATCH_WINDOW.publish(report)
         assert telemetry.REGISTRY.get_sample_value("sluice:batch_lines_remaining") == 11
         assert telemetry.REGISTRY.get_sample_value("sluice:batch_open") == 2
-        window.BATCH_WINDOW.publish(window.WindowReport(0, 0, None))
+        telemetry.BATCH_WINDOW.publish(WindowReport(0, 0, None))
         assert telemetry.REGISTRY.get_sample_value("sluice:batch_window_left_seconds") is None
     finally:
         await engine.dispose()

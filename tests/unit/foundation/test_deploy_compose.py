@@ -1,6 +1,7 @@
 """The compose file is the documented production shape (docs/runbook.md "Start"), checked without a
 Docker engine: docker-compose 1.29 (Debian's `docker-compose`, the oldest parser we promise;
-.ci/run installs it under CI=true) validates it with `config`, and the shape is asserted here:
+.ci/run installs it under CI=true) validates it with `config`, `haproxy -c` and `promtool check
+config` validate the balancer's and Prometheus's configs, and the shape is asserted here:
 Kafka, PostgreSQL, Redis, two gateway replicas behind HAProxy checking /ready, a grace period above
 the drain timeout, a worker linked to both replicas, Prometheus with the shipped rules, Grafana
 with the dashboard."""
@@ -87,6 +88,17 @@ def test_the_balancer_checks_ready_on_every_replica() -> None:
     assert sorted(servers) == GATEWAYS
     mount = next(v for v in SERVICES["lb"]["volumes"] if "haproxy.cfg" in v)
     assert (DOCKER / mount.split(":")[0]).resolve() == DOCKER / "haproxy.cfg"
+
+
+def test_haproxy_accepts_its_config() -> None:
+    haproxy = shutil.which("haproxy")
+    if haproxy is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("haproxy is missing: .ci/run installs Debian's haproxy under CI=true")
+        pytest.skip("haproxy is not installed (apt-get install haproxy)")
+    result = subprocess.run([haproxy, "-c", "-f", str(DOCKER / "haproxy.cfg")], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_the_worker_links_to_every_replica() -> None:

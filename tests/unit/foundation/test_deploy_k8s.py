@@ -127,3 +127,27 @@ def test_the_autoscaling_example_scales_the_workers_on_queue_depth() -> None:
     [metric] = hpa["spec"]["metrics"]
     assert metric["external"]["metric"]["name"] == "sluice_requests_waiting"
     assert "sluice:num_requests_waiting" in (K8S / "examples" / "hpa-worker-queue-depth.yaml").read_text()
+
+
+def test_the_prometheus_config_for_kubernetes_scrapes_the_gateway_pods(tmp_path: Path) -> None:
+    path = REPO / "deploy" / "prometheus" / "prometheus-kubernetes.yml"
+    config = yaml.safe_load(path.read_text())
+    [job] = config["scrape_configs"]
+    assert job["job_name"] == "sluice-gateway" and config["rule_files"] == ["alerts.yml"]
+    gateway = _all()[("StatefulSet", "sluice-gateway")]
+    [dns] = job["dns_sd_configs"]  # the headless Service: one A record per gateway pod
+    service = gateway["spec"]["serviceName"]
+    assert dns["names"] == [f"{service}.{KUSTOMIZATION['namespace']}.svc.cluster.local"] and dns["port"] == 8000
+    assert _all()[("Service", service)]["spec"]["clusterIP"] == "None"
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed")
+    # The token file as the pod would mount it, here.
+    token = tmp_path / "metrics-token"
+    token.write_text("m" * 32)
+    (tmp_path / "alerts.yml").write_text((path.parent / "alerts.yml").read_text())
+    text = path.read_text().replace("/etc/prometheus/sluice/metrics-token", str(token))
+    (tmp_path / "prometheus.yml").write_text(text)
+    result = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -38,3 +38,15 @@ def test_the_sdk_is_not_imported_while_off() -> None:
 def test_sample_ratio_must_be_a_share(ratio: str) -> None:
     with pytest.raises(ConfigError, match=r"sample_ratio must be 0\.\.1"):
         load_settings(REPO / "config", environ={"SLUICE_TRACING_SAMPLE_RATIO": ratio})
+
+
+def test_enabled_without_the_sdk_is_a_one_line_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The shared venv has the SDK: its absence is the one fault faked here (the lookup settings use).
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("opentelemetry") else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'sluice\[tracing\]'") as caught:
+        load_settings(REPO / "config", environ={"SLUICE_TRACING_ENABLED": "true"})
+    assert "\n" not in str(caught.value)

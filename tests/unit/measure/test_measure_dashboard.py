@@ -42,3 +42,12 @@ def test_dashboard_shows_latency_quantiles_by_class_queue_throughput_and_kv() ->
     for name in ("sluice:num_requests_waiting", "sluice:generation_tokens_total",
                  "sluice:kv_cache_usage_perc"):
         assert name in text
+
+
+def test_dashboard_shows_the_per_tenant_series_and_the_alert_inputs() -> None:
+    text = DASHBOARD.read_text(encoding="utf-8")
+    for name in ("sluice:tenant_num_requests_waiting", "sluice:request_admissions_total",
+                 "sluice:request_rejections_total", "sluice:workers_connected", "sluice:readiness_check"):
+        assert name in text
+    for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        assert f"sum by (le, tenant, class) (rate(sluice:{metric}_bucket" in text

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sluice import telemetry
+from sluice.metric_labels import BoundedLabel
 from sluice.protocol import FinishReason, WorkerCapacity
 from sluice.telemetry import RequestRecord, make_record
 from sluice.workers.engine import GenerationResult
@@ -146,7 +147,7 @@ def test_prefix_hit_rate_is_cached_over_prompt_tokens() -> None:
 
 
 def test_tenant_label_cardinality_is_capped() -> None:
-    label = telemetry._BoundedLabel(3)
+    label = BoundedLabel(3)
     assert [label(f"t{i}") for i in range(5)] == ["t0", "t1", "t2", "other", "other"]
     assert label("t1") == "t1"  # known values keep their label
 

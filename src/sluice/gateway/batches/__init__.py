@@ -103,11 +103,12 @@ class BatchComponents:
         """Replicas outlive each other: a batch left `validating` by a replica that died is failed
         by a live one, not only at the next start. The same round measures the open batches'
         completion windows for the metrics (batches/window.py)."""
+        from sluice import telemetry
         from sluice.gateway.batches import window
 
         while True:
             try:
-                window.BATCH_WINDOW.publish(await window.measure(service.sessions))
+                telemetry.BATCH_WINDOW.publish(await window.measure(service.sessions))
             except Exception as exc:  # the database is down: the last numbers stay, the next round retries
                 log.warning("measuring the open batches failed (%r)", exc)
             await asyncio.sleep(ORPHAN_SWEEP_S)
