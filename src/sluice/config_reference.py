@@ -109,7 +109,8 @@ def _fields(cls: type) -> list[_Field]:
 DOCUMENTED: tuple[type, ...] = (
     settings_module.GatewaySettings, settings_module.AdminSettings, settings_module.DatabaseSettings,
     settings_module.KafkaSettings, settings_module.BrokerSettings, settings_module.SchedulerSettings,
-    settings_module.DispatchSettings, settings_module.SharedSettings, EngineConfig,
+    settings_module.DispatchSettings, settings_module.SharedSettings, settings_module.ObjectiveSettings,
+    EngineConfig,
     settings_module.ModelSpec, settings_module.TenantSeed, settings_module.QuotaSeed,
     settings_module.UpstreamSpec,
 )
@@ -203,6 +204,7 @@ _SECTION_INTROS = {
     "scheduler": "The gateway's scheduler: priority classes and their anti-starvation.",
     "dispatch": "Sending work to workers and upstreams; `sluice serve`'s local workers.",
     "shared": "State the gateway replicas share (docs/scale-out.md).",
+    "objectives": "Latency objectives per priority class: TTFT and ITL targets (docs/objectives.md).",
 }
 
 _ENGINE_INTRO = (

@@ -160,6 +160,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # prompt + these and generates after them, as its preemption does (worker failover, replica
     # takeover). `sampling.max_tokens` stays the whole budget, these included.
     resume_token_ids: tuple[int, ...] = ()
+    # Latency targets in seconds (sluice/objectives.py: class, tenant, header); None: best effort.
+    # The engine keeps a decoding request's steps within `itl_target_s` (workers/step_budget.py).
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

@@ -27,6 +27,8 @@ from sluice.gateway.generation.tokenization import TokenizerRegistry
 from sluice.gateway.queueing.backend import BackendUnavailable, GenerationBackend, Submission
 from sluice.gateway.quotas.service import QuotaExceeded, QuotaService
 from sluice.gateway.quotas.usage import UsageService
+from sluice.objectives import Objective
+from sluice.settings import ObjectiveSettings
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +47,14 @@ class GenerationService:
         request_timeout_s: float = 600.0,
         max_prompt_chars: int = 1_048_576,
         max_messages: int = 2048,
+        objectives: ObjectiveSettings | None = None,
     ) -> None:
         if not request_timeout_s > 0:
             raise ValueError(f"gateway.request_timeout_s must be positive, got {request_timeout_s}")
         self.backend = backend
         self.limits = SizeLimits(max_messages=max_messages, max_prompt_chars=max_prompt_chars)
-        self.preparer = RequestPreparer(tokenizers, backend.could_serve, self.limits)
+        self.preparer = RequestPreparer(tokenizers, backend.could_serve, self.limits,
+                                        objectives if objectives is not None else ObjectiveSettings())
         self._tokenize_slots = asyncio.Semaphore(TOKENIZE_THREADS)
         self.tokenizers = tokenizers
         self.quotas = quotas
@@ -68,12 +72,14 @@ class GenerationService:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    async def prepare(self, tenant: TenantContext, body: ChatCompletionRequest | CompletionRequest) -> RequestState:
-        """The validated request, on a worker thread when the prompt is large."""
+    async def prepare(self, tenant: TenantContext, body: ChatCompletionRequest | CompletionRequest,
+                      header: Objective | None = None) -> RequestState:
+        """The validated request, on a worker thread when the prompt is large. `header`: the
+        request's own (tightening) objective, from `X-Sluice-Objective`."""
         if size_fault(body, self.limits) is not None or prompt_chars(body) <= INLINE_PROMPT_CHARS:
-            return self.preparer.prepare(tenant, body)  # a cheap limit refuses it at once, or it is small
+            return self.preparer.prepare(tenant, body, header)  # a cheap limit refuses it at once, or it is small
         async with self._tokenize_slots:
-            return await asyncio.to_thread(self.preparer.prepare, tenant, body)
+            return await asyncio.to_thread(self.preparer.prepare, tenant, body, header)
 
     async def launch(self, tenant: TenantContext, state: RequestState) -> Flight:
         """Quota admission, then submission; the reservation is refunded when submission fails."""
