@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 POLICIES = ("chunked", "prefill_first", "static")
+CHUNK_POLICIES = ("fixed", "adaptive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 MAX_BLOCK_SIZE = 256
@@ -86,6 +87,14 @@ class EngineConfig:
     static batching)."""
     max_prefill_chunk: int | None = None
     """Cap on one request's prefill chunk per step, in tokens; unset = the step budget."""
+    chunk_policy: str = "fixed"
+    """`chunked` policy: `fixed` (prefill fills the step budget, each chunk capped by `max_prefill_chunk`)
+    or `adaptive` (each step's prefill is the largest whose predicted step time keeps every decoding
+    stream with an ITL target inside it, from a cost model fitted on the engine's own steps; at
+    least `min_prefill_chunk`; the whole budget when no such stream decodes; docs/objectives.md)."""
+    min_prefill_chunk: int = 32
+    """`adaptive` chunk policy: the prefill budget never goes below this (a long prompt keeps progressing
+    under an ITL target no step can meet)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of a prompt prefix computed before (salted per tenant: tenants never share
     blocks)."""
@@ -125,6 +134,8 @@ class EngineConfig:
         _optional_positive("max_model_len", self.max_model_len)
         _one_of("policy", self.policy, POLICIES)
         _optional_positive("max_prefill_chunk", self.max_prefill_chunk)
+        _one_of("chunk_policy", self.chunk_policy, CHUNK_POLICIES)
+        _positive("min_prefill_chunk", self.min_prefill_chunk)
         _speculation(self.resolved_num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         _one_of("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -169,6 +180,8 @@ class SchedulerConfig:
     max_prefill_chunk: int | None = None
     enable_prefix_caching: bool = True
     num_speculative_tokens: int = 0
+    chunk_policy: str = "fixed"
+    min_prefill_chunk: int = 32
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
 
@@ -180,6 +193,8 @@ class SchedulerConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_model_len", self.max_model_len)
         _optional_positive("max_prefill_chunk", self.max_prefill_chunk)
+        _one_of("chunk_policy", self.chunk_policy, CHUNK_POLICIES)
+        _positive("min_prefill_chunk", self.min_prefill_chunk)
         _speculation(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         # The pool may hold fewer tokens than max_model_len: prompts that do not fit are refused
         # at add_request, and a request that outgrows the whole pool finishes with "length".
@@ -207,4 +222,6 @@ class SchedulerConfig:
             num_speculative_tokens=cfg.resolved_num_speculative_tokens,
             prompt_lookup_max=cfg.prompt_lookup_max,
             prompt_lookup_min=cfg.prompt_lookup_min,
+            chunk_policy=cfg.chunk_policy,
+            min_prefill_chunk=cfg.min_prefill_chunk,
         )

@@ -146,7 +146,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], sampling: SamplingParams,
                     priority: int = Priority.STANDARD, cache_salt: str = "",
-                    arrival_time: float | None = None, resume_token_ids: Sequence[int] = ()) -> None:
+                    arrival_time: float | None = None, resume_token_ids: Sequence[int] = (),
+                    itl_target_s: float | None = None) -> None:
         """Queues a request. `resume_token_ids`: output an earlier attempt produced and delivered
         (worker failover): it is recomputed with the prompt, and the request goes on from there as
         if undisturbed (same budget, stop checks, text and, for a seeded request, tokens)."""
@@ -170,7 +171,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, sampling,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
                           priority=priority, cache_salt=cache_salt, eos_token_ids=self.eos_token_ids,
-                          resume_token_ids=resumed)
+                          resume_token_ids=resumed, itl_target_s=itl_target_s)
         detokenizer = IncrementalDetokenizer(self._decode, token_ids, sampling.stop, resumed)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = detokenizer
@@ -209,14 +210,19 @@ class LLMEngine:
         deltas, self._pending = self._pending, []
         if not self.scheduler.has_work:
             return deltas
+        started = time.perf_counter()
         scheduled = self.scheduler.schedule(time.time())
+        failed = False
         try:
             runner_output = self.runner.execute(scheduled)
         except Exception:
+            failed = True
             runner_output = self._execute_isolating(scheduled, deltas)
         changed = self.scheduler.update(scheduled, runner_output, time.time())
         for request in changed:
             deltas.append(self._process(request, runner_output.logprobs.get(request.request_id, ())))
+        if not failed and scheduled.chunks:  # the whole step, as a decoding stream waits for it
+            self.scheduler.observe_step_time(scheduled, time.perf_counter() - started)
         return deltas
 
     def _execute_isolating(self, scheduled: SchedulerOutput, deltas: list[RequestDelta]) -> RunnerOutput:
@@ -309,8 +315,10 @@ class LLMEngine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams],
-                 request_ids: Sequence[str] | None = None, progress=None) -> list[GenerationResult]:
-        """Runs every prompt to completion; results in input order. `progress`: tqdm-like or None."""
+                 request_ids: Sequence[str] | None = None, progress=None,
+                 itl_target_s: float | None = None) -> list[GenerationResult]:
+        """Runs every prompt to completion; results in input order. `progress`: tqdm-like or None;
+        `itl_target_s`: every request's inter-token latency target (the adaptive chunk policy's input)."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling settings for {len(prompts)} prompts")
@@ -318,7 +326,7 @@ class LLMEngine:
         results: dict[str, GenerationResult] = {}
         now = time.time()
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
-            self.add_request(rid, prompt, p, arrival_time=now)
+            self.add_request(rid, prompt, p, arrival_time=now, itl_target_s=itl_target_s)
             results[rid] = GenerationResult(rid, self.tokenize(prompt), arrival_time=now)
         self.run_to_completion(results, progress)
         return [results[rid] for rid in ids]

@@ -56,6 +56,7 @@ class Request:
         "eos_token_ids",
         "first_scheduled_time",
         "first_token_time",
+        "itl_target_s",
         "ngram_index",
         "num_cached_tokens",
         "num_committed_blocks",
@@ -81,6 +82,7 @@ class Request:
         cache_salt: str = "",
         eos_token_ids: Iterable[int] = (),
         resume_token_ids: Sequence[int] = (),
+        itl_target_s: float | None = None,
     ) -> None:
         if not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -88,6 +90,8 @@ class Request:
             raise ValueError(f"request {request_id}: the prompt must contain at least one token")
         if isinstance(priority, bool) or int(priority) < 0:
             raise ValueError(f"request {request_id}: priority must be a non-negative integer")
+        if itl_target_s is not None and not (math.isfinite(itl_target_s) and itl_target_s > 0):
+            raise ValueError(f"request {request_id}: itl_target_s must be a positive number of seconds")
         if not math.isfinite(arrival_time):
             raise ValueError(f"request {request_id}: arrival_time must be a finite number")
         sampling.validate()
@@ -101,6 +105,9 @@ class Request:
         self.arrival_time = arrival_time
         self.arrival_seq = 0  # set by the scheduler: ties between equal arrival times
         self.cache_salt = cache_salt
+        # Its inter-token latency target (sluice/objectives.py): while it decodes, the adaptive chunk
+        # policy keeps each step within it (workers/step_budget.py). None: best effort.
+        self.itl_target_s = itl_target_s
         self.eos_token_ids = frozenset(eos_token_ids)
         # A resumed request starts as a preempted one would: its earlier output is context to
         # recompute, counted in the output (max_tokens, usage) but never reported again.
@@ -130,6 +137,7 @@ class Request:
             cache_salt=message.cache_salt,
             eos_token_ids=eos_token_ids,
             resume_token_ids=message.resume_token_ids,
+            itl_target_s=message.itl_target_s,
         )
 
     @property

@@ -10,6 +10,11 @@ policies share one mechanism so their trade-offs can be measured on identical lo
   only (no decodes); otherwise it decodes every running request (vLLM v0 / TGI without chunking).
 - static: a batch is admitted only when nothing runs; it then decodes until every member finishes.
 
+Chunk policy (chunked only): `fixed` lets prefill chunks fill what the decodes leave of the budget;
+`adaptive` first caps that at the largest prefill whose predicted step time keeps the ITL target of
+every decoding request that has one (workers/step_budget.py: an online cost model the engine feeds
+with each step's measured time via `observe_step_time`), never below `min_prefill_chunk`.
+
 Speculation (config.num_speculative_tokens > 0, any policy): a running request scheduled for just
 its last token also gets prompt-lookup draft tokens (workers/speculative.py) within the budget and
 the blocks already free (never preempting for a guess); `update` keeps the drafts that equal the
@@ -39,6 +44,7 @@ from sluice.workers.scheduler_output import (
     StepBuilder,
 )
 from sluice.workers.speculative import NgramIndex, PromptLookup
+from sluice.workers.step_budget import StepCostModel, StepShape, prefill_budget
 
 __all__ = ["RunnerOutput", "ScheduledChunk", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -48,8 +54,10 @@ def _rank(request: Request) -> tuple[int, float, int]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, cost_model: StepCostModel | None = None) -> None:
         self.config = config
+        # The step-time model of the adaptive chunk policy; fitted online unless one is given (tests).
+        self.cost_model = cost_model if cost_model is not None else StepCostModel()
         self.block_manager = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -158,6 +166,8 @@ class Scheduler:
         policy = self.config.policy
         if policy == "chunked":
             self._schedule_running(step, now, self._decode)
+            if self.config.chunk_policy == "adaptive":
+                step.budget = self._adaptive_prefill_budget(step)
             self._schedule_running(step, now, self._prefill_chunk)
             if not step.resource_preempted:
                 self._admit(step, now, whole=False)
@@ -171,6 +181,31 @@ class Scheduler:
                 self._admit(step, now, whole=True)
         self.stats.num_steps += 1
         return step.build()
+
+    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """The measured duration of a step this scheduler planned: the cost model learns from it."""
+        self.cost_model.observe(StepShape.of(output), seconds)
+
+    def _adaptive_prefill_budget(self, step: StepBuilder) -> int:
+        """What is left of the budget for prefill once the decodes are in (module docstring)."""
+        target = min((entry[0].itl_target_s for entry in step.decodes.values()
+                      if entry[0].itl_target_s is not None), default=None)
+        if target is None or not self.cost_model.ready:
+            return step.budget  # nobody waits on this step's time, or nothing known yet: full budget
+        decodes = StepShape(
+            decode_rows=len(step.decodes),
+            context_tokens=sum(start + n for _, start, n, _ in step.decodes.values()),
+            verify_rows=sum(len(drafts) for *_, drafts in step.decodes.values()),
+        )
+        # The prefill's position: that of the most urgent running request still prefilling (its
+        # attention reads what it computed so far), else a new admission's (from 0).
+        start = next((r.num_computed_tokens for r in self._running
+                      if not step.has(r) and r.num_tokens - r.num_computed_tokens > 1), 0)
+        budget = prefill_budget(self.cost_model, decodes, target, start=start,
+                                floor=self.config.min_prefill_chunk, budget=step.budget)
+        if budget < step.budget:
+            self.stats.num_itl_capped_steps += 1
+        return budget
 
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput, now: float) -> list[Request]:
         """Apply a step's results; return the requests that got a token or finished this step."""
