@@ -171,7 +171,7 @@ class RequestState:
             prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
             cached_tokens=self.cached_tokens, finish_reason=self.finish_reason or "abort",
             engine_first_scheduled=self.engine_first_scheduled, engine_first_token=self.engine_first_token,
-            batch_id=request.batch_id,
+            batch_id=request.batch_id, ttft_target_s=request.ttft_target_s, itl_target_s=request.itl_target_s,
         )
 
 
