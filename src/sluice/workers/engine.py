@@ -20,6 +20,7 @@ import msgspec
 
 from sluice.protocol import (
     FinishReason,
+    KvEvents,
     PositionLogprobs,
     Priority,
     RequestDelta,
@@ -136,6 +137,21 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             sent_at=time.time(),
         )
+
+    # ---- KV events -----------------------------------------------------------------------------
+
+    def enable_kv_events(self, enabled: bool = True) -> None:
+        """Note each prefix block cached and evicted, for `take_kv_events` (off by default: an
+        engine nobody routes by, e.g. offline `generate`, keeps no log)."""
+        self.scheduler.block_manager.record_events = enabled
+
+    def take_kv_events(self) -> KvEvents | None:
+        """The prefix-cache changes since the last call (one batch per step), None when none."""
+        stored, evicted, cleared = self.scheduler.block_manager.take_events()
+        if not (stored or evicted or cleared):
+            return None
+        return KvEvents(block_size=self.scheduler.config.block_size, stored=tuple(stored),
+                        evicted=tuple(evicted), cleared=cleared)
 
     # ---- requests ------------------------------------------------------------------------------
 

@@ -110,6 +110,13 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     scale.set_defaults(handler=_scale_out)
 
+    routing = bench_subparsers.add_parser(
+        "routing", help="least_loaded vs round_robin vs cache_aware routing on worker processes (issue #33)")
+    from sluice_lab.experiments.routing import add_arguments as routing_arguments
+
+    routing_arguments(routing)
+    routing.set_defaults(handler=_routing)
+
     chaos = bench_subparsers.add_parser(
         "chaos", help="mixed streaming and batch load while replicas and workers are SIGKILLed (issue #16)")
     chaos.add_argument("--replicas", type=int, default=3, help="gateway replica processes")
@@ -163,6 +170,12 @@ def _scale_out(args: argparse.Namespace) -> int:
     from sluice_lab.experiments.scale_out import run_scale_out_command
 
     return run_scale_out_command(args)
+
+
+def _routing(args: argparse.Namespace) -> int:
+    from sluice_lab.experiments.routing import run_routing_command
+
+    return run_routing_command(args)
 
 
 def _chaos(args: argparse.Namespace) -> int:

@@ -36,7 +36,8 @@ def test_the_header_only_tightens() -> None:
     assert resolve(base, Priority.INTERACTIVE, Objective(), parse_header("ttft=60,itl=9")) == base  # looser: kept
     assert resolve(base, Priority.INTERACTIVE, Objective(), parse_header("itl=0.2")) == Objective(ttft_s=3.0, itl_s=0.2)
     # A class without a target gets none from a header.
-    assert resolve(CLASSES.for_class(Priority.BATCH), Priority.BATCH, Objective(), parse_header("itl=0.1")) == Objective()
+    batch = CLASSES.for_class(Priority.BATCH)
+    assert resolve(batch, Priority.BATCH, Objective(), parse_header("itl=0.1")) == Objective()
 
 
 @pytest.mark.parametrize("bad", ["", "ttft", "ttft=", "ttft=abc", "ttft=-1", "ttft=0", "itl=nan", "itl=inf",

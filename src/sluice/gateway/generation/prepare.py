@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from sluice import tracing
 from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.edge.body_decode import SizeLimits, size_fault
 from sluice.gateway.edge.errors import OpenAIError, bad_request, body_fault
@@ -273,6 +274,7 @@ class RequestPreparer:
             tenant_weight=tenant.weight,
             ttft_target_s=objective.ttft_s,
             itl_target_s=objective.itl_s,
+            traceparent=tracing.current_traceparent(),
         )
         envelope = Envelope(
             id=request_id, created=int(arrival), model=tokenizer.name, service_tier=CLASS_TO_TIER[priority],

@@ -70,6 +70,19 @@ class ModelTokenizer:
             max_model_len = int(config.get("max_position_embeddings") or tokenizer.model_max_length)
         return cls(name, tokenizer, max_model_len)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token's text (a partial character counts as U+FFFD, 3 bytes,
+        which is never less than the bytes it stands for). A text of n characters (at most n bytes)
+        has at least n / max_token_bytes tokens: what `surely_over` needs to refuse a prompt far
+        over the context without tokenizing it."""
+        decode = self._fast.decode if self._fast is not None else self._tokenizer.decode
+        return max(1, max(len(decode([i], skip_special_tokens=False).encode("utf-8")) for i in range(self.vocab_size)))
+
+    def surely_over(self, chars: int, tokens: int) -> bool:
+        """Whether a text of `chars` characters certainly has more than `tokens` tokens."""
+        return chars > tokens * self.max_token_bytes
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Plain prompt (completions API): special tokens added as the model's config says."""
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -233,6 +246,7 @@ class TokenizerRegistry:
         self._models: dict[str, ModelTokenizer] = {}
 
     def add(self, tokenizer: ModelTokenizer) -> None:
+        tokenizer.max_token_bytes  # noqa: B018 -- computed once here, not on a request's event-loop turn
         self._models[tokenizer.name] = tokenizer
 
     def get(self, model: str) -> ModelTokenizer:
