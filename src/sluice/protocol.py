@@ -220,6 +220,11 @@ class WorkerCapacity(msgspec.Struct, frozen=True, kw_only=True, tag="capacity"):
     num_preemptions: int = 0  # engine preemptions since the worker started (cumulative)
     num_draft_tokens: int = 0  # speculative draft tokens verified since the worker started (cumulative)
     num_accepted_draft_tokens: int = 0  # of those, kept (cumulative)
+    # The engine's step-time model (workers/step_budget.py): seconds per scaled unit of each of its
+    # FEATURES; empty while it has not seen enough steps. For the gateway's TTFT prediction.
+    step_cost: tuple[float, ...] = ()
+    # Its recent relative prediction error of step time: (median, p95); None before any.
+    step_cost_error: tuple[float, float] | None = None
 
 
 class KvEvents(msgspec.Struct, frozen=True, kw_only=True, tag="kv_events"):

@@ -128,6 +128,7 @@ class LLMEngine:
         return bool(self._pending) or self.scheduler.has_work
 
     def capacity(self, worker_id: str) -> WorkerCapacity:
+        cost = self.scheduler.cost_model
         return WorkerCapacity(
             worker_id=worker_id,
             num_running=self.scheduler.num_running,
@@ -136,6 +137,8 @@ class LLMEngine:
             total_kv_blocks=self.scheduler.num_total_blocks,
             max_num_seqs=self.config.max_num_seqs,
             sent_at=time.time(),
+            step_cost=cost.coefficients if cost.ready else (),
+            step_cost_error=cost.prediction_error(),
         )
 
     # ---- KV events -----------------------------------------------------------------------------

@@ -87,6 +87,8 @@ class StepCostModel:
         self._since_fit = 0
         self.num_observed = 0
         self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self._error_summary: tuple[float, float] | None = None  # recomputed every REFIT_EVERY errors
+        self._errors_since_summary = 0
 
     @property
     def ready(self) -> bool:
@@ -106,6 +108,7 @@ class StepCostModel:
             return
         if self.ready:
             self._errors.append(abs(self.predict(shape) - seconds) / seconds)
+            self._errors_since_summary += 1
         if self._fixed:
             return
         self._window.append((shape.vector(), seconds))
@@ -115,11 +118,13 @@ class StepCostModel:
             self._refit()
 
     def prediction_error(self) -> tuple[float, float] | None:
-        """(median, p95) of |predicted - measured| / measured over the recent steps; None before any."""
-        if not self._errors:
-            return None
-        errors = sorted(self._errors)
-        return statistics.median(errors), errors[min(len(errors) - 1, int(0.95 * len(errors)))]
+        """(median, p95) of |predicted - measured| / measured over the recent steps; None before any.
+        Cheap to ask every step (the worker's load report does): the sort runs every REFIT_EVERY steps."""
+        if self._errors and (self._error_summary is None or self._errors_since_summary >= REFIT_EVERY):
+            errors = sorted(self._errors)
+            self._error_summary = statistics.median(errors), errors[min(len(errors) - 1, int(0.95 * len(errors)))]
+            self._errors_since_summary = 0
+        return self._error_summary
 
     def _refit(self) -> None:
         """Ridge least squares towards the previous fit: (XᵀX + λI)θ = Xᵀy + λθ_prev; then no

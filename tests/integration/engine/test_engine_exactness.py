@@ -99,3 +99,5 @@ def test_greedy_matches_hf_with_adaptive_chunks(model_fixture: str, request: pyt
     for _ in range(2):  # the second pass: a fitted model, and prefix-cache hits
         assert [r.token_ids for r in engine.generate(_prompts(), sampling, itl_target_s=1e-6)] == expected
     assert engine.scheduler.cost_model.ready and engine.scheduler.stats.num_itl_capped_steps > 0
+    reported = engine.capacity("w")  # what the worker's heartbeat carries to the gateway
+    assert reported.step_cost == engine.scheduler.cost_model.coefficients and reported.step_cost_error is not None
