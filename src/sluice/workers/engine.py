@@ -166,7 +166,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int], sampling: SamplingParams,
                     priority: int = Priority.STANDARD, cache_salt: str = "",
                     arrival_time: float | None = None, resume_token_ids: Sequence[int] = (),
-                    itl_target_s: float | None = None) -> None:
+                    itl_target_s: float | None = None, ttft_target_s: float | None = None) -> None:
         """Queues a request. `resume_token_ids`: output an earlier attempt produced and delivered
         (worker failover): it is recomputed with the prompt, and the request goes on from there as
         if undisturbed (same budget, stop checks, text and, for a seeded request, tokens)."""
@@ -190,7 +190,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, sampling,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
                           priority=priority, cache_salt=cache_salt, eos_token_ids=self.eos_token_ids,
-                          resume_token_ids=resumed, itl_target_s=itl_target_s)
+                          resume_token_ids=resumed, itl_target_s=itl_target_s, ttft_target_s=ttft_target_s)
         detokenizer = IncrementalDetokenizer(self._decode, token_ids, sampling.stop, resumed)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = detokenizer

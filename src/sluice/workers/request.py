@@ -69,6 +69,7 @@ class Request:
         "sampling",
         "status",
         "token_times",
+        "ttft_target_s",
     )
 
     def __init__(
@@ -83,6 +84,7 @@ class Request:
         eos_token_ids: Iterable[int] = (),
         resume_token_ids: Sequence[int] = (),
         itl_target_s: float | None = None,
+        ttft_target_s: float | None = None,
     ) -> None:
         if not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -92,6 +94,8 @@ class Request:
             raise ValueError(f"request {request_id}: priority must be a non-negative integer")
         if itl_target_s is not None and not (math.isfinite(itl_target_s) and itl_target_s > 0):
             raise ValueError(f"request {request_id}: itl_target_s must be a positive number of seconds")
+        if ttft_target_s is not None and not (math.isfinite(ttft_target_s) and ttft_target_s > 0):
+            raise ValueError(f"request {request_id}: ttft_target_s must be a positive number of seconds")
         if not math.isfinite(arrival_time):
             raise ValueError(f"request {request_id}: arrival_time must be a finite number")
         sampling.validate()
@@ -108,6 +112,7 @@ class Request:
         # Its inter-token latency target (sluice/objectives.py): while it decodes, the adaptive chunk
         # policy keeps each step within it (workers/step_budget.py). None: best effort.
         self.itl_target_s = itl_target_s
+        self.ttft_target_s = ttft_target_s  # a prompt still to prefill may raise the budget to meet it
         self.eos_token_ids = frozenset(eos_token_ids)
         # A resumed request starts as a preempted one would: its earlier output is context to
         # recompute, counted in the output (max_tokens, usage) but never reported again.
@@ -138,6 +143,7 @@ class Request:
             eos_token_ids=eos_token_ids,
             resume_token_ids=message.resume_token_ids,
             itl_target_s=message.itl_target_s,
+            ttft_target_s=message.ttft_target_s,
         )
 
     @property

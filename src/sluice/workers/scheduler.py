@@ -13,7 +13,8 @@ policies share one mechanism so their trade-offs can be measured on identical lo
 Chunk policy (chunked only): `fixed` lets prefill chunks fill what the decodes leave of the budget;
 `adaptive` first caps that at the largest prefill whose predicted step time keeps the ITL target of
 every decoding request that has one (workers/step_budget.py: an online cost model the engine feeds
-with each step's measured time via `observe_step_time`), never below `min_prefill_chunk`.
+with each step's measured time via `observe_step_time`), never below `min_prefill_chunk`, and
+raised as far as a prompt with a TTFT target still to prefill needs to meet it.
 
 Speculation (config.num_speculative_tokens > 0, any policy): a running request scheduled for just
 its last token also gets prompt-lookup draft tokens (workers/speculative.py) within the budget and
@@ -44,9 +45,12 @@ from sluice.workers.scheduler_output import (
     StepBuilder,
 )
 from sluice.workers.speculative import NgramIndex, PromptLookup
-from sluice.workers.step_budget import StepCostModel, StepShape, prefill_budget
+from sluice.workers.step_budget import StepCostModel, StepShape, prefill_budget, ttft_budget
 
 __all__ = ["RunnerOutput", "ScheduledChunk", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+
+
+TTFT_LOOKAHEAD = 16  # waiting requests whose TTFT the adaptive budget looks after
 
 
 def _rank(request: Request) -> tuple[int, float, int]:
@@ -167,7 +171,7 @@ class Scheduler:
         if policy == "chunked":
             self._schedule_running(step, now, self._decode)
             if self.config.chunk_policy == "adaptive":
-                step.budget = self._adaptive_prefill_budget(step)
+                step.budget = self._adaptive_prefill_budget(step, now)
             self._schedule_running(step, now, self._prefill_chunk)
             if not step.resource_preempted:
                 self._admit(step, now, whole=False)
@@ -186,7 +190,7 @@ class Scheduler:
         """The measured duration of a step this scheduler planned: the cost model learns from it."""
         self.cost_model.observe(StepShape.of(output), seconds)
 
-    def _adaptive_prefill_budget(self, step: StepBuilder) -> int:
+    def _adaptive_prefill_budget(self, step: StepBuilder, now: float) -> int:
         """What is left of the budget for prefill once the decodes are in (module docstring)."""
         target = min((entry[0].itl_target_s for entry in step.decodes.values()
                       if entry[0].itl_target_s is not None), default=None)
@@ -204,8 +208,30 @@ class Scheduler:
         budget = prefill_budget(self.cost_model, decodes, target, start=start,
                                 floor=self.config.min_prefill_chunk, budget=step.budget)
         if budget < step.budget:
+            budget = ttft_budget(self.cost_model, decodes, self._ttft_backlog(step, now), start=start,
+                                 low=budget, budget=step.budget)
+        if budget < step.budget:
             self.stats.num_itl_capped_steps += 1
         return budget
+
+    def _ttft_backlog(self, step: StepBuilder, now: float) -> list[tuple[int, float]]:
+        """(prefill tokens up to and including it, seconds left to its TTFT target) of each prompt
+        with a target still to prefill, in the order prefill is served: running ones, then the
+        first TTFT_LOOKAHEAD waiting ones (prefix-cache hits ignored: an over-estimate)."""
+        waiting = [entry[3] for entry in heapq.nsmallest(TTFT_LOOKAHEAD, self._waiting)
+                   if entry[3].status == RequestStatus.WAITING]
+        backlog: list[tuple[int, float]] = []
+        tokens = 0
+        for request in [*(r for r in self._running if not step.has(r)), *waiting]:
+            left = request.num_tokens - request.num_computed_tokens
+            if left <= 1:
+                continue
+            tokens += left
+            if request.ttft_target_s is not None and request.first_token_time is None:
+                slack = request.arrival_time + request.ttft_target_s - now
+                if slack > 0:
+                    backlog.append((tokens, slack))
+        return backlog
 
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput, now: float) -> list[Request]:
         """Apply a step's results; return the requests that got a token or finished this step."""

@@ -5,7 +5,8 @@ Why: prefill is compute-bound and sets TTFT, decode is bandwidth-bound and sets 
 step every decoding stream waits for the whole step, prefill chunk included, so the chunk size is
 the knob between a new prompt's TTFT and the running streams' ITL. A fixed chunk is right for one
 load only; here each step takes the largest prefill budget whose predicted step time keeps every
-running latency-sensitive stream inside its ITL target.
+running latency-sensitive stream inside its ITL target, raised where a prompt with a TTFT
+target waiting to prefill would otherwise miss it (`ttft_budget`).
 
 The cost model is linear in what a step computes (`StepShape`): a fixed cost, prefill tokens
 (weights x tokens: compute), decode rows (weights read per row: bandwidth), KV tokens attention reads,
@@ -195,4 +196,33 @@ def prefill_budget(model: StepCostModel, step: StepShape, itl_target_s: float, *
     return low
 
 
-__all__ = ["FEATURES", "ITL_HEADROOM", "StepCostModel", "StepShape", "prefill_budget"]
+def ttft_budget(model: StepCostModel, step: StepShape, backlog: list[tuple[int, float]], *, start: int,
+                low: int, budget: int) -> int:
+    """The smallest prefill budget in [low, budget] at which every prompt in `backlog` that can still
+    meet its TTFT target does: (tokens to prefill up to and including that prompt, in the order
+    the scheduler serves them; seconds left to its target) pairs. Steps of P prefill tokens take
+    T(P), so a prompt is in time when P * slack / T(P) >= its tokens; P / T(P) grows with P.
+    A prompt that would miss even at the whole budget does not raise it (its TTFT is lost; the
+    streams' ITL is not spent on it)."""
+    def rate(tokens: int) -> float:  # prefill tokens per second at this budget
+        return tokens / max(model.predict(step.with_prefill(tokens, start)), 1e-9)
+
+    need = low
+    best = rate(budget)
+    for tokens, slack_s in backlog:
+        if tokens <= need * slack_s / max(model.predict(step.with_prefill(need, start)), 1e-9):
+            continue  # in time at what is already granted
+        if best * slack_s < tokens:
+            continue  # lost even at the whole budget
+        lo, hi = need, budget  # lo misses, hi is in time
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if rate(mid) * slack_s >= tokens:
+                hi = mid
+            else:
+                lo = mid
+        need = hi
+    return need
+
+
+__all__ = ["FEATURES", "ITL_HEADROOM", "StepCostModel", "StepShape", "prefill_budget", "ttft_budget"]

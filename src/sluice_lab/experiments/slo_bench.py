@@ -68,7 +68,7 @@ def phase_requests(phase: str, sizes: Sizes, slo: Slo, vocab: int, seed: int) ->
                bounds: tuple[int, int] | None = None, after: tuple[str, int] | None = None) -> TimedRequest:
         return TimedRequest(f"{phase}-{role}-{i}", offset, prompt(bounds or sizes.stream_prompt),
                             output or sizes.stream_output, role=role, priority=Priority.INTERACTIVE,
-                            after=after, itl_target_s=slo.itl_s)
+                            after=after, itl_target_s=slo.itl_s, ttft_target_s=slo.ttft_s)
 
     if phase == "steady":
         return [stream(i, 0.5 * i) for i in range(sizes.streams)]
@@ -76,7 +76,8 @@ def phase_requests(phase: str, sizes: Sizes, slo: Slo, vocab: int, seed: int) ->
         streams = [stream(i, 0.0, output=2 * sizes.stream_output) for i in range(sizes.streams)]
         longs = [TimedRequest(f"{phase}-long-{i}", 0.0, prompt(sizes.long_prompt), 8, role="long",
                               priority=Priority.STANDARD, after=("interactive", 2 + 4 * i),
-                              itl_target_s=slo.itl_s * STANDARD_LOOSER) for i in range(sizes.long_prompts)]
+                              itl_target_s=slo.itl_s * STANDARD_LOOSER, ttft_target_s=slo.ttft_s * STANDARD_LOOSER)
+                 for i in range(sizes.long_prompts)]
         return streams + longs
     if phase == "batch_flood":
         return [TimedRequest(f"{phase}-batch-{i}", 0.0, prompt(sizes.batch_prompt), sizes.batch_output,
@@ -184,7 +185,7 @@ def verdict(results: dict[str, dict[str, Any]], phases: tuple[str, ...]) -> dict
     best_fixed = max(fixed, key=total_goodput)
     per_phase = {}
     for phase in phases:
-        best = max(fixed, key=lambda arm, p=phase: results[arm][p]["goodput_rps"])
+        best = max(fixed, key=lambda arm: float(results[arm][phase]["goodput_rps"]))
         per_phase[phase] = {"best_fixed": best, "best_fixed_goodput_rps": results[best][phase]["goodput_rps"],
                             "adaptive_goodput_rps": results["adaptive"][phase]["goodput_rps"],
                             "adaptive_over_best": results["adaptive"][phase]["goodput_rps"]

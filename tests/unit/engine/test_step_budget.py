@@ -33,10 +33,10 @@ def make(chunk_policy: str = "adaptive", cost_model: StepCostModel | None = None
     return Scheduler(config, StepCostModel(HAND_MADE) if cost_model is None else cost_model)
 
 
-def req(rid: str, n_prompt: int, *, itl: float | None, max_tokens: int = 200) -> Request:
+def req(rid: str, n_prompt: int, *, itl: float | None, max_tokens: int = 200, ttft: float | None = None) -> Request:
     base = 1000 * (1 + sum(map(ord, rid)))
     return Request(rid, [base + i for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   arrival_time=0.0, itl_target_s=itl)
+                   arrival_time=0.0, itl_target_s=itl, ttft_target_s=ttft)
 
 
 def step(s: Scheduler) -> SchedulerOutput:
@@ -70,6 +70,17 @@ def test_a_long_prompt_arriving_while_streams_decode_gets_the_documented_budget(
     assert prefill_of(out) == documented_budget(4, 0.1) == 67
     assert s.cost_model.predict(StepShape.of(out)) <= 0.1 * ITL_HEADROOM
     assert s.stats.num_itl_capped_steps == 1
+
+
+def test_a_prompt_that_would_miss_its_ttft_raises_the_budget_as_far_as_it_needs() -> None:
+    """At P prefill tokens a step takes 18 ms + P ms, so 1000 tokens are in time for a 1.1 s target
+    when P * 1.1 / (0.018 + 0.001 P) >= 1000, i.e. P >= 180; a 5 s target needs nothing more than the
+    ITL budget (67), and a 1.0 s target is lost at any budget, so it does not cost the streams."""
+    for ttft, expected in ((5.0, (67, 67)), (1.1, (179, 181)), (1.0, (67, 67))):
+        s = make()
+        decoding(s, 4, itl=0.1)
+        s.add_request(req("long", 1000, itl=None, ttft=ttft))
+        assert expected[0] <= prefill_of(step(s)) <= expected[1], ttft
 
 
 def test_the_tightest_decoding_target_sets_the_budget() -> None:
