@@ -43,6 +43,11 @@ def _speculation(num_tokens: int, lookup_min: int, lookup_max: int) -> None:
         raise ValueError(f"prompt_lookup_min ({lookup_min}) must not exceed prompt_lookup_max ({lookup_max})")
 
 
+def _share(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
 def _block_size(value: int) -> None:
     # Kernels index a block with tl.arange(0, BLOCK_SIZE), which needs a power of two.
     _positive("block_size", value)
@@ -95,6 +100,11 @@ class EngineConfig:
     min_prefill_chunk: int = 32
     """`adaptive` chunk policy: the prefill budget never goes below this (a long prompt keeps progressing
     under an ITL target no step can meet)."""
+    itl_slow_share: float = 0.0
+    """`adaptive` chunk policy: the share of a stream's token gaps that may exceed its ITL target, in
+    [0, 1) (1 - the objectives' percentile: 0.05 for p95). While every decoding stream has such gaps
+    left (of max_tokens - 1), a step may take the whole prefill budget, spending one of each; 0 = every
+    step holds the target."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of a prompt prefix computed before (salted per tenant: tenants never share
     blocks)."""
@@ -141,6 +151,7 @@ class EngineConfig:
         _optional_positive("max_prefill_chunk", self.max_prefill_chunk)
         _one_of("chunk_policy", self.chunk_policy, CHUNK_POLICIES)
         _positive("min_prefill_chunk", self.min_prefill_chunk)
+        _share("itl_slow_share", self.itl_slow_share)
         _speculation(self.resolved_num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         _one_of("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -191,6 +202,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     chunk_policy: str = "fixed"
     min_prefill_chunk: int = 32
+    itl_slow_share: float = 0.0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
 
@@ -204,6 +216,7 @@ class SchedulerConfig:
         _optional_positive("max_prefill_chunk", self.max_prefill_chunk)
         _one_of("chunk_policy", self.chunk_policy, CHUNK_POLICIES)
         _positive("min_prefill_chunk", self.min_prefill_chunk)
+        _share("itl_slow_share", self.itl_slow_share)
         _speculation(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         # The pool may hold fewer tokens than max_model_len: prompts that do not fit are refused
         # at add_request, and a request that outgrows the whole pool finishes with "length".
@@ -233,4 +246,5 @@ class SchedulerConfig:
             prompt_lookup_min=cfg.prompt_lookup_min,
             chunk_policy=cfg.chunk_policy,
             min_prefill_chunk=cfg.min_prefill_chunk,
+            itl_slow_share=cfg.itl_slow_share,
         )

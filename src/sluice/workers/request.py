@@ -64,6 +64,7 @@ class Request:
         "num_committed_blocks",
         "num_computed_tokens",
         "num_preemptions",
+        "num_slow_steps",
         "output_token_ids",
         "priority",
         "prompt_token_ids",
@@ -114,6 +115,7 @@ class Request:
         # Its inter-token latency target (sluice/objectives.py): while it decodes, the adaptive chunk
         # policy keeps each step within it (workers/step_budget.py). None: best effort.
         self.itl_target_s = itl_target_s
+        self.num_slow_steps = 0  # steps the adaptive policy let exceed its ITL target (its allowance spent)
         self.ttft_target_s = ttft_target_s  # a prompt still to prefill may raise the budget to meet it
         self.eos_token_ids = frozenset(eos_token_ids)
         # A resumed request starts as a preempted one would: its earlier output is context to

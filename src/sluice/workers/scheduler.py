@@ -210,9 +210,24 @@ class Scheduler:
         if budget < step.budget:
             budget = ttft_budget(self.cost_model, decodes, self._ttft_backlog(step, now), start=start,
                                  low=budget, budget=step.budget)
+        if budget < step.budget and self._spend_slow_step(step):
+            return step.budget
         if budget < step.budget:
             self.stats.num_itl_capped_steps += 1
         return budget
+
+    def _spend_slow_step(self, step: StepBuilder) -> bool:
+        """An ITL objective at a percentile forgives a share of slow gaps: while every decoding stream
+        with a target has one left (itl_slow_share of its max_tokens - 1 gaps), this step may be a
+        whole-budget one (few long steps finish a prompt sooner than many capped ones), and each of
+        them spends one."""
+        share = self.config.itl_slow_share
+        holders = [entry[0] for entry in step.decodes.values() if entry[0].itl_target_s is not None]
+        if share <= 0 or any(int(share * (r.sampling.max_tokens - 1)) <= r.num_slow_steps for r in holders):
+            return False
+        for request in holders:
+            request.num_slow_steps += 1
+        return True
 
     def _ttft_backlog(self, step: StepBuilder, now: float) -> list[tuple[int, float]]:
         """(prefill tokens up to and including it, seconds left to its TTFT target) of each prompt

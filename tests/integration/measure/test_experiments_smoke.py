@@ -61,7 +61,7 @@ def test_slo_quick(demo_model_dir: Path, tmp_path: Path) -> None:
                 "--json", str(out), "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(out.read_text())
-    assert list(summary["arms"]) == ["fixed-16", "fixed-64", "adaptive"]
+    assert list(summary["arms"]) == ["fixed-16", "fixed-64", "adaptive", "adaptive-p95"]
     for arm in summary["arms"].values():
         assert set(arm) == {"steady", "long_while_decoding", "batch_flood", "burst"}
         assert arm["batch_flood"]["batch_tokens_per_s"] > 0 and arm["batch_flood"]["good"] == 4

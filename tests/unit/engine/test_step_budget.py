@@ -26,10 +26,10 @@ BUDGET = 512
 FLOOR = 16
 
 
-def make(chunk_policy: str = "adaptive", cost_model: StepCostModel | None = None) -> Scheduler:
+def make(chunk_policy: str = "adaptive", cost_model: StepCostModel | None = None, slow_share: float = 0.0) -> Scheduler:
     config = SchedulerConfig(policy="chunked", block_size=4, num_kv_blocks=1024, max_num_batched_tokens=BUDGET,
                              max_num_seqs=16, max_model_len=4096, chunk_policy=chunk_policy,
-                             min_prefill_chunk=FLOOR)
+                             min_prefill_chunk=FLOOR, itl_slow_share=slow_share)
     return Scheduler(config, StepCostModel(HAND_MADE) if cost_model is None else cost_model)
 
 
@@ -81,6 +81,19 @@ def test_a_prompt_that_would_miss_its_ttft_raises_the_budget_as_far_as_it_needs(
         decoding(s, 4, itl=0.1)
         s.add_request(req("long", 1000, itl=None, ttft=ttft))
         assert expected[0] <= prefill_of(step(s)) <= expected[1], ttft
+
+
+def test_a_percentile_objective_spends_its_slow_gaps_on_whole_budget_steps() -> None:
+    """itl_slow_share 0.05 of 101 tokens: 5 slow gaps per stream (of 100). The long prompt's first 5
+    steps take the whole budget (508 prefill tokens next to 4 decodes), then the cap holds again."""
+    s = make(slow_share=0.05)
+    for i in range(4):
+        s.add_request(req(f"stream{i}", 4, itl=0.1, max_tokens=101))
+    step(s)
+    s.add_request(req("long", 4000, itl=None))
+    sizes = [prefill_of(step(s)) for _ in range(7)]
+    assert sizes == [BUDGET - 4] * 5 + [documented_budget(4, 0.1)] * 2
+    assert all(s.get_request(f"stream{i}").num_slow_steps == 5 for i in range(4))  # type: ignore[union-attr]
 
 
 def test_the_tightest_decoding_target_sets_the_budget() -> None:
@@ -164,7 +177,9 @@ def test_an_unexcited_direction_keeps_what_was_learnt() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "message"), [({"chunk_policy": "smart"}, "chunk_policy"),
-                                                      ({"min_prefill_chunk": 0}, "min_prefill_chunk")])
+                                                      ({"min_prefill_chunk": 0}, "min_prefill_chunk"),
+                                                      ({"itl_slow_share": 1.0}, "itl_slow_share"),
+                                                      ({"itl_slow_share": -0.1}, "itl_slow_share")])
 def test_bad_chunk_policy_settings_are_refused(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m", **overrides)  # type: ignore[arg-type]
