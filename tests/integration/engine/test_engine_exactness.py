@@ -84,8 +84,9 @@ def test_greedy_matches_hf_under_preemption(
         assert engine.scheduler.stats.num_preemptions > 0
 
 
+@pytest.mark.parametrize("slow_share", [0.0, 0.5])
 @pytest.mark.parametrize("model_fixture", MODELS)
-def test_greedy_matches_hf_with_adaptive_chunks(model_fixture: str, request: pytest.FixtureRequest,
+def test_greedy_matches_hf_with_adaptive_chunks(model_fixture: str, slow_share: float, request: pytest.FixtureRequest,
                                                 hf_reference) -> None:
     """The adaptive chunk policy moves chunk boundaries step by step (an ITL target no step meets
     holds prefill at an odd floor once the cost model has seen enough steps): output unchanged."""
@@ -93,6 +94,7 @@ def test_greedy_matches_hf_with_adaptive_chunks(model_fixture: str, request: pyt
     expected = hf_reference(model_dir)
     engine = LLMEngine(EngineConfig(
         model=str(model_dir), policy="chunked", chunk_policy="adaptive", min_prefill_chunk=7, block_size=16,
+        itl_slow_share=slow_share,  # 0.5: whole-budget steps between floor-sized ones
         max_num_batched_tokens=96, max_num_seqs=8, num_kv_blocks=96, max_model_len=128,
     ))
     sampling = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
