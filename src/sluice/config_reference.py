@@ -110,6 +110,7 @@ DOCUMENTED: tuple[type, ...] = (
     settings_module.GatewaySettings, settings_module.AdminSettings, settings_module.DatabaseSettings,
     settings_module.KafkaSettings, settings_module.BrokerSettings, settings_module.SchedulerSettings,
     settings_module.DispatchSettings, settings_module.RoutingSettings, settings_module.SharedSettings,
+    settings_module.ObjectiveSettings,
     EngineConfig,
     settings_module.ModelSpec, settings_module.TenantSeed, settings_module.QuotaSeed,
     settings_module.UpstreamSpec,
@@ -207,6 +208,7 @@ _SECTION_INTROS = {
                "prefix (docs/routing.md).",
     "shared": "State the gateway replicas share (docs/scale-out.md).",
     "tracing": "OpenTelemetry traces over OTLP/HTTP, off by default (docs/measuring.md, \"Traces\").",
+    "objectives": "Latency objectives per priority class: TTFT and ITL targets (docs/objectives.md).",
 }
 
 _ENGINE_INTRO = (

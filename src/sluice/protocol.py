@@ -169,6 +169,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # The tool-call format of the answer ("hermes", "llama3_json", "mistral") when the request gave
     # tools: the gateway parses the output with it (a batch line's too). The engine ignores it.
     tool_format: str | None = None
+    # Latency targets in seconds (sluice/objectives.py: class, tenant, header); None: best effort.
+    # The engine keeps a decoding request's steps within `itl_target_s` (workers/step_budget.py).
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
@@ -219,6 +223,11 @@ class WorkerCapacity(msgspec.Struct, frozen=True, kw_only=True, tag="capacity"):
     num_preemptions: int = 0  # engine preemptions since the worker started (cumulative)
     num_draft_tokens: int = 0  # speculative draft tokens verified since the worker started (cumulative)
     num_accepted_draft_tokens: int = 0  # of those, kept (cumulative)
+    # The engine's step-time model (workers/step_budget.py): seconds per scaled unit of each of its
+    # FEATURES; empty while it has not seen enough steps. For the gateway's TTFT prediction.
+    step_cost: tuple[float, ...] = ()
+    # Its recent relative prediction error of step time: (median, p95); None before any.
+    step_cost_error: tuple[float, float] | None = None
 
 
 class KvEvents(msgspec.Struct, frozen=True, kw_only=True, tag="kv_events"):

@@ -2,7 +2,7 @@
 
 Files (all optional except where noted), in `$SLUICE_CONFIG_DIR` (default: ./config):
   sluice.toml   sections [gateway] [admin] [database] [kafka] [broker] [scheduler] [dispatch] [shared]
-                [engine]
+                [objectives] [engine]
   models.toml   [[models]] name, path, and how a missing directory is made: demo = true or fetch = "NAME"
   tenants.toml  [[tenants]] the seed tenants (see TenantSeed)
   upstreams.toml [[upstreams]] OpenAI-compatible servers the gateway dispatches to (see UpstreamSpec,
@@ -26,6 +26,8 @@ from typing import Any, Literal
 import msgspec
 
 from sluice.errors import ConfigError
+from sluice.objectives import Objective, check_target
+from sluice.protocol import Priority
 
 ClassName = Literal["interactive", "standard", "batch"]
 
@@ -301,6 +303,31 @@ def check_shared_url(url: str) -> None:
 
 
 
+class ObjectiveSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Latency objectives per class (docs/objectives.md); a tenant's own targets replace the
+    interactive and standard ones for its requests. TOML has no null: a class keeps a target it has
+    by default; a very large value makes it lax."""
+
+    percentile: float = 95.0
+    """The percentile at which the targets are met (SLO attainment is reported against it), in (0, 100]."""
+    interactive_ttft_s: float | None = 3.0
+    """Interactive class: time to first token target, seconds (the source articles' 3 s)."""
+    interactive_itl_s: float | None = 0.3
+    """Interactive class: inter-token latency target, seconds (the articles' 100-300 ms per token)."""
+    standard_ttft_s: float | None = 10.0
+    """Standard class: time to first token target, seconds."""
+    standard_itl_s: float | None = 1.0
+    """Standard class: inter-token latency target, seconds."""
+    batch_ttft_s: float | None = None
+    """Batch class: time to first token target, seconds; unset = none (throughput only)."""
+    batch_itl_s: float | None = None
+    """Batch class: inter-token latency target, seconds; unset = none (throughput only)."""
+
+    def for_class(self, priority: Priority) -> Objective:
+        label = priority.label
+        return Objective(ttft_s=getattr(self, f"{label}_ttft_s"), itl_s=getattr(self, f"{label}_itl_s"))
+
+
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str
     """The model name clients send and workers announce."""
@@ -397,6 +424,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     routing: RoutingSettings = msgspec.field(default_factory=RoutingSettings)
     shared: SharedSettings = msgspec.field(default_factory=SharedSettings)
     tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
+    objectives: ObjectiveSettings = msgspec.field(default_factory=ObjectiveSettings)
     # Engine options for workers: keys of sluice.workers.config.EngineConfig (validated there).
     engine: dict[str, Any] = msgspec.field(default_factory=dict)
     models: tuple[ModelSpec, ...] = ()
@@ -406,7 +434,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 _SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "routing", "shared",
-             "tracing", "engine")
+             "tracing", "objectives", "engine")
 _FILES = {"sluice.toml": None, "models.toml": "models", "tenants.toml": "tenants", "upstreams.toml": "upstreams"}
 
 
@@ -448,7 +476,7 @@ _SECTION_TYPES: dict[str, type[msgspec.Struct]] = {
     "gateway": GatewaySettings, "admin": AdminSettings, "database": DatabaseSettings,
     "kafka": KafkaSettings, "broker": BrokerSettings, "scheduler": SchedulerSettings,
     "dispatch": DispatchSettings, "routing": RoutingSettings, "shared": SharedSettings,
-    "tracing": TracingSettings,
+    "tracing": TracingSettings, "objectives": ObjectiveSettings,
 }
 
 
@@ -518,6 +546,7 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
     if not settings.admin.console_session_ttl_s > 0:
         raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] console_session_ttl_s must be positive, "
                           f"got {settings.admin.console_session_ttl_s}")
+    _check_objectives(settings.objectives, sources.get("objectives", "[objectives]"))
     from sluice.workers.model.fetch import KNOWN_MODELS
 
     names = [model.name for model in settings.models]
@@ -552,6 +581,17 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
                 f"{tenant_source}: tenant {tenant.name!r}: allowed_models names unknown model(s) "
                 f"{sorted(unknown_models)}"
             )
+
+
+def _check_objectives(objectives: ObjectiveSettings, source: str) -> None:
+    if not 0 < objectives.percentile <= 100:
+        raise ConfigError(f"{source}: [objectives] percentile must be in (0, 100], got {objectives.percentile}")
+    for key in ObjectiveSettings.__struct_fields__:
+        if key != "percentile":
+            try:
+                check_target(key, getattr(objectives, key))
+            except ValueError as exc:
+                raise ConfigError(f"{source}: [objectives] {exc}") from None
 
 
 def upstream_root(base_url: str) -> str:

@@ -1,4 +1,4 @@
-"""`sluice bench engine|serve|policies|chunk-sweep|isolation|gateway-overhead|scale-out|chaos`: argument parsing only.
+"""`sluice bench engine|serve|policies|chunk-sweep|slo|isolation|gateway-overhead|scale-out|chaos`: arguments only.
 
 Each handler imports its implementation lazily, so `sluice --help` stays fast and an area's
 heavy imports (torch, matplotlib) load only for the command that needs them.

@@ -83,7 +83,7 @@ def build_services(settings: Settings, backend: GenerationBackend, *,
     tokenizers = TokenizerRegistry()
     generation = GenerationService(backend, tokenizers, quotas, usage, request_timeout_s=gw.request_timeout_s,
                                    max_prompt_chars=gw.max_prompt_chars, max_messages=gw.max_messages,
-                                   max_n=gw.max_n)
+                                   max_n=gw.max_n, objectives=settings.objectives)
     streams = StreamHub(shared.stream_log, generation.flights, generation.spawn, grace_s=gw.disconnect_grace_s)
     admin = AdminService(session_factory, auth, usage.flush)
     batch_service = None

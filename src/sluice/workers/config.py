@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 POLICIES = ("chunked", "prefill_first", "static")
+CHUNK_POLICIES = ("fixed", "adaptive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 MAX_BLOCK_SIZE = 256
@@ -40,6 +41,11 @@ def _speculation(num_tokens: int, lookup_min: int, lookup_max: int) -> None:
     _positive("prompt_lookup_max", lookup_max)
     if lookup_min > lookup_max:
         raise ValueError(f"prompt_lookup_min ({lookup_min}) must not exceed prompt_lookup_max ({lookup_max})")
+
+
+def _share(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
 
 
 def _block_size(value: int) -> None:
@@ -86,6 +92,19 @@ class EngineConfig:
     static batching)."""
     max_prefill_chunk: int | None = None
     """Cap on one request's prefill chunk per step, in tokens; unset = the step budget."""
+    chunk_policy: str = "fixed"
+    """`chunked` policy: `fixed` (prefill fills the step budget, each chunk capped by `max_prefill_chunk`)
+    or `adaptive` (each step's prefill is the largest whose predicted step time keeps every decoding
+    stream with an ITL target inside it, from a cost model fitted on the engine's own steps; at
+    least `min_prefill_chunk`; the whole budget when no such stream decodes; docs/objectives.md)."""
+    min_prefill_chunk: int = 32
+    """`adaptive` chunk policy: the prefill budget never goes below this (a long prompt keeps progressing
+    under an ITL target no step can meet)."""
+    itl_slow_share: float = 0.0
+    """`adaptive` chunk policy: the share of a stream's token gaps that may exceed its ITL target, in
+    [0, 1) (1 - the objectives' percentile: 0.05 for p95). While every decoding stream has such gaps
+    left (of max_tokens - 1), a step may take the whole prefill budget, spending one of each; 0 = every
+    step holds the target."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of a prompt prefix computed before (salted per tenant: tenants never share
     blocks)."""
@@ -130,6 +149,9 @@ class EngineConfig:
         _optional_positive("max_model_len", self.max_model_len)
         _one_of("policy", self.policy, POLICIES)
         _optional_positive("max_prefill_chunk", self.max_prefill_chunk)
+        _one_of("chunk_policy", self.chunk_policy, CHUNK_POLICIES)
+        _positive("min_prefill_chunk", self.min_prefill_chunk)
+        _share("itl_slow_share", self.itl_slow_share)
         _speculation(self.resolved_num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         _one_of("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -178,6 +200,9 @@ class SchedulerConfig:
     max_prefill_chunk: int | None = None
     enable_prefix_caching: bool = True
     num_speculative_tokens: int = 0
+    chunk_policy: str = "fixed"
+    min_prefill_chunk: int = 32
+    itl_slow_share: float = 0.0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
 
@@ -189,6 +214,9 @@ class SchedulerConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_model_len", self.max_model_len)
         _optional_positive("max_prefill_chunk", self.max_prefill_chunk)
+        _one_of("chunk_policy", self.chunk_policy, CHUNK_POLICIES)
+        _positive("min_prefill_chunk", self.min_prefill_chunk)
+        _share("itl_slow_share", self.itl_slow_share)
         _speculation(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         # The pool may hold fewer tokens than max_model_len: prompts that do not fit are refused
         # at add_request, and a request that outgrows the whole pool finishes with "length".
@@ -216,4 +244,7 @@ class SchedulerConfig:
             num_speculative_tokens=cfg.resolved_num_speculative_tokens,
             prompt_lookup_max=cfg.prompt_lookup_max,
             prompt_lookup_min=cfg.prompt_lookup_min,
+            chunk_policy=cfg.chunk_policy,
+            min_prefill_chunk=cfg.min_prefill_chunk,
+            itl_slow_share=cfg.itl_slow_share,
         )

@@ -144,6 +144,7 @@ class LLMEngine:
         return self._grammar_compiler
 
     def capacity(self, worker_id: str) -> WorkerCapacity:
+        cost = self.scheduler.cost_model
         return WorkerCapacity(
             worker_id=worker_id,
             num_running=self.scheduler.num_running,
@@ -152,6 +153,8 @@ class LLMEngine:
             total_kv_blocks=self.scheduler.num_total_blocks,
             max_num_seqs=self.config.max_num_seqs,
             sent_at=time.time(),
+            step_cost=cost.coefficients if cost.ready else (),
+            step_cost_error=cost.prediction_error(),
         )
 
     # ---- KV events -----------------------------------------------------------------------------
@@ -178,7 +181,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], sampling: SamplingParams,
                     priority: int = Priority.STANDARD, cache_salt: str = "",
-                    arrival_time: float | None = None, resume_token_ids: Sequence[int] = ()) -> None:
+                    arrival_time: float | None = None, resume_token_ids: Sequence[int] = (),
+                    itl_target_s: float | None = None, ttft_target_s: float | None = None) -> None:
         """Queues a request. `resume_token_ids`: output an earlier attempt produced and delivered
         (worker failover): it is recomputed with the prompt, and the request goes on from there as
         if undisturbed (same budget, stop checks, text and, for a seeded request, tokens)."""
@@ -204,7 +208,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, sampling,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
                           priority=priority, cache_salt=cache_salt, eos_token_ids=self.eos_token_ids,
-                          resume_token_ids=resumed)
+                          resume_token_ids=resumed, itl_target_s=itl_target_s, ttft_target_s=ttft_target_s)
         detokenizer = IncrementalDetokenizer(self._decode, token_ids, sampling.stop, resumed)
         if sampling.structured is not None:
             future = self.grammar_compiler.submit(sampling.structured)
@@ -254,14 +258,19 @@ class LLMEngine:
                 futures = [future for _, future, _ in self._compiling.values()]
                 concurrent.futures.wait(futures, timeout=0.005, return_when=concurrent.futures.FIRST_COMPLETED)
             return deltas
+        started = time.perf_counter()
         scheduled = self.scheduler.schedule(time.time())
+        failed = False
         try:
             runner_output = self.runner.execute(scheduled)
         except Exception:
+            failed = True
             runner_output = self._execute_isolating(scheduled, deltas)
         changed = self.scheduler.update(scheduled, runner_output, time.time())
         for request in changed:
             deltas.append(self._process(request, runner_output.logprobs.get(request.request_id, ())))
+        if not failed and scheduled.chunks:  # the whole step, as a decoding stream waits for it
+            self.scheduler.observe_step_time(scheduled, time.perf_counter() - started)
         return deltas
 
     def _admit_compiled(self, deltas: list[RequestDelta]) -> None:
@@ -381,8 +390,10 @@ class LLMEngine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams],
-                 request_ids: Sequence[str] | None = None, progress=None) -> list[GenerationResult]:
-        """Runs every prompt to completion; results in input order. `progress`: tqdm-like or None."""
+                 request_ids: Sequence[str] | None = None, progress=None,
+                 itl_target_s: float | None = None) -> list[GenerationResult]:
+        """Runs every prompt to completion; results in input order. `progress`: tqdm-like or None;
+        `itl_target_s`: every request's inter-token latency target (the adaptive chunk policy's input)."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling settings for {len(prompts)} prompts")
@@ -390,7 +401,7 @@ class LLMEngine:
         results: dict[str, GenerationResult] = {}
         now = time.time()
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
-            self.add_request(rid, prompt, p, arrival_time=now)
+            self.add_request(rid, prompt, p, arrival_time=now, itl_target_s=itl_target_s)
             results[rid] = GenerationResult(rid, self.tokenize(prompt), arrival_time=now)
         self.run_to_completion(results, progress)
         return [results[rid] for rid in ids]

@@ -212,7 +212,8 @@ class EngineHost:
             self.engine.add_request(rid, list(request.prompt_token_ids), request.sampling,
                                     priority=int(request.priority), cache_salt=request.cache_salt,
                                     arrival_time=request.arrival_time,
-                                    resume_token_ids=request.resume_token_ids)
+                                    resume_token_ids=request.resume_token_ids,
+                                    itl_target_s=request.itl_target_s, ttft_target_s=request.ttft_target_s)
         except Exception as exc:  # bad prompt for this model, values the engine refuses
             if isinstance(exc, ValueError):  # written for users (SamplingParams.validate, add_request)
                 text = str(exc)

@@ -58,11 +58,13 @@ class Request:
         "first_scheduled_time",
         "first_token_time",
         "grammar",
+        "itl_target_s",
         "ngram_index",
         "num_cached_tokens",
         "num_committed_blocks",
         "num_computed_tokens",
         "num_preemptions",
+        "num_slow_steps",
         "output_token_ids",
         "priority",
         "prompt_token_ids",
@@ -70,6 +72,7 @@ class Request:
         "sampling",
         "status",
         "token_times",
+        "ttft_target_s",
     )
 
     def __init__(
@@ -83,6 +86,8 @@ class Request:
         cache_salt: str = "",
         eos_token_ids: Iterable[int] = (),
         resume_token_ids: Sequence[int] = (),
+        itl_target_s: float | None = None,
+        ttft_target_s: float | None = None,
     ) -> None:
         if not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -90,6 +95,10 @@ class Request:
             raise ValueError(f"request {request_id}: the prompt must contain at least one token")
         if isinstance(priority, bool) or int(priority) < 0:
             raise ValueError(f"request {request_id}: priority must be a non-negative integer")
+        if itl_target_s is not None and not (math.isfinite(itl_target_s) and itl_target_s > 0):
+            raise ValueError(f"request {request_id}: itl_target_s must be a positive number of seconds")
+        if ttft_target_s is not None and not (math.isfinite(ttft_target_s) and ttft_target_s > 0):
+            raise ValueError(f"request {request_id}: ttft_target_s must be a positive number of seconds")
         if not math.isfinite(arrival_time):
             raise ValueError(f"request {request_id}: arrival_time must be a finite number")
         sampling.validate()
@@ -103,6 +112,11 @@ class Request:
         self.arrival_time = arrival_time
         self.arrival_seq = 0  # set by the scheduler: ties between equal arrival times
         self.cache_salt = cache_salt
+        # Its inter-token latency target (sluice/objectives.py): while it decodes, the adaptive chunk
+        # policy keeps each step within it (workers/step_budget.py). None: best effort.
+        self.itl_target_s = itl_target_s
+        self.num_slow_steps = 0  # steps the adaptive policy let exceed its ITL target (its allowance spent)
+        self.ttft_target_s = ttft_target_s  # a prompt still to prefill may raise the budget to meet it
         self.eos_token_ids = frozenset(eos_token_ids)
         # A resumed request starts as a preempted one would: its earlier output is context to
         # recompute, counted in the output (max_tokens, usage) but never reported again.
@@ -135,6 +149,8 @@ class Request:
             cache_salt=message.cache_salt,
             eos_token_ids=eos_token_ids,
             resume_token_ids=message.resume_token_ids,
+            itl_target_s=message.itl_target_s,
+            ttft_target_s=message.ttft_target_s,
         )
 
     @property

@@ -10,6 +10,12 @@ policies share one mechanism so their trade-offs can be measured on identical lo
   only (no decodes); otherwise it decodes every running request (vLLM v0 / TGI without chunking).
 - static: a batch is admitted only when nothing runs; it then decodes until every member finishes.
 
+Chunk policy (chunked only): `fixed` lets prefill chunks fill what the decodes leave of the budget;
+`adaptive` first caps that at the largest prefill whose predicted step time keeps the ITL target of
+every decoding request that has one (workers/step_budget.py: an online cost model the engine feeds
+with each step's measured time via `observe_step_time`), never below `min_prefill_chunk`, and
+raised as far as a prompt with a TTFT target still to prefill needs to meet it.
+
 Speculation (config.num_speculative_tokens > 0, any policy): a running request scheduled for just
 its last token also gets prompt-lookup draft tokens (workers/speculative.py) within the budget and
 the blocks already free (never preempting for a guess); `update` keeps the drafts that equal the
@@ -39,8 +45,12 @@ from sluice.workers.scheduler_output import (
     StepBuilder,
 )
 from sluice.workers.speculative import NgramIndex, PromptLookup
+from sluice.workers.step_budget import StepCostModel, StepShape, prefill_budget, ttft_budget
 
 __all__ = ["RunnerOutput", "ScheduledChunk", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+
+
+TTFT_LOOKAHEAD = 16  # waiting requests whose TTFT the adaptive budget looks after
 
 
 def _rank(request: Request) -> tuple[int, float, int]:
@@ -48,8 +58,10 @@ def _rank(request: Request) -> tuple[int, float, int]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, cost_model: StepCostModel | None = None) -> None:
         self.config = config
+        # The step-time model of the adaptive chunk policy; fitted online unless one is given (tests).
+        self.cost_model = cost_model if cost_model is not None else StepCostModel()
         self.block_manager = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -158,6 +170,8 @@ class Scheduler:
         policy = self.config.policy
         if policy == "chunked":
             self._schedule_running(step, now, self._decode)
+            if self.config.chunk_policy == "adaptive":
+                step.budget = self._adaptive_prefill_budget(step, now)
             self._schedule_running(step, now, self._prefill_chunk)
             if not step.resource_preempted:
                 self._admit(step, now, whole=False)
@@ -171,6 +185,68 @@ class Scheduler:
                 self._admit(step, now, whole=True)
         self.stats.num_steps += 1
         return step.build()
+
+    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """The measured duration of a step this scheduler planned: the cost model learns from it."""
+        self.cost_model.observe(StepShape.of(output), seconds)
+
+    def _adaptive_prefill_budget(self, step: StepBuilder, now: float) -> int:
+        """What is left of the budget for prefill once the decodes are in (module docstring)."""
+        target = min((entry[0].itl_target_s for entry in step.decodes.values()
+                      if entry[0].itl_target_s is not None), default=None)
+        if target is None or not self.cost_model.ready:
+            return step.budget  # nobody waits on this step's time, or nothing known yet: full budget
+        decodes = StepShape(
+            decode_rows=len(step.decodes),
+            context_tokens=sum(start + n for _, start, n, _ in step.decodes.values()),
+            verify_rows=sum(len(drafts) for *_, drafts in step.decodes.values()),
+        )
+        # The prefill's position: that of the most urgent running request still prefilling (its
+        # attention reads what it computed so far), else a new admission's (from 0).
+        start = next((r.num_computed_tokens for r in self._running
+                      if not step.has(r) and r.num_tokens - r.num_computed_tokens > 1), 0)
+        budget = prefill_budget(self.cost_model, decodes, target, start=start,
+                                floor=self.config.min_prefill_chunk, budget=step.budget)
+        if budget < step.budget:
+            budget = ttft_budget(self.cost_model, decodes, self._ttft_backlog(step, now), start=start,
+                                 low=budget, budget=step.budget)
+        if budget < step.budget and self._spend_slow_step(step):
+            return step.budget
+        if budget < step.budget:
+            self.stats.num_itl_capped_steps += 1
+        return budget
+
+    def _spend_slow_step(self, step: StepBuilder) -> bool:
+        """An ITL objective at a percentile forgives a share of slow gaps: while every decoding stream
+        with a target has one left (itl_slow_share of its max_tokens - 1 gaps), this step may be a
+        whole-budget one (few long steps finish a prompt sooner than many capped ones), and each of
+        them spends one."""
+        share = self.config.itl_slow_share
+        holders = [entry[0] for entry in step.decodes.values() if entry[0].itl_target_s is not None]
+        if share <= 0 or any(int(share * (r.sampling.max_tokens - 1)) <= r.num_slow_steps for r in holders):
+            return False
+        for request in holders:
+            request.num_slow_steps += 1
+        return True
+
+    def _ttft_backlog(self, step: StepBuilder, now: float) -> list[tuple[int, float]]:
+        """(prefill tokens up to and including it, seconds left to its TTFT target) of each prompt
+        with a target still to prefill, in the order prefill is served: running ones, then the
+        first TTFT_LOOKAHEAD waiting ones (prefix-cache hits ignored: an over-estimate)."""
+        waiting = [entry[3] for entry in heapq.nsmallest(TTFT_LOOKAHEAD, self._waiting)
+                   if entry[3].status == RequestStatus.WAITING]
+        backlog: list[tuple[int, float]] = []
+        tokens = 0
+        for request in [*(r for r in self._running if not step.has(r)), *waiting]:
+            left = request.num_tokens - request.num_computed_tokens
+            if left <= 1:
+                continue
+            tokens += left
+            if request.ttft_target_s is not None and request.first_token_time is None:
+                slack = request.arrival_time + request.ttft_target_s - now
+                if slack > 0:
+                    backlog.append((tokens, slack))
+        return backlog
 
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput, now: float) -> list[Request]:
         """Apply a step's results; return the requests that got a token or finished this step."""

@@ -64,6 +64,7 @@ class SchedulerStats:
     prefix_hit_tokens: int = 0  # of those, tokens served from cached blocks
     num_draft_tokens: int = 0  # speculative tokens computed
     num_accepted_draft_tokens: int = 0  # of those, kept (each saved a step of its request)
+    num_itl_capped_steps: int = 0  # adaptive chunk policy: steps whose prefill was cut to hold an ITL target
 
 
 class StepBuilder:

@@ -60,6 +60,16 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     _common(sweep, "chunk-sweep")
     sweep.set_defaults(handler=_chunk_sweep)
 
+    slo = bench_subparsers.add_parser(
+        "slo", help="fixed chunk sizes vs the adaptive chunk policy on a phased load (goodput, ITL, TTFT)")
+    slo.add_argument("--chunks", type=positive_int_list, default=[64, 128, 256, 512, 1024, 2048])
+    _engine_args(slo)
+    slo.add_argument("--slo", default="ttft=3s,itl=300ms",
+                     help="interactive targets (standard: 10/3 of them, batch none), e.g. ttft=3s,itl=300ms")
+    slo.add_argument("--phases", nargs="+", help="steady long_while_decoding batch_flood burst (default: all)")
+    _common(slo, "slo")
+    slo.set_defaults(handler=_slo)
+
     isolation = bench_subparsers.add_parser(
         "isolation", help="interactive TTFT p95 with/without a batch flood, priority on/off (full stack)")
     isolation.add_argument("--flood", type=int, default=2000, help="batch lines in the flood")
@@ -162,6 +172,12 @@ def _chunk_sweep(args: argparse.Namespace) -> int:
     from sluice_lab.experiments.chunk_sweep import run_chunk_sweep_command
 
     return run_chunk_sweep_command(args)
+
+
+def _slo(args: argparse.Namespace) -> int:
+    from sluice_lab.experiments.slo_bench import run_slo_command
+
+    return run_slo_command(args)
 
 
 def _isolation(args: argparse.Namespace) -> int:

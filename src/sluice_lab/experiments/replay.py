@@ -33,6 +33,8 @@ class TimedRequest:
     # offset has passed). Ties an arrival to the load's progress rather than to the clock, so
     # "a long prompt arrives while streams decode" holds on a slow CPU and on a fast GPU alike.
     after: tuple[str, int] | None = None
+    itl_target_s: float | None = None  # the engine's adaptive chunk policy holds its steps within it
+    ttft_target_s: float | None = None  # ... and raises its prefill budget for this one's first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +92,8 @@ def replay(engine: LLMEngine, requests: Sequence[TimedRequest], *, model: str = 
             # A timed arrival is charged from its scheduled time; a triggered one from now.
             arrival = now if req.after is not None else start + req.offset_s
             engine.add_request(req.request_id, list(req.prompt_token_ids), sampling,
-                               priority=req.priority, arrival_time=arrival)
+                               priority=req.priority, arrival_time=arrival,
+                               itl_target_s=req.itl_target_s, ttft_target_s=req.ttft_target_s)
             results[req.request_id] = GenerationResult(req.request_id, list(req.prompt_token_ids),
                                                        arrival_time=arrival)
         if engine.has_work:

@@ -82,3 +82,24 @@ def test_greedy_matches_hf_under_preemption(
     assert _run(engine) == hf_reference(model_dir)
     if policy != "static":  # static admits a batch only when it fits, so it may never preempt
         assert engine.scheduler.stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("slow_share", [0.0, 0.5])
+@pytest.mark.parametrize("model_fixture", MODELS)
+def test_greedy_matches_hf_with_adaptive_chunks(model_fixture: str, slow_share: float, request: pytest.FixtureRequest,
+                                                hf_reference) -> None:
+    """The adaptive chunk policy moves chunk boundaries step by step (an ITL target no step meets
+    holds prefill at an odd floor once the cost model has seen enough steps): output unchanged."""
+    model_dir: Path = request.getfixturevalue(model_fixture)
+    expected = hf_reference(model_dir)
+    engine = LLMEngine(EngineConfig(
+        model=str(model_dir), policy="chunked", chunk_policy="adaptive", min_prefill_chunk=7, block_size=16,
+        itl_slow_share=slow_share,  # 0.5: whole-budget steps between floor-sized ones
+        max_num_batched_tokens=96, max_num_seqs=8, num_kv_blocks=96, max_model_len=128,
+    ))
+    sampling = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # the second pass: a fitted model, and prefix-cache hits
+        assert [r.token_ids for r in engine.generate(_prompts(), sampling, itl_target_s=1e-6)] == expected
+    assert engine.scheduler.cost_model.ready and engine.scheduler.stats.num_itl_capped_steps > 0
+    reported = engine.capacity("w")  # what the worker's heartbeat carries to the gateway
+    assert reported.step_cost == engine.scheduler.cost_model.coefficients and reported.step_cost_error is not None

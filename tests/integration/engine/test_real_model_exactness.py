@@ -139,3 +139,17 @@ def test_real_model_greedy_matches_hf(policy: str, config: str, real_model_dir: 
     assert engine.scheduler.stats.prefix_hit_tokens > hits_before  # served partly from the prefix cache
     if policy != "static" and config == "small-pool":  # static admits a batch only when it fits
         assert engine.scheduler.stats.num_preemptions > 0
+
+
+def test_real_model_greedy_matches_hf_with_adaptive_chunks(real_model_dir: Path, prompts: list[list[int]],
+                                                           hf_greedy) -> None:
+    """The adaptive chunk policy under an ITL target no step meets: prefill held at an odd floor while
+    streams decode, the whole budget otherwise; chunk boundaries move, greedy output must not."""
+    references = hf_greedy(real_model_dir, prompts, MAX_NEW_TOKENS, persist=True)
+    engine = LLMEngine(EngineConfig(model=str(real_model_dir), policy="chunked", dtype="float32",
+                                    chunk_policy="adaptive", min_prefill_chunk=13, **CONFIGS["small-pool"]))
+    sampling = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for label in ("first pass", "second pass"):
+        got = [r.token_ids for r in engine.generate(prompts, sampling, itl_target_s=1e-6)]
+        _compare(f"adaptive/small-pool {label}", got, references)
+    assert engine.scheduler.stats.num_itl_capped_steps > 0

@@ -333,3 +333,24 @@ async def test_a_change_arriving_during_a_key_lookup_is_not_undone_by_it(service
     with pytest.raises(OpenAIError) as caught:
         await auth.authenticate(created.key)
     assert caught.value.status == 401
+
+
+async def test_tenant_objectives_survive_a_restart(services, database_url: str) -> None:
+    """Targets set through the admin service are rows: a fresh AuthService (a restarted gateway) reads them."""
+    from sluice.objectives import Objective
+
+    _, auth, admin, _ = services
+    tenant = await admin.create_tenant(TenantCreate(name="slo", ttft_target_s=2.0))
+    key = await admin.create_key(tenant.id, KeyCreate(name="k"))
+    assert (await auth.authenticate(key.key)).objective == Objective(ttft_s=2.0)
+    await admin.update_tenant(tenant.id, TenantPatch(itl_target_s=0.2))
+    assert (await auth.authenticate(key.key)).objective == Objective(ttft_s=2.0, itl_s=0.2)  # evicted at once
+    engine = make_engine(database_url)
+    try:
+        restarted = AuthService(make_session_factory(engine), cache_ttl_s=300.0)
+        assert (await restarted.authenticate(key.key)).objective == Objective(ttft_s=2.0, itl_s=0.2)
+        await restarted.drain()
+    finally:
+        await engine.dispose()
+    await admin.update_tenant(tenant.id, TenantPatch(ttft_target_s=None))
+    assert (await auth.authenticate(key.key)).objective == Objective(itl_s=0.2)

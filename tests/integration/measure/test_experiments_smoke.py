@@ -55,6 +55,28 @@ def test_chunk_sweep_quick(demo_model_dir: Path, tmp_path: Path) -> None:
     assert png.stat().st_size > 10_000
 
 
+def test_slo_quick(demo_model_dir: Path, tmp_path: Path) -> None:
+    out, png = tmp_path / "slo.json", tmp_path / "slo.png"
+    proc = _run("slo", "--quick", "--chunks", "16,64", "--slo", "ttft=500ms,itl=50ms", "--model", str(demo_model_dir),
+                "--json", str(out), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(out.read_text())
+    assert list(summary["arms"]) == ["fixed-16", "fixed-64", "adaptive", "adaptive-p95"]
+    for arm in summary["arms"].values():
+        assert set(arm) == {"steady", "long_while_decoding", "batch_flood", "burst"}
+        assert arm["batch_flood"]["batch_tokens_per_s"] > 0 and arm["batch_flood"]["good"] == 4
+        for phase in ("steady", "long_while_decoding", "burst"):
+            assert arm[phase]["interactive_itl_p95_s"] > 0 and arm[phase]["interactive_ttft_p95_s"] > 0
+        median, p95 = arm["long_while_decoding"]["cost_model_error"]  # warmed up: the model reports its error
+        assert 0 <= median <= p95
+    verdict = summary["verdict"]
+    assert verdict["best_single_fixed"] in ("fixed-16", "fixed-64") and verdict["adaptive_goodput_rps"] >= 0
+    assert png.stat().st_size > 10_000
+    assert "adaptive / best single fixed" in proc.stdout
+
+
 def test_experiment_flags_are_validated() -> None:
     proc = _run("chunk-sweep", "--chunks", "64,abc")
     assert proc.returncode == 2 and "comma-separated integers" in proc.stderr
+    proc = _run("slo", "--phases", "lunch")
+    assert proc.returncode != 0 and "unknown phase" in proc.stderr

@@ -119,3 +119,19 @@ async def test_a_finished_request_frees_its_slot_on_the_other_app_before_its_ans
         assert answer.status_code == 200, answer.text
         if stream:
             assert answer.text.rstrip().endswith("data: [DONE]")
+
+
+async def test_tenant_objectives_edited_on_a_reach_b(two_replicas) -> None:
+    a, b, admin = two_replicas
+    tenant_id, _, key = await new_key(a, admin, priority_ceiling="interactive", default_class="interactive")
+    auth = {"authorization": f"Bearer {key}"}
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    first = await b.post("/v1/chat/completions", json=body, headers=auth)  # B caches the tenant
+    assert first.status_code == 200 and first.headers["x-sluice-objective"] == "ttft=3, itl=0.3", first.text
+    edited = await a.patch(f"/admin/tenants/{tenant_id}", json={"itl_target_s": 0.15}, headers=admin)
+    assert edited.status_code == 200, edited.text
+    start = time.monotonic()
+    while (await b.post("/v1/chat/completions", json=body, headers=auth)).headers["x-sluice-objective"] != \
+            "ttft=3, itl=0.15":
+        assert time.monotonic() - start < PROPAGATION_S * 5, "B still serves against the old target"
+        await asyncio.sleep(0.05)

@@ -196,3 +196,22 @@ def test_worker_ttft_falls_back_to_first_scheduling_without_dispatch() -> None:
     assert record.queue_wait_s is None
     assert record.engine_ttft_s == pytest.approx(100.9 - 100.3)
     assert record.engine_first_token == 100.9 and record.engine_first_scheduled == 100.3
+
+
+def test_slo_attainment_is_judged_per_record_and_counted_per_class_and_tenant() -> None:
+    """TTFT 1.0 s and token gaps 0.1..0.4 s (p95 ~0.385 s): met against 3 s / 0.5 s, missed against
+    0.5 s TTFT or a 0.3 s ITL; no target or an abort is not judged, an error misses."""
+    assert _record().slo_met is None
+    assert _record(ttft_target_s=3.0, itl_target_s=0.5).slo_met is True
+    assert _record(ttft_target_s=0.5, itl_target_s=0.5).slo_met is False
+    assert _record(ttft_target_s=3.0, itl_target_s=0.3).slo_met is False
+    assert _record(ttft_target_s=3.0, finish_reason="abort").slo_met is None
+    assert _record(ttft_target_s=3.0, finish_reason="error").slo_met is False
+    labels = {"model": "model-slo", "class": "interactive", "tenant": "tenant-slo"}
+    for met, targets in ((True, (3.0, 0.5)), (True, (3.0, None)), (False, (0.5, 0.5)), (None, (None, None))):
+        record = _record(model="model-slo", tenant="tenant-slo", ttft_target_s=targets[0], itl_target_s=targets[1])
+        assert record.slo_met is met
+        telemetry.observe_record(record)
+    assert _sample_value("sluice:slo_requests_total", {**labels, "outcome": "met"}) == 2
+    assert _sample_value("sluice:slo_requests_total", {**labels, "outcome": "missed"}) == 1
+    assert msgspec.json.decode(telemetry.encode_record(_record(ttft_target_s=3.0)))["ttft_target_s"] == 3.0

@@ -18,6 +18,9 @@ Weight = Annotated[float, msgspec.Meta(gt=0, le=1e6)]
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
 # A stream's disconnect grace for this tenant (docs/streams.md); null = the gateway's setting.
 Grace = Annotated[float, msgspec.Meta(ge=0, le=3600)] | None
+# A latency target of this tenant's interactive and standard requests (sluice/objectives.py);
+# null = the class's target from [objectives].
+Target = Annotated[float, msgspec.Meta(gt=0, le=3600)] | None
 
 
 class Quotas(msgspec.Struct, kw_only=True):
@@ -55,6 +58,8 @@ class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weight: Weight = 1.0
     allowed_models: list[ModelName] = msgspec.field(default_factory=list)  # empty = every model
     disconnect_grace_s: Grace = None
+    ttft_target_s: Target = None
+    itl_target_s: Target = None
     quotas: Quotas = msgspec.field(default_factory=Quotas)
 
 
@@ -67,6 +72,8 @@ class TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_models: list[ModelName] | msgspec.UnsetType = msgspec.UNSET
     enabled: bool | msgspec.UnsetType = msgspec.UNSET
     disconnect_grace_s: Grace | msgspec.UnsetType = msgspec.UNSET
+    ttft_target_s: Target | msgspec.UnsetType = msgspec.UNSET
+    itl_target_s: Target | msgspec.UnsetType = msgspec.UNSET
     quotas: QuotasPatch | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -81,6 +88,8 @@ class TenantOut(msgspec.Struct, kw_only=True):
     enabled: bool
     created_at: dt.datetime
     disconnect_grace_s: float | None  # null: the gateway's gateway.disconnect_grace_s
+    ttft_target_s: float | None  # null: the class's target ([objectives])
+    itl_target_s: float | None  # null: the class's target ([objectives])
     quotas: Quotas
 
 

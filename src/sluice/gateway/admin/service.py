@@ -61,6 +61,8 @@ def tenant_out(tenant: Tenant, quota: Quota | None) -> TenantOut:
         enabled=tenant.enabled,
         created_at=tenant.created_at,
         disconnect_grace_s=tenant.disconnect_grace_s,
+        ttft_target_s=tenant.ttft_target_s,
+        itl_target_s=tenant.itl_target_s,
         quotas=Quotas(**(quota.limits() if quota is not None else {})),
     )
 
@@ -119,6 +121,8 @@ class AdminService:
             enabled=True,
             created_at=utcnow(),
             disconnect_grace_s=body.disconnect_grace_s,
+            ttft_target_s=body.ttft_target_s,
+            itl_target_s=body.itl_target_s,
         )
         quota = Quota(tenant_id=tenant.id, **{f: getattr(body.quotas, f) for f in QUOTA_FIELDS})
         try:
@@ -138,6 +142,8 @@ class AdminService:
                         "weight": body.weight,
                         "allowed_models": list(body.allowed_models),
                         "disconnect_grace_s": body.disconnect_grace_s,
+                        "ttft_target_s": body.ttft_target_s,
+                        "itl_target_s": body.itl_target_s,
                         "quotas": quota.limits(),
                     },
                 )

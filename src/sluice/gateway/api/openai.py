@@ -10,10 +10,11 @@ from typing import Any, TypeVar
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath, FromQuery, JSONBody
 
+from sluice import objectives
 from sluice.gateway.admin.schemas import UsageList, usage_list
 from sluice.gateway.auth.guards import current_tenant, tenant_guard
 from sluice.gateway.auth.service import TenantContext
-from sluice.gateway.edge.errors import OpenAIError, error_responses
+from sluice.gateway.edge.errors import OpenAIError, bad_request, error_responses
 from sluice.gateway.edge.openapi import TENANT_SECURITY
 from sluice.gateway.edge.schemas import (
     ChatCompletion,
@@ -37,6 +38,7 @@ from sluice.gateway.streams.hub import (
     parse_last_event_id,
 )
 from sluice.gateway.streams.response import SSEResponse
+from sluice.objectives import Objective
 
 T = TypeVar("T")
 
@@ -97,6 +99,22 @@ async def _unless_disconnected(request: Request[Any, Any, Any], work: Coroutine[
         watcher.cancel()
 
 
+def _objective_header(request: Request[Any, Any, Any]) -> Objective | None:
+    """`X-Sluice-Objective: ttft=1.5, itl=0.2`: targets that can only tighten the tenant's (a 400 on garbage)."""
+    value = request.headers.get(objectives.HEADER)
+    if value is None:
+        return None
+    try:
+        return objectives.parse_header(value)
+    except ValueError as exc:
+        raise bad_request(f"{exc}.", "X-Sluice-Objective") from None
+
+
+def _objective_answer(state: RequestState) -> dict[str, str]:
+    generate = state.request
+    return {objectives.HEADER: objectives.format_header(generate.ttft_target_s, generate.itl_target_s)}
+
+
 async def _answer(request: Request[Any, Any, Any], services: Services, tenant: TenantContext,
                   state: RequestState) -> Response[Any]:
     """Launches a prepared request; answers with an SSE stream when it asked for one, else the whole body."""
@@ -111,7 +129,7 @@ async def _answer(request: Request[Any, Any, Any], services: Services, tenant: T
         return Response(body, headers=services.quotas.headers(tenant))
     flight = await generation.launch(tenant, state)
     body = await _unless_disconnected(request, complete(flight, tokenizer))
-    return Response(body, headers=services.quotas.headers(tenant))
+    return Response(body, headers={**services.quotas.headers(tenant), **_objective_answer(state)})
 
 
 async def _answer_stream(request: Request[Any, Any, Any], services: Services, tenant: TenantContext,
@@ -159,7 +177,8 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
         await streams.log.drop(response_id, tenant.id, key)  # nothing was streamed: a retry starts anew
         raise
     streams.start(flight, Framer(state, generation.tokenizers.get(state.request.model)), grace_s)
-    return SSEResponse(streams.follow(response_id, -1), {**services.quotas.headers(tenant), **_SSE_HEADERS})
+    return SSEResponse(streams.follow(response_id, -1),
+                       {**services.quotas.headers(tenant), **_objective_answer(state), **_SSE_HEADERS})
 
 
 async def _attach(streams: StreamHub, quotas: QuotaService, tenant: TenantContext, response_id: str,
@@ -210,7 +229,7 @@ class OpenAIController(Controller):
         self, request: Request[Any, Any, Any], services: Injected[Services], data: JSONBody[ChatCompletionRequest],
     ) -> Response[ChatCompletion]:
         tenant = current_tenant(request)
-        state = await services.generation.prepare(tenant, data)
+        state = await services.generation.prepare(tenant, data, _objective_header(request))
         return await _answer(request, services, tenant, state)
 
     @post(
@@ -224,7 +243,7 @@ class OpenAIController(Controller):
         self, request: Request[Any, Any, Any], services: Injected[Services], data: JSONBody[CompletionRequest],
     ) -> Response[Completion]:
         tenant = current_tenant(request)
-        state = await services.generation.prepare(tenant, data)
+        state = await services.generation.prepare(tenant, data, _objective_header(request))
         return await _answer(request, services, tenant, state)
 
     @get(

@@ -26,7 +26,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from litestar.connection import ASGIConnection
@@ -38,6 +38,7 @@ from sluice.gateway.cluster.invalidation import Change, InvalidationBus, LocalBu
 from sluice.gateway.db.models import AdminToken, ApiKey, Quota, Tenant
 from sluice.gateway.edge.errors import OpenAIError
 from sluice.gateway.quotas.service import QuotaLimits
+from sluice.objectives import Objective
 from sluice.protocol import Priority
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class TenantContext:
     limits: QuotaLimits
     key_id: str = ""
     disconnect_grace_s: float | None = None  # None: the gateway's setting
+    objective: Objective = field(default_factory=Objective)  # the tenant's own targets; None fields: the class's
+
 
     def allows_model(self, model: str) -> bool:
         return not self.allowed_models or model in self.allowed_models
@@ -106,6 +109,7 @@ def tenant_context(tenant: Tenant, quota: Quota | None, key_id: str = "") -> Ten
         limits=QuotaLimits.from_row(quota),
         key_id=key_id,
         disconnect_grace_s=tenant.disconnect_grace_s,
+        objective=Objective(ttft_s=tenant.ttft_target_s, itl_s=tenant.itl_target_s),
     )
 
 

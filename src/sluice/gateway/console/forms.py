@@ -64,6 +64,9 @@ def tenant_patch(form: Mapping[str, Any]) -> TenantPatch:
         "default_class": _text(form, "default_class"),
         "weight": _text(form, "weight"),
         "allowed_models": _models(form),
+        # Latency targets (sluice/objectives.py): empty = the class's target.
+        "ttft_target_s": _text(form, "ttft_target_s") or None,
+        "itl_target_s": _text(form, "itl_target_s") or None,
     }, TenantPatch)
 
 

@@ -45,6 +45,10 @@ class Tenant(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     # How long a stream whose client went away waits for a re-attach; NULL = gateway.disconnect_grace_s.
     disconnect_grace_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
+    # Latency targets replacing the class's for its interactive and standard requests (sluice/objectives.py);
+    # NULL = the class's target from [objectives].
+    ttft_target_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
+    itl_target_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
 
 
 class ApiKey(Base):

@@ -24,7 +24,9 @@ from sluice.gateway.generation.tokenization import ModelTokenizer, TokenizerRegi
 from sluice.gateway.generation.tools import call_constraint, fallback_messages, template_tool_calls, tool_request
 from sluice.grammar import GrammarError
 from sluice.grammar import check as grammar_check
+from sluice.objectives import Objective, resolve
 from sluice.protocol import GenerateRequest, Priority, SamplingParams, StructuredOutput
+from sluice.settings import ObjectiveSettings
 
 TIER_TO_CLASS = {
     "priority": Priority.INTERACTIVE,
@@ -139,10 +141,12 @@ def context_exceeded(context: int, prompt_tokens: int, param: str) -> OpenAIErro
 class RequestPreparer:
     """Validates bodies into requests for the models this gateway serves."""
 
-    def __init__(self, tokenizers: TokenizerRegistry, could_serve: Callable[[str], bool], limits: SizeLimits) -> None:
+    def __init__(self, tokenizers: TokenizerRegistry, could_serve: Callable[[str], bool], limits: SizeLimits,
+                 objectives: ObjectiveSettings | None = None) -> None:
         self.tokenizers = tokenizers
         self.could_serve = could_serve
         self.limits = limits
+        self.objectives = objectives if objectives is not None else ObjectiveSettings()
 
     def model_tokenizer(self, tenant: TenantContext, model: str) -> ModelTokenizer:
         """The tokenizer of a model this tenant may use: 404 for an unknown model, 403 for a forbidden one."""
@@ -164,17 +168,19 @@ class RequestPreparer:
             )
         return tokenizer
 
-    def prepare(self, tenant: TenantContext, body: ChatCompletionRequest | CompletionRequest) -> RequestState:
+    def prepare(self, tenant: TenantContext, body: ChatCompletionRequest | CompletionRequest,
+                header: Objective | None = None) -> RequestState:
         if isinstance(body, ChatCompletionRequest):
-            return self.prepare_chat(tenant, body)
-        return self.prepare_completion(tenant, body)
+            return self.prepare_chat(tenant, body, header)
+        return self.prepare_completion(tenant, body, header)
 
     def _check_size(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         fault = size_fault(body, self.limits)
         if fault is not None:
             raise body_fault(fault)
 
-    def prepare_chat(self, tenant: TenantContext, body: ChatCompletionRequest) -> RequestState:
+    def prepare_chat(self, tenant: TenantContext, body: ChatCompletionRequest,
+                     header: Objective | None = None) -> RequestState:
         tokenizer = self.model_tokenizer(tenant, body.model)
         self._check_size(body)
         messages = template_messages(body.messages)
@@ -198,6 +204,7 @@ class RequestPreparer:
         return self._finish(
             tenant, body, tokenizer, prompt_ids, max_tokens,
             endpoint="chat",
+            header=header,
             max_tokens_param="max_tokens" if body.max_completion_tokens is None else "max_completion_tokens",
             default_max=None,
             logprobs=bool(body.logprobs),
@@ -206,7 +213,8 @@ class RequestPreparer:
             tool_format=tokenizer.tool_format if tools is not None else None,
         )
 
-    def prepare_completion(self, tenant: TenantContext, body: CompletionRequest) -> RequestState:
+    def prepare_completion(self, tenant: TenantContext, body: CompletionRequest,
+                           header: Objective | None = None) -> RequestState:
         tokenizer = self.model_tokenizer(tenant, body.model)
         if body.echo:
             raise bad_request("echo is not supported.", "echo")
@@ -230,6 +238,7 @@ class RequestPreparer:
         return self._finish(
             tenant, body, tokenizer, prompt_ids, body.max_tokens,
             endpoint="text",
+            header=header,
             default_max=COMPLETIONS_DEFAULT_MAX_TOKENS,
             logprobs=logprobs is not None,
             top_logprobs=logprobs or 0,
@@ -245,6 +254,7 @@ class RequestPreparer:
         max_tokens: int | None,
         *,
         endpoint: Endpoint,
+        header: Objective | None,
         max_tokens_param: str = "max_tokens",
         default_max: int | None,
         logprobs: bool,
@@ -305,6 +315,7 @@ class RequestPreparer:
         stream = bool(body.stream)
         if body.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+        objective = resolve(self.objectives.for_class(priority), priority, tenant.objective, header)
         choices = body.n or 1
         if choices > 1 and stream:
             raise bad_request("n above 1 is not supported with stream yet: stream one request per choice, or "
@@ -321,6 +332,8 @@ class RequestPreparer:
             cache_salt=tenant.id,
             arrival_time=arrival,
             tenant_weight=tenant.weight,
+            ttft_target_s=objective.ttft_s,
+            itl_target_s=objective.itl_s,
             traceparent=tracing.current_traceparent(),
             tool_format=tool_format,
         )

@@ -30,6 +30,8 @@ from sluice.gateway.generation.tokenize_pool import INLINE_PROMPT_CHARS, FairTok
 from sluice.gateway.queueing.backend import BackendUnavailable, GenerationBackend, Submission
 from sluice.gateway.quotas.service import QuotaExceeded, QuotaService
 from sluice.gateway.quotas.usage import UsageService
+from sluice.objectives import Objective
+from sluice.settings import ObjectiveSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +49,14 @@ class GenerationService:
         max_prompt_chars: int = 1_048_576,
         max_messages: int = 2048,
         max_n: int = 8,
+        objectives: ObjectiveSettings | None = None,
     ) -> None:
         if not request_timeout_s > 0:
             raise ValueError(f"gateway.request_timeout_s must be positive, got {request_timeout_s}")
         self.backend = backend
         self.limits = SizeLimits(max_messages=max_messages, max_prompt_chars=max_prompt_chars, max_n=max_n)
-        self.preparer = RequestPreparer(tokenizers, backend.could_serve, self.limits)
+        self.preparer = RequestPreparer(tokenizers, backend.could_serve, self.limits,
+                                        objectives if objectives is not None else ObjectiveSettings())
         self.tokenize_pool = FairTokenizePool()
         self.tokenizers = tokenizers
         self.quotas = quotas
@@ -70,11 +74,13 @@ class GenerationService:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    async def prepare(self, tenant: TenantContext, body: ChatCompletionRequest | CompletionRequest) -> RequestState:
-        """The validated request, on a worker thread when the prompt is large."""
+    async def prepare(self, tenant: TenantContext, body: ChatCompletionRequest | CompletionRequest,
+                      header: Objective | None = None) -> RequestState:
+        """The validated request, on a worker thread when the prompt is large. `header`: the
+        request's own (tightening) objective, from `X-Sluice-Objective`."""
         chars = prompt_chars(body)
         if size_fault(body, self.limits) is not None or chars <= INLINE_PROMPT_CHARS:
-            return self.preparer.prepare(tenant, body)  # a cheap limit refuses it at once, or it is small
+            return self.preparer.prepare(tenant, body, header)  # a cheap limit refuses it at once, or it is small
         # Costly from here: first what needs no tokenizing (the 429s, a prompt far over the context).
         self.quotas.precheck(tenant, pending=self.tokenize_pool.waiting(tenant.id))
         tokenizer = self.preparer.model_tokenizer(tenant, body.model)
@@ -87,7 +93,7 @@ class GenerationService:
                 code="context_length_exceeded",
             )
         try:
-            return await self.tokenize_pool.run(tenant.id, self.preparer.prepare, tenant, body)
+            return await self.tokenize_pool.run(tenant.id, self.preparer.prepare, tenant, body, header)
         except OpenAIError:
             await self.quotas.count_request(tenant)  # the tokenizing was spent: the request counts
             raise

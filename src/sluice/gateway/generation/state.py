@@ -183,6 +183,7 @@ class RequestState:
             cached_tokens=self.cached_tokens, finish_reason=self.finish_reason or "abort",
             engine_first_scheduled=self.engine_first_scheduled, engine_first_token=self.engine_first_token,
             batch_id=request.batch_id, route=self.route, route_cached_tokens=self.route_cached_tokens,
+            ttft_target_s=request.ttft_target_s, itl_target_s=request.itl_target_s,
         )
 
 
