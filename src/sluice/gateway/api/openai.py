@@ -34,6 +34,7 @@ from sluice.gateway.streams.hub import (
     disconnect_grace,
     not_found,
     parse_last_event_id,
+    wants_ids,
 )
 from sluice.gateway.streams.response import SSEResponse
 
@@ -56,8 +57,9 @@ _GENERATION_ERRORS = error_responses(
 )
 _SSE_NOTE = (
     " With `stream: true` the answer is `text/event-stream`: one `data: <chunk JSON>` event per "
-    "delta, then `data: [DONE]`. Every event has `id: <response id>:<seq>`; a client that lost the "
-    "stream re-sends the POST with the same `Idempotency-Key` and `Last-Event-ID`, or attaches with "
+    "delta, then `data: [DONE]`. With `X-Sluice-Resumable: 1` or an `Idempotency-Key` every event "
+    "also has `id: <response id>:<seq>` (without: `data:` lines only); a client that lost the stream "
+    "re-sends the POST with the same `Idempotency-Key` and `Last-Event-ID`, or attaches with "
     "`GET .../{id}/events` (docs/streams.md). `X-Sluice-Disconnect: abort` aborts on disconnect "
     "instead of after the grace window."
 )
@@ -122,6 +124,7 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
     default_grace_s = streams.grace_s if tenant.disconnect_grace_s is None else tenant.disconnect_grace_s
     grace_s = disconnect_grace(headers.get("x-sluice-disconnect"), default_grace_s)
     last_id, after = parse_last_event_id(headers.get("last-event-id"), None)
+    with_ids = wants_ids(headers.get("x-sluice-resumable"), key)
     response_id = state.request_id
     if last_id is not None and key is None:
         raise OpenAIError(
@@ -131,7 +134,7 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
     if existing is not None:
         if last_id is not None and last_id != existing:
             raise OpenAIError(400, "Last-Event-ID names another response than this Idempotency-Key's.")
-        return await _attach(streams, services.quotas, tenant, existing, after)
+        return await _attach(streams, services.quotas, tenant, existing, after, with_ids=with_ids)
     if last_id is not None:  # a resume whose original is gone: starting over would repeat events
         raise not_found(last_id)
     services.drain.refuse_new()  # attaching (above) is still served while draining
@@ -146,7 +149,7 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
         raise
     if existing is not None:  # a concurrent POST with this key was filed first: follow that one
         flight.finish(aborted=True)
-        return await _attach(streams, services.quotas, tenant, existing, after)
+        return await _attach(streams, services.quotas, tenant, existing, after, with_ids=with_ids)
     try:  # the first delta before the first byte: an expiry until then is an HTTP error
         await _unless_disconnected(request, flight.first_delta())
     except BaseException:
@@ -154,13 +157,16 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
         await streams.log.drop(response_id, tenant.id, key)  # nothing was streamed: a retry starts anew
         raise
     streams.start(flight, Framer(state, generation.tokenizers.get(state.request.model)), grace_s)
-    return SSEResponse(streams.follow(response_id, -1), {**services.quotas.headers(tenant), **_SSE_HEADERS})
+    events = streams.follow(response_id, -1, with_ids=with_ids)
+    return SSEResponse(events, {**services.quotas.headers(tenant), **_SSE_HEADERS})
 
 
 async def _attach(streams: StreamHub, quotas: QuotaService, tenant: TenantContext, response_id: str,
-                  after: int) -> Response[Any]:
+                  after: int, *, with_ids: bool = True) -> Response[Any]:
+    """Follows a logged response; an attach by GET always has ids (only a resuming client uses it)."""
     await streams.check_owner(response_id, tenant.id, after)
-    return SSEResponse(streams.follow(response_id, after), {**quotas.headers(tenant), **_SSE_HEADERS})
+    events = streams.follow(response_id, after, with_ids=with_ids)
+    return SSEResponse(events, {**quotas.headers(tenant), **_SSE_HEADERS})
 
 
 _ATTACH_ERRORS = error_responses(400, 401, 403, 404, 410, notes={404: "Unknown, expired, or another tenant's"})
