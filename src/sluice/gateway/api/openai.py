@@ -23,7 +23,7 @@ from sluice.gateway.edge.schemas import (
     ModelCard,
     ModelList,
 )
-from sluice.gateway.generation.answers import complete
+from sluice.gateway.generation.answers import complete, settled_refusal
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.quotas.service import QuotaService
 from sluice.gateway.services import Injected, Services
@@ -156,6 +156,9 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
         flight.finish(aborted=True)
         await streams.log.drop(response_id, tenant.id, key)  # nothing was streamed: a retry starts anew
         raise
+    if flight.submission.refusal() is not None:  # an upstream's 4xx: an HTTP error, as when not streamed
+        await streams.log.drop(response_id, tenant.id, key)
+        raise await settled_refusal(flight)
     streams.start(flight, Framer(state, generation.tokenizers.get(state.request.model)), grace_s)
     events = streams.follow(response_id, -1, with_ids=with_ids)
     return SSEResponse(events, {**services.quotas.headers(tenant), **_SSE_HEADERS})
@@ -191,7 +194,8 @@ class OpenAIController(Controller):
         tenant = current_tenant(request)
         backend = services.backend
         cards = [
-            ModelCard(id=m.name, created=services.started_at, max_model_len=m.max_model_len)
+            ModelCard(id=m.name, created=services.started_at,
+                      max_model_len=min(m.max_model_len, backend.link_limits(m.name).max_model_len or m.max_model_len))
             for m in backend.served_models()
             if tenant.allows_model(m.name) and backend.could_serve(m.name)
         ]

@@ -18,6 +18,7 @@ from sluice.gateway.edge.errors import OpenAIError, bad_request, body_fault
 from sluice.gateway.edge.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from sluice.gateway.generation.state import Endpoint, Envelope, RequestState
 from sluice.gateway.generation.tokenization import ModelTokenizer, TokenizerRegistry
+from sluice.gateway.queueing.backend import LinkLimits
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 
 TIER_TO_CLASS = {
@@ -102,10 +103,12 @@ def context_exceeded(context: int, prompt_tokens: int, param: str) -> OpenAIErro
 class RequestPreparer:
     """Validates bodies into requests for the models this gateway serves."""
 
-    def __init__(self, tokenizers: TokenizerRegistry, could_serve: Callable[[str], bool], limits: SizeLimits) -> None:
+    def __init__(self, tokenizers: TokenizerRegistry, could_serve: Callable[[str], bool], limits: SizeLimits,
+                 link_limits: Callable[[str], LinkLimits] | None = None) -> None:
         self.tokenizers = tokenizers
         self.could_serve = could_serve
         self.limits = limits
+        self.link_limits = link_limits or (lambda _model: LinkLimits())
 
     def model_tokenizer(self, tenant: TenantContext, model: str) -> ModelTokenizer:
         """The tokenizer of a model this tenant may use: 404 for an unknown model, 403 for a forbidden one."""
@@ -202,7 +205,13 @@ class RequestPreparer:
             raise bad_request("logit_bias is not supported (an empty object is accepted).", "logit_bias")
         # The body's types bound every number (edge/schemas.py); what is left depends on the model and tenant.
         priority = resolve_priority(tenant, body.service_tier)
-        context = tokenizer.max_model_len
+        links = self.link_limits(tokenizer.name)
+        if logprobs and not links.logprobs:
+            raise bad_request(f"logprobs are not available for the model `{tokenizer.name}`: it is served by an "
+                              "upstream server whose logprobs sluice does not relay.", "logprobs")
+        context = tokenizer.max_model_len  # the smaller of sluice's and an upstream's (its /v1/models)
+        if links.max_model_len is not None:
+            context = min(context, links.max_model_len)
         if len(prompt_ids) >= context:
             raise context_exceeded(context, len(prompt_ids), "messages" if endpoint == "chat" else "prompt")
         room = context - len(prompt_ids)

@@ -50,7 +50,7 @@ class GenerationService:
             raise ValueError(f"gateway.request_timeout_s must be positive, got {request_timeout_s}")
         self.backend = backend
         self.limits = SizeLimits(max_messages=max_messages, max_prompt_chars=max_prompt_chars)
-        self.preparer = RequestPreparer(tokenizers, backend.could_serve, self.limits)
+        self.preparer = RequestPreparer(tokenizers, backend.could_serve, self.limits, backend.link_limits)
         self._tokenize_slots = asyncio.Semaphore(TOKENIZE_THREADS)
         self.tokenizers = tokenizers
         self.quotas = quotas
