@@ -90,7 +90,7 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     every replica when the state is shared)."""
     record_log_path: str = ""
     """Append one JSON line per finished request to this file; empty = the `sluice.records` logger
-    only."""
+    only (at INFO). With a file, the logger gets each record at DEBUG only (off the terminal)."""
 
 
 class AdminSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

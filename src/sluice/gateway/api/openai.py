@@ -66,6 +66,12 @@ _SSE_NOTE = (
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
+def _class_header(state: RequestState) -> dict[str, str]:
+    """The class the request ran in (interactive, standard, batch); `service_tier` in the body
+    echoes what the client asked for instead."""
+    return {"x-sluice-class": state.request.priority.label}
+
+
 async def _unless_disconnected(request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]) -> T:
     """Runs a whole (non-streaming) generation, or the wait for a stream's first delta, in this
     task, cancelling it when the client goes away.
@@ -108,7 +114,7 @@ async def _answer(request: Request[Any, Any, Any], services: Services, tenant: T
     flight = await generation.launch(tenant, state)
     tokenizer = generation.tokenizers.get(state.request.model)
     body = await _unless_disconnected(request, complete(flight, tokenizer))
-    return Response(body, headers=services.quotas.headers(tenant))
+    return Response(body, headers={**services.quotas.headers(tenant), **_class_header(state)})
 
 
 async def _answer_stream(request: Request[Any, Any, Any], services: Services, tenant: TenantContext,
@@ -161,7 +167,7 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
         raise await settled_refusal(flight)
     streams.start(flight, Framer(state, generation.tokenizers.get(state.request.model)), grace_s)
     events = streams.follow(response_id, -1, with_ids=with_ids)
-    return SSEResponse(events, {**services.quotas.headers(tenant), **_SSE_HEADERS})
+    return SSEResponse(events, {**services.quotas.headers(tenant), **_class_header(state), **_SSE_HEADERS})
 
 
 async def _attach(streams: StreamHub, quotas: QuotaService, tenant: TenantContext, response_id: str,

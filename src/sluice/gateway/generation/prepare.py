@@ -271,7 +271,12 @@ class RequestPreparer:
             tenant_weight=tenant.weight,
         )
         envelope = Envelope(
-            id=request_id, created=int(arrival), model=tokenizer.name, service_tier=CLASS_TO_TIER[priority],
+            # A client that did not ask for a tier is told "default", whatever class its tenant's
+            # default put it in (clients file usage under the tier they are told: issue #35); one
+            # that asked is told the tier it ran at (its ask, or less under the tenant's ceiling).
+            # The class itself is the `x-sluice-class` header.
+            id=request_id, created=int(arrival), model=tokenizer.name,
+            service_tier="default" if body.service_tier is None else CLASS_TO_TIER[priority],
             endpoint=endpoint, include_usage=bool(stream and body.stream_options and body.stream_options.include_usage),
         )
         return RequestState(request=request, envelope=envelope, tenant_name=tenant.name, stream=stream)
