@@ -165,10 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # Libraries that narrate every start-up step (or, httpx: every request, the upstream probes'
-    # once a second among them) at INFO; their warnings still show.
-    for noisy in ("alembic", "aiokafka", "httpx"):
+    # Libraries that narrate every start-up step at INFO; their warnings still show.
+    for noisy in ("alembic", "aiokafka"):
         logging.getLogger(noisy).setLevel(max(logging.getLogger().level, logging.WARNING))
+    # httpx logs every request at INFO, with its URL: an upstream's probe once a second (its URL
+    # never belongs in an INFO log). Shown with --log-level DEBUG only.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING)
     try:
         return int(args.handler(args) or 0)
     except (SluiceError, ValueError) as exc:

@@ -3,6 +3,7 @@ off the terminal when a record file is configured, and an upstream's KV shown as
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice import telemetry
+from sluice import cli, telemetry
 from sluice.cli import main
 from sluice.gateway.console.views import worker_rows
 from sluice.live_window import LiveWindow
@@ -69,3 +70,18 @@ def test_an_upstream_s_kv_is_not_shown_as_zero_of_zero() -> None:
     rows = {row.worker_id: row for row in worker_rows(snapshot, LiveWindow())}
     assert rows["local-0"].kv_known and rows["local-0"].kv_percent == 75
     assert not rows["upstream/vllm"].kv_known
+
+
+@pytest.mark.parametrize(("level", "shown"), [("INFO", False), ("DEBUG", True)])
+def test_httpx_request_lines_only_at_debug(level: str, shown: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpx logs each request (an upstream probe's, with its URL) at INFO: shown only at DEBUG."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--log-level", type=str.upper, default="INFO")
+    parser.set_defaults(handler=lambda _args: 0, command="test")
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    previous = logging.getLogger("httpx").level
+    try:
+        assert cli.main(["--log-level", level]) == 0
+        assert logging.getLogger("httpx").isEnabledFor(logging.INFO) is shown
+    finally:
+        logging.getLogger("httpx").setLevel(previous)
