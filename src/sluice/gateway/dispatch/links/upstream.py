@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 1.0  # kind vllm: how often its /metrics gauges are read
+KV_FULL = 0.95  # kind vllm: at this `vllm:kv_cache_usage_perc` its batch takes nothing more
 DRAIN_AFTER_DONE_S = 1.0  # after [DONE], the server's end of the body is awaited this long (else: closed)
 MAX_ERROR_DETAIL = 300  # characters of an upstream's own error message passed on to the client
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -194,6 +195,7 @@ class UpstreamLink:
         # Kind vllm: its gauges at the last /metrics reading, and when it was taken (unix s).
         self.num_waiting = 0
         self.num_running = 0
+        self.kv_usage = 0.0  # vllm:kv_cache_usage_perc, 0..1
         self._read_at = 0.0
 
     # ---- room (the WorkerLink interface) -------------------------------------------------------
@@ -206,11 +208,23 @@ class UpstreamLink:
 
     @property
     def est_waiting(self) -> int:
+        """Kind vllm: the server's queue as it is now. Its last reading plus what was sent since,
+        but never more than this link's jobs with no token yet: a job that starts (its first token)
+        or ends frees room at once, not at the next reading a second later. Of those, the ones its
+        batch can take now (`max_num_seqs` minus this link's running jobs, while its KV has room)
+        are not waiting: they join the running batch at its next step."""
         if self.spec.kind != "vllm":
             return 0  # no queue is reported: the cap alone bounds what is sent
-        sent_since = sum(1 for job in self.inflight.values()
-                         if not job.started and (job.state.dispatch_time or 0.0) >= self._read_at)
-        return self.num_waiting + sent_since
+        unstarted = sent_since = 0
+        for job in self.inflight.values():
+            if not job.started:
+                unstarted += 1
+                sent_since += (job.state.dispatch_time or 0.0) >= self._read_at
+        queued = min(self.num_waiting + sent_since, unstarted)
+        batch_room = 0
+        if self.spec.max_num_seqs and self.kv_usage < KV_FULL:
+            batch_room = max(0, self.spec.max_num_seqs - (len(self.inflight) - unstarted))
+        return max(0, queued - batch_room)
 
     def has_room_for(self, priority: Priority, max_waiting: int) -> bool:
         waiting = self.est_waiting
@@ -331,6 +345,8 @@ class UpstreamLink:
                         request_id=request.request_id, token_ids=token_ids, text=text,
                         num_prompt_tokens=prompt_tokens, num_output_tokens=stream.num_output_tokens,
                         first_token_time=first, token_times=(now,) * count))
+                    if first is not None and self.spec.kind == "vllm":
+                        self._host.wake()  # it left the server's queue: room for the next, now
                 if choice.get("finish_reason"):
                     finish = str(choice["finish_reason"])
             return False
@@ -444,12 +460,15 @@ class UpstreamLink:
                                if (name := self.spec.served_names.get(model, model)) in published}
 
     def _read_gauges(self, text: str, asked_at: float) -> None:
-        waiting = running = 0.0
+        waiting = running = kv = 0.0
         for family in text_string_to_metric_families(text):  # ValueError on garbage
             if family.name == "vllm:num_requests_waiting":
                 waiting = sum(sample.value for sample in family.samples)
             elif family.name == "vllm:num_requests_running":
                 running = sum(sample.value for sample in family.samples)
+            elif family.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+                kv = max((sample.value for sample in family.samples), default=0.0)
+        self.kv_usage = kv
         changed = (int(waiting), int(running)) != (self.num_waiting, self.num_running)
         self.num_waiting, self.num_running, self._read_at = int(waiting), int(running), asked_at
         if changed:
