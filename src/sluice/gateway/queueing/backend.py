@@ -55,6 +55,7 @@ class ServedModel:
     name: str
     path: str
     max_model_len: int
+    tool_parser: str | None = None  # models.toml's override of the tool-call format
 
 
 @dataclass(frozen=True, slots=True)
