@@ -100,16 +100,16 @@ UPLOAD_FILE_SCHEMA = {"type": "string", "format": "binary", "contentMediaType": 
                       "description": "UTF-8 JSONL, one batch request per line (other bytes are a 400)"}
 
 
-def _bound_token_ids(node: Any, max_token_id: int | None) -> None:
+def bound_token_ids(node: Any, max_token_id: int | None) -> None:
     """Every schema marked as a client's token id gets the served vocabulary's bound."""
     if isinstance(node, dict):
         if node.pop(TOKEN_ID_MARK, None) and max_token_id is not None:
             node["maximum"] = max_token_id
         for value in node.values():
-            _bound_token_ids(value, max_token_id)
+            bound_token_ids(value, max_token_id)
     elif isinstance(node, list):
         for value in node:
-            _bound_token_ids(value, max_token_id)
+            bound_token_ids(value, max_token_id)
 
 
 def _text_uploads(document: dict[str, Any]) -> None:
@@ -140,7 +140,7 @@ def refine(document: dict[str, Any], types: Iterable[type[msgspec.Struct]], *,
         if name in schemas:
             schemas[name].update(rule)
     _text_uploads(document)
-    _bound_token_ids(document, max_token_id)
+    bound_token_ids(document, max_token_id)
     return document
 
 
