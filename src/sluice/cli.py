@@ -45,9 +45,30 @@ def _call(module_name: str, function: str, target: argparse._SubParsersAction) -
     getattr(importlib.import_module(module_name), function)(target)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _log_level(value: str) -> str:
+    level = value.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sluice")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sluice", description="Multi-tenant LLM serving: gateway, queues, workers.")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    parser.add_argument("--version", action="version", version=f"sluice {_version()}")
+    parser.add_argument("--log-level", default="INFO", type=_log_level, metavar="LEVEL",
+                        help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for module_name, function in _REGISTRARS:
@@ -141,12 +162,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     # Libraries that narrate every start-up step at INFO; their warnings still show.
     for noisy in ("alembic", "aiokafka"):
         logging.getLogger(noisy).setLevel(max(logging.getLogger().level, logging.WARNING))
+    # httpx logs every request at INFO, with its URL: an upstream's probe once a second (its URL
+    # never belongs in an INFO log). Shown with --log-level DEBUG only.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING)
     try:
         return int(args.handler(args) or 0)
     except (SluiceError, ValueError) as exc:

@@ -90,7 +90,7 @@ def stream_chat(
     urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
     if not urls:
         raise ValueError("stream_chat needs at least one base URL")
-    headers = {"authorization": f"Bearer {api_key}", "idempotency-key": uuid.uuid4().hex}
+    headers = {"authorization": f"Bearer {api_key}", "idempotency-key": uuid.uuid4().hex, "x-sluice-resumable": "1"}
     payload = {**body, "stream": True}
     last_id = ""
     own = client is None

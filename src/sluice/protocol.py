@@ -198,6 +198,9 @@ class RequestDelta(msgspec.Struct, frozen=True, kw_only=True, tag="delta"):
     logprobs: tuple[PositionLogprobs, ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # An upstream server refused the request as invalid (its HTTP 4xx): the client gets this status
+    # with `error` (the server's own message) instead of a 500 "please retry" (issue #35).
+    error_status: int | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

@@ -102,7 +102,7 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     every replica when the state is shared)."""
     record_log_path: str = ""
     """Append one JSON line per finished request to this file; empty = the `sluice.records` logger
-    only."""
+    only (at INFO). With a file, the logger gets each record at DEBUG only (off the terminal)."""
 
 
 class AdminSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -407,6 +407,11 @@ class UpstreamSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `vllm:num_requests_waiting` is under `dispatch.max_worker_waiting`; `openai`: the cap alone."""
     priority: bool = False
     """Pass the class to vLLM's `priority` field (a server run with `--scheduling-policy priority`)."""
+    max_num_seqs: int = 0
+    """Kind `vllm`: the server's batch size (its `--max-num-seqs`, which it does not publish). Jobs
+    that its batch can take at once (this minus the jobs running there, none while its
+    `vllm:kv_cache_usage_perc` is 95 % or more) do not count as waiting, so the server is fed as
+    deep as its batch goes; 0 = unknown: only its short queue (`dispatch.max_worker_waiting`)."""
     request_timeout_s: float = 600.0
     """One request, connection to last byte."""
     connect_timeout_s: float = 5.0
@@ -633,6 +638,8 @@ def _check_upstreams(upstreams: tuple[UpstreamSpec, ...], models: list[str], sou
             raise ConfigError(f"{where}: served_names names model(s) {extra} that are not in its models")
         if up.max_concurrency < 1:
             raise ConfigError(f"{where}: max_concurrency must be at least 1, got {up.max_concurrency}")
+        if up.max_num_seqs < 0:
+            raise ConfigError(f"{where}: max_num_seqs must be 0 (unknown) or positive, got {up.max_num_seqs}")
         for key in ("request_timeout_s", "connect_timeout_s"):
             if not getattr(up, key) > 0:
                 raise ConfigError(f"{where}: {key} must be positive, got {getattr(up, key)}")

@@ -404,7 +404,11 @@ def emit_record(record: RequestRecord, token_times: Sequence[float] = ()) -> Non
     histogram sees every real gap rather than the mean.
     """
     line = encode_record(record)
-    _log.info("%s", line.decode())
+    # With a record file (`make run`'s var/records.jsonl) the terminal shows records only at DEBUG:
+    # one INFO line per request buried the log; without a file the logger is where they go.
+    level = logging.DEBUG if _sink.path else logging.INFO
+    if _log.isEnabledFor(level):
+        _log.log(level, "%s", line.decode())
     _sink.write(line)
     observe_record(record, token_times)
     WINDOW.observe_request(record.tenant, ttft_s=record.ttft_s, token_times=token_times,

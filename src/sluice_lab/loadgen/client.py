@@ -138,6 +138,7 @@ async def send_streaming(client: httpx.AsyncClient, spec: RequestSpec, *, model:
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     if reconnects:
         headers["Idempotency-Key"] = uuid.uuid4().hex
+        headers["X-Sluice-Resumable"] = "1"  # events with ids (docs/streams.md)
     body = build_body(spec, model, endpoint)
     path = endpoint_path(endpoint)
     result = ClientResult(spec=spec, sent=time.time())

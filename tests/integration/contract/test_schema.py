@@ -19,7 +19,7 @@ from sluice.gateway.app import create_app
 from sluice.gateway.batches import batch_components
 from sluice.gateway.batches.controllers import BatchCreate
 from sluice.gateway.edge.errors import ErrorResponse
-from sluice.gateway.edge.openapi import REF_TEMPLATE
+from sluice.gateway.edge.openapi import COMPONENT_RULES, REF_TEMPLATE, bound_token_ids
 from sluice.gateway.edge.schemas import ChatCompletionRequest, CompletionRequest
 from sluice.gateway.queueing.acceptance import KafkaBackend
 from sluice.settings import KafkaSettings, Settings
@@ -99,8 +99,10 @@ def test_body_schemas_are_the_validators_own(served: Served) -> None:
     types = [ChatCompletionRequest, CompletionRequest, BatchCreate, TenantCreate, TenantPatch, QuotasPatch,
              KeyCreate, ErrorResponse]
     _, components = msgspec.json.schema_components(types, ref_template=REF_TEMPLATE)
+    # A client's token ids are bounded by the served vocabulary (the demo model's 512 tokens).
+    bound_token_ids(components, 511)
     for name, schema in components.items():
-        assert served_components[name] == schema, name
+        assert served_components[name] == {**schema, **COMPONENT_RULES.get(name, {})}, name
     # Bounds that Litestar on its own dropped (zero) or never had.
     chat = served_components["ChatCompletionRequest"]["properties"]
     assert {
@@ -108,6 +110,8 @@ def test_body_schemas_are_the_validators_own(served: Served) -> None:
     } == {"type": "number", "minimum": 0.0, "maximum": 1.0}
     assert chat["top_k"]["anyOf"][0]["maximum"] == 2**31 - 1
     assert chat["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == 2**31 - 1
+    prompt_ids = served_components["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]["items"]
+    assert (prompt_ids["minimum"], prompt_ids["maximum"]) == (0, 511)
     assert served_components["TenantCreate"]["properties"]["weight"]["exclusiveMinimum"] == 0
 
 

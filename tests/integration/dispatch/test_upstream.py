@@ -35,8 +35,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # Speculation off: the class test's long stream must hold the upstream while two requests queue
 # behind it, and prompt lookup on the demo model's repetitive greedy text would finish it in a
 # fraction of a second (CI saw the interactive request never queue).
+# The upstream's context is shorter than the demo model's 4096 (the front's own): the front reads
+# it from the upstream's /v1/models and checks requests against it.
+UPSTREAM_CONTEXT = 3072
 UPSTREAM_TOML = ("[dispatch]\nlocal_workers = 1\nheartbeat_interval_s = 0.5\n"
-                 "[engine]\nmax_num_seqs = 16\nmax_num_batched_tokens = 512\nnum_speculative_tokens = 0\n")
+                 "[engine]\nmax_num_seqs = 16\nmax_num_batched_tokens = 512\nnum_speculative_tokens = 0\n"
+                 f"max_model_len = {UPSTREAM_CONTEXT}\n")
 HOLDER_MAX_TOKENS = 2000
 # No minimum class shares: the class test checks that interactive goes before batch work queued
 # earlier, which the batch lane's share (owed when no recent dispatch was batch) would reverse.
@@ -206,6 +210,47 @@ def test_completions_and_chat_streaming_and_not(pair: Pair) -> None:
     (view,) = pair.workers()
     assert view["worker_id"] == "upstream/second" and view["kind"] == "upstream"
     assert "127.0.0.1" not in json.dumps(view)  # no URL in the views
+
+
+def test_the_upstream_s_context_its_refusals_and_logprobs_reach_the_client_as_4xx(pair: Pair) -> None:
+    """Issue #35: an over-long request is a 400 naming max_tokens at the front (the upstream's
+    /v1/models context, not the model's config); a request the upstream itself refuses (here: its
+    tenant's per-request output cap, a real 400 of a real server) reaches the client as the same
+    400 with the upstream's message, streamed or not; logprobs, which the link does not relay,
+    are a 400 naming them rather than an empty list."""
+    headers = {"authorization": f"Bearer {pair.keys['demo-chat']}"}
+    with httpx.Client(base_url=pair.front.base, headers=headers, timeout=120) as front:
+        cards = front.get("/v1/models").json()["data"]
+        assert [c["max_model_len"] for c in cards if c["id"] == "demo"] == [UPSTREAM_CONTEXT]
+        for stream in (False, True):
+            body = {"model": "demo", "prompt": "a long story", "max_tokens": UPSTREAM_CONTEXT - 2, "stream": stream}
+            answer = front.post("/v1/completions", json=body)
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["param"] == "max_tokens" and str(UPSTREAM_CONTEXT) in error["message"], error
+        for path, extra in (("/v1/completions", {"logprobs": 2}), ("/v1/chat/completions", {"logprobs": True})):
+            prompt = {"prompt": "hi"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]}
+            answer = front.post(path, json={"model": "demo", **prompt, "max_tokens": 2, **extra})
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "logprobs", answer.text
+
+        tenants = pair.upstream.admin("GET", "/admin/tenants").json()
+        up_tenant = next(t["id"] for t in (tenants["data"] if isinstance(tenants, dict) else tenants)
+                         if t["name"] == "demo-chat")
+        capped = pair.upstream.admin("PATCH", f"/admin/tenants/{up_tenant}", json={"quotas": {"max_output_tokens": 3}})
+        assert capped.status_code == 200, capped.text
+        try:
+            for stream in (False, True):
+                body = {"model": "demo", "prompt": "hello", "max_tokens": 5, "stream": stream}
+                answer = front.post("/v1/completions", json=body)
+                assert answer.status_code == 400, answer.text  # not a 500 "please retry"
+                error = answer.json()["error"]
+                assert "your limit is 3" in error["message"] and "retry" not in error["message"], error
+        finally:
+            lifted = pair.upstream.admin("PATCH", f"/admin/tenants/{up_tenant}",
+                                         json={"quotas": {"max_output_tokens": None}})
+            assert lifted.status_code == 200 and lifted.json()["quotas"]["max_output_tokens"] is None, lifted.text
+        again = front.post("/v1/completions", json={"model": "demo", "prompt": "hello", "max_tokens": 5})
+        assert again.status_code == 200, again.text  # the cap lifted: served again
 
 
 def test_quota_refuses_before_the_upstream_sees_anything(pair: Pair) -> None:

@@ -31,6 +31,13 @@ def test_models_and_chat(gateway) -> None:
     )
     assert again.choices[0].message.content == answer.choices[0].message.content  # greedy is deterministic
     assert again.service_tier == "priority"
+    # service_tier echoes the ask ("default" when none); the class is in x-sluice-class.
+    raw = client.chat.completions.with_raw_response.create(model="demo", messages=CHAT, max_tokens=2)
+    assert raw.parse().service_tier == "default" and raw.headers["x-sluice-class"] == "standard"
+    raw = client.chat.completions.with_raw_response.create(model="demo", messages=CHAT, max_tokens=2,
+                                                           service_tier="priority", stream=True)
+    assert raw.headers["x-sluice-class"] == "interactive"
+    assert {c.service_tier for c in raw.parse() if c.choices} == {"priority"}
 
 
 def test_chat_streaming_with_usage(gateway) -> None:

@@ -99,17 +99,13 @@ def test_admin_flow(gateway) -> None:
             assert (
                 chat.status_code == 200 and chat.json()["service_tier"] == "default"
             )  # capped at its ceiling
-            assert (
-                client.post(
-                    "/v1/chat/completions",
-                    json={
-                        "model": "demo",
-                        "messages": [{"role": "user", "content": "hi"}],
-                        "max_tokens": 2,
-                    },
-                ).json()["service_tier"]
-                == "flex"
-            )  # tenant default class: batch
+            assert chat.headers["x-sluice-class"] == "standard"
+            unasked = client.post(
+                "/v1/chat/completions",
+                json={"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            )
+            # The tenant's default class (batch) is in the header; the body echoes that no tier was asked.
+            assert unasked.json()["service_tier"] == "default" and unasked.headers["x-sluice-class"] == "batch"
         assert "workers" in admin.get("/admin/workers").json()
         assert "queues" in admin.get("/admin/queues").json()
         actions = [e["action"] for e in admin.get("/admin/audit", params={"target": tid}).json()["data"]]

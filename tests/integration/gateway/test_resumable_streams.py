@@ -32,6 +32,7 @@ pytestmark = pytest.mark.integration
 
 GRACE_S = 60.0  # the gateway's setting: long, so a test that sees an abort sooner saw the opt-out
 CHAT = [{"role": "user", "content": "Tell me a long story about rivers."}]
+RESUMABLE = {"x-sluice-resumable": "1"}  # events with ids (without it or a key: `data:` lines only)
 
 
 @pytest.fixture(scope="module", params=["in-process", "redis"])
@@ -113,7 +114,7 @@ def test_every_event_has_an_id_and_a_stale_last_event_id_replays_exactly_the_res
     with gateway.client(key) as client:
         body = chat(stream=True, stream_options={"include_usage": True})
         want = reference(client, chat())
-        response, items = sse(client, "POST", "/v1/chat/completions", json=body)
+        response, items = sse(client, "POST", "/v1/chat/completions", json=body, headers=RESUMABLE)
         assert response.status_code == 200
         response_id = json.loads(items[0][1])["id"]
         assert_consecutive(items, response_id)  # usage chunk and [DONE] included
@@ -165,7 +166,8 @@ def test_disconnect_then_reattach_within_the_grace_gets_the_whole_text(gateway) 
     with gateway.client(key) as client:
         body = chat(max_tokens=400, ignore_eos=True)
         want = reference(client, body)
-        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        post = {"json": {**body, "stream": True}, "headers": RESUMABLE}
+        with client.stream("POST", "/v1/chat/completions", **post) as response:
             seen = []
             for item in _events(response.iter_lines()):
                 seen.append(item)
@@ -179,6 +181,43 @@ def test_disconnect_then_reattach_within_the_grace_gets_the_whole_text(gateway) 
         whole = seen + rest
         assert_consecutive(whole, response_id)
         assert whole[-1][1] == "[DONE]" and chat_text(whole) == want
+
+
+def strict_events(response: httpx.Response) -> list[str]:
+    """The payloads as a strict client reads them (vLLM's `bench serve`, many hand-written ones):
+    every non-empty line must be `data: ...`, one per event; anything else is an error."""
+    payloads = []
+    for line in response.iter_lines():
+        if line:
+            assert line.startswith("data: "), f"a strict SSE client cannot read {line!r}"
+            payloads.append(line.removeprefix("data: "))
+    return payloads
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_without_opting_in_every_event_is_one_data_line(gateway, path: str) -> None:
+    _, key = gateway.tenant()
+    prompt = {"messages": CHAT} if "chat" in path else {"prompt": "Once upon a time"}
+    body = {"model": "demo", **prompt, "max_tokens": 16, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with gateway.client(key) as client:
+        want = reference(client, {k: v for k, v in body.items() if k != "stream_options"}, path)
+        for headers in ({}, {"x-sluice-resumable": "0", "idempotency-key": "strict-1"}):
+            with client.stream("POST", path, json=body, headers=headers) as response:
+                assert response.status_code == 200
+                payloads = strict_events(response)
+            assert payloads[-1] == "[DONE]"
+            chunks = [json.loads(p) for p in payloads[:-1]]  # each one whole JSON document
+            text = "".join(c.get("delta", {}).get("content") or c.get("text") or ""
+                           for chunk in chunks for c in chunk["choices"])
+            assert text == want and chunks[-1]["usage"]["completion_tokens"] > 0
+        # Opting in (a header, or a key alone) adds the ids; the payloads are the same.
+        for headers in (RESUMABLE, {"idempotency-key": "resumable-1"}):
+            response, items = sse(client, "POST", path, json=body, headers=headers)
+            response_id = json.loads(items[0][1])["id"]
+            assert_consecutive(items, response_id)
+        answer = client.post(path, json=body, headers={"x-sluice-resumable": "sometimes"})
+        assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
 
 
 # ---- who may attach, and bad input --------------------------------------------------------------

@@ -24,7 +24,7 @@ from sluice.gateway.edge.schemas import (
     ModelCard,
     ModelList,
 )
-from sluice.gateway.generation.answers import complete
+from sluice.gateway.generation.answers import complete, settled_refusal
 from sluice.gateway.generation.choices import complete_all, fork, launch_all
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.quotas.service import QuotaService
@@ -36,6 +36,7 @@ from sluice.gateway.streams.hub import (
     disconnect_grace,
     not_found,
     parse_last_event_id,
+    wants_ids,
 )
 from sluice.gateway.streams.response import SSEResponse
 from sluice.objectives import Objective
@@ -59,12 +60,19 @@ _GENERATION_ERRORS = error_responses(
 )
 _SSE_NOTE = (
     " With `stream: true` the answer is `text/event-stream`: one `data: <chunk JSON>` event per "
-    "delta, then `data: [DONE]`. Every event has `id: <response id>:<seq>`; a client that lost the "
-    "stream re-sends the POST with the same `Idempotency-Key` and `Last-Event-ID`, or attaches with "
+    "delta, then `data: [DONE]`. With `X-Sluice-Resumable: 1` or an `Idempotency-Key` every event "
+    "also has `id: <response id>:<seq>` (without: `data:` lines only); a client that lost the stream "
+    "re-sends the POST with the same `Idempotency-Key` and `Last-Event-ID`, or attaches with "
     "`GET .../{id}/events` (docs/streams.md). `X-Sluice-Disconnect: abort` aborts on disconnect "
     "instead of after the grace window."
 )
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def _class_header(state: RequestState) -> dict[str, str]:
+    """The class the request ran in (interactive, standard, batch); `service_tier` in the body
+    echoes what the client asked for instead."""
+    return {"x-sluice-class": state.request.priority.label}
 
 
 async def _unless_disconnected(request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]) -> T:
@@ -126,10 +134,11 @@ async def _answer(request: Request[Any, Any, Any], services: Services, tenant: T
     if state.envelope.choices > 1:  # n > 1: one request per choice (generation/choices.py)
         flights = await launch_all(generation.launch, tenant, fork(state))
         body = await _unless_disconnected(request, complete_all(flights, tokenizer))
-        return Response(body, headers=services.quotas.headers(tenant))
+        return Response(body, headers={**services.quotas.headers(tenant), **_class_header(state)})
     flight = await generation.launch(tenant, state)
     body = await _unless_disconnected(request, complete(flight, tokenizer))
-    return Response(body, headers={**services.quotas.headers(tenant), **_objective_answer(state)})
+    return Response(body, headers={**services.quotas.headers(tenant), **_class_header(state),
+                                   **_objective_answer(state)})
 
 
 async def _answer_stream(request: Request[Any, Any, Any], services: Services, tenant: TenantContext,
@@ -145,6 +154,7 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
     default_grace_s = streams.grace_s if tenant.disconnect_grace_s is None else tenant.disconnect_grace_s
     grace_s = disconnect_grace(headers.get("x-sluice-disconnect"), default_grace_s)
     last_id, after = parse_last_event_id(headers.get("last-event-id"), None)
+    with_ids = wants_ids(headers.get("x-sluice-resumable"), key)
     response_id = state.request_id
     if last_id is not None and key is None:
         raise OpenAIError(
@@ -154,7 +164,7 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
     if existing is not None:
         if last_id is not None and last_id != existing:
             raise OpenAIError(400, "Last-Event-ID names another response than this Idempotency-Key's.")
-        return await _attach(streams, services.quotas, tenant, existing, after)
+        return await _attach(streams, services.quotas, tenant, existing, after, with_ids=with_ids)
     if last_id is not None:  # a resume whose original is gone: starting over would repeat events
         raise not_found(last_id)
     services.drain.refuse_new()  # attaching (above) is still served while draining
@@ -169,25 +179,32 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
         raise
     if existing is not None:  # a concurrent POST with this key was filed first: follow that one
         flight.finish(aborted=True)
-        return await _attach(streams, services.quotas, tenant, existing, after, metered=False)  # counted: launched
+        return await _attach(streams, services.quotas, tenant, existing, after, metered=False,  # counted: launched
+                             with_ids=with_ids)
     try:  # the first delta before the first byte: an expiry until then is an HTTP error
         await _unless_disconnected(request, flight.first_delta())
     except BaseException:
         flight.finish(aborted=True)
         await streams.log.drop(response_id, tenant.id, key)  # nothing was streamed: a retry starts anew
         raise
+    if flight.submission.refusal() is not None:  # an upstream's 4xx: an HTTP error, as when not streamed
+        await streams.log.drop(response_id, tenant.id, key)
+        raise await settled_refusal(flight)
     streams.start(flight, Framer(state, generation.tokenizers.get(state.request.model)), grace_s)
-    return SSEResponse(streams.follow(response_id, -1),
-                       {**services.quotas.headers(tenant), **_objective_answer(state), **_SSE_HEADERS})
+    events = streams.follow(response_id, -1, with_ids=with_ids)
+    return SSEResponse(events, {**services.quotas.headers(tenant), **_class_header(state),
+                                **_objective_answer(state), **_SSE_HEADERS})
 
 
 async def _attach(streams: StreamHub, quotas: QuotaService, tenant: TenantContext, response_id: str,
-                  after: int, *, metered: bool = True) -> Response[Any]:
-    """Follows a kept response; an attach counts against the tenant's requests/min (429 past it)."""
+                  after: int, *, metered: bool = True, with_ids: bool = True) -> Response[Any]:
+    """Follows a kept response; an attach counts against the tenant's requests/min (429 past it).
+    An attach by GET always has ids (only a resuming client uses it)."""
     if metered:
         await quotas.count_request(tenant, refuse=True)
     await streams.check_owner(response_id, tenant.id, after)
-    return SSEResponse(streams.follow(response_id, after), {**quotas.headers(tenant), **_SSE_HEADERS})
+    events = streams.follow(response_id, after, with_ids=with_ids)
+    return SSEResponse(events, {**quotas.headers(tenant), **_SSE_HEADERS})
 
 
 _ATTACH_ERRORS = error_responses(400, 401, 403, 404, 410, 429, notes={404: "Unknown, expired, or another tenant's"})
@@ -212,7 +229,8 @@ class OpenAIController(Controller):
         tenant = current_tenant(request)
         backend = services.backend
         cards = [
-            ModelCard(id=m.name, created=services.started_at, max_model_len=m.max_model_len)
+            ModelCard(id=m.name, created=services.started_at,
+                      max_model_len=min(m.max_model_len, backend.link_limits(m.name).max_model_len or m.max_model_len))
             for m in backend.served_models()
             if tenant.allows_model(m.name) and backend.could_serve(m.name)
         ]

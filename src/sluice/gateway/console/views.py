@@ -47,6 +47,7 @@ class WorkerRow:
     kv_used: int
     kv_total: int
     kv_percent: int
+    kv_known: bool  # False for an upstream server: it reports no KV blocks (shown as "n/a", not "0 / 0")
     tokens_per_s: float
     heartbeat_age_s: float | None
     state: str  # serving | draining | drained
@@ -126,6 +127,7 @@ def worker_rows(snapshot: dict[str, Any], window: LiveWindow) -> list[WorkerRow]
             kv_used=used,
             kv_total=total,
             kv_percent=round(100 * used / total) if total else 0,
+            kv_known=w.get("kind") != "upstream",
             tokens_per_s=window.tokens_per_s(str(w["worker_id"])),
             heartbeat_age_s=w.get("last_heartbeat_age_s"),
             state=("drained" if inflight == 0 else "draining") if draining else "serving",

@@ -251,6 +251,11 @@ class Dispatcher:
             return True
         return model in self.expected_models and time.monotonic() - self._started_at < self._grace_s
 
+    def upstream_context(self, model: str) -> int | None:
+        """The smallest `max_model_len` the upstreams serving `model` publish (None: none known)."""
+        known = [link.max_model_lens[model] for link in self.upstreams if model in link.max_model_lens]
+        return min(known) if known else None
+
     def _count_tokens(self) -> None:
         """The streamed tokens not counted yet go to the metrics."""
         uncounted, self._uncounted_tokens = self._uncounted_tokens, {}

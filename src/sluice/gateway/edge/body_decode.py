@@ -64,14 +64,36 @@ def validation_fault(error: msgspec.ValidationError) -> BodyFault:
     return BodyFault(f"Invalid `{param}` in the request body: {text[: match.start()]}.", param)
 
 
+def _integral(value: Any) -> Any:
+    """`value` with every float that is a whole number (1.0, 2e3) as an int, in lists and objects."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    return value
+
+
 def decode(raw: bytes, body_type: Any) -> Any:
-    """`raw` strictly decoded into `body_type`; raises `InvalidBody` with the 400 to answer."""
+    """`raw` strictly decoded into `body_type`; raises `InvalidBody` with the 400 to answer.
+
+    An integer written as a whole float (`"seed": 1.0`) is accepted: JSON Schema's `integer`
+    (the served document's) includes it, and some clients serialize every number as a float.
+    msgspec's strict mode refuses it, so such a body is decoded a second time, as plain values
+    with whole floats made ints, then converted strictly (a float field still takes an int);
+    anything else strict mode refuses (`"5"` for an integer, `0` for a boolean) stays a 400."""
     decoder = _decoders.get(body_type)
     if decoder is None:
         decoder = _decoders[body_type] = msgspec.json.Decoder(body_type)
     try:
         return decoder.decode(raw)
     except msgspec.ValidationError as exc:
+        if "got `float`" in str(exc):
+            try:
+                return msgspec.convert(_integral(msgspec.json.decode(raw)), body_type, strict=True)
+            except msgspec.ValidationError as again:
+                exc = again
         raise InvalidBody(validation_fault(exc)) from None
     except msgspec.DecodeError as exc:
         raise InvalidBody(BodyFault(f"The request body is not valid JSON: {exc}.")) from None

@@ -20,6 +20,9 @@ from litestar.openapi.spec import Components, SecurityScheme
 from litestar.params import Parameter
 from litestar.routes import HTTPRoute
 
+from sluice.gateway.edge.schemas import TOKEN_ID_MARK
+from sluice.gateway.services import services
+
 REF_TEMPLATE = "#/components/schemas/{name}"
 # The shape of every id we hand out (`file_…`, `batch_…`, `ten_…`, `key_…`), for path and `after`
 # parameters: anything else is a 400 before it reaches a database (PostgreSQL rejects NUL bytes).
@@ -71,13 +74,73 @@ def body_types(app: Any) -> set[type[msgspec.Struct]]:
     return found
 
 
-def refine(document: dict[str, Any], types: Iterable[type[msgspec.Struct]]) -> dict[str, Any]:
-    """Replaces the component schemas of `types` (and the structs they contain) with msgspec's."""
+# What a handler checks beyond its body's types, stated in the document so that a schema-valid
+# body is an accepted one (issue #35). /tokenize: exactly one of prompt and messages (null is
+# absent); with messages, add_special_tokens is not true, and continue_final_message needs
+# add_generation_prompt false (its default is true).
+_NULL = {"type": "null"}
+COMPONENT_RULES: dict[str, dict[str, Any]] = {
+    "TokenizeRequest": {
+        "oneOf": [
+            {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": _NULL}},
+            {
+                "required": ["messages"],
+                "properties": {"prompt": _NULL, "messages": {"type": "array", "minItems": 1},
+                               "add_special_tokens": {"enum": [False, None]}},
+                "if": {"required": ["continue_final_message"],
+                       "properties": {"continue_final_message": {"const": True}}},
+                "then": {"required": ["add_generation_prompt"],
+                         "properties": {"add_generation_prompt": {"const": False}}},
+            },
+        ]
+    },
+}
+# A batch input file must be UTF-8 JSONL (the upload is refused otherwise): text, not any bytes.
+UPLOAD_FILE_SCHEMA = {"type": "string", "format": "binary", "contentMediaType": "application/jsonl",
+                      "description": "UTF-8 JSONL, one batch request per line (other bytes are a 400)"}
+
+
+def bound_token_ids(node: Any, max_token_id: int | None) -> None:
+    """Every schema marked as a client's token id gets the served vocabulary's bound."""
+    if isinstance(node, dict):
+        if node.pop(TOKEN_ID_MARK, None) and max_token_id is not None:
+            node["maximum"] = max_token_id
+        for value in node.values():
+            bound_token_ids(value, max_token_id)
+    elif isinstance(node, list):
+        for value in node:
+            bound_token_ids(value, max_token_id)
+
+
+def _text_uploads(document: dict[str, Any]) -> None:
+    schemas = document.get("components", {}).get("schemas", {})
+    for path in document.get("paths", {}).values():
+        form = (path.get("post", {}).get("requestBody", {}).get("content", {}).get("multipart/form-data"))
+        if not form:
+            continue
+        schema = form.get("schema", {})
+        ref = schema.get("$ref", "")
+        target = schemas.get(ref.rpartition("/")[2], {}) if ref else schema
+        if "file" in target.get("properties", {}):
+            target["properties"]["file"] = dict(UPLOAD_FILE_SCHEMA)
+            form["encoding"] = {"file": {"contentType": "application/jsonl"}}
+
+
+def refine(document: dict[str, Any], types: Iterable[type[msgspec.Struct]], *,
+           max_token_id: int | None = None) -> dict[str, Any]:
+    """Replaces the component schemas of `types` (and the structs they contain) with msgspec's,
+    adds the handlers' own rules (`COMPONENT_RULES`, text uploads), and bounds client token ids by
+    `max_token_id` (the smallest served vocabulary's last id)."""
     _, components = msgspec.json.schema_components(
         sorted(types, key=lambda t: t.__name__), ref_template=REF_TEMPLATE
     )
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(components)
+    for name, rule in COMPONENT_RULES.items():
+        if name in schemas:
+            schemas[name].update(rule)
+    _text_uploads(document)
+    bound_token_ids(document, max_token_id)
     return document
 
 
@@ -91,5 +154,8 @@ class ContractJsonPlugin(JsonRenderPlugin):
     def render(self, request: Request[Any, Any, Any], openapi_schema: dict[str, Any]) -> bytes:
         if self._rendered is None:
             document = msgspec.json.decode(self.render_json(request, openapi_schema))
-            self._rendered = msgspec.json.encode(refine(document, body_types(request.app)))
+            tokenizers = services(request).generation.tokenizers
+            vocab = [tokenizers.get(name).vocab_size for name in tokenizers.names()]
+            max_token_id = min(vocab) - 1 if vocab else None
+            self._rendered = msgspec.json.encode(refine(document, body_types(request.app), max_token_id=max_token_id))
         return self._rendered

@@ -34,6 +34,11 @@ Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0, description="1 = off")]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+# A token id a client sends: the served document bounds it by the served vocabulary
+# (edge/openapi.py replaces the marker with `maximum`: the vocabulary is known only at start).
+TOKEN_ID_MARK = "x-sluice-token-id"
+_REQUEST_TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": INT32_MAX, TOKEN_ID_MARK: True}
+RequestTokenId = Annotated[int, Meta(ge=0, le=INT32_MAX, extra_json_schema={TOKEN_ID_MARK: True})]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 StopList = Annotated[list[StopString], Meta(max_length=MAX_STOP_SEQUENCES)]
 StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
@@ -53,8 +58,10 @@ LogitBias = Annotated[
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
-    text: str | None = None
+    """Only text parts are supported: the type says so, so the served schema does too."""
+
+    type: Literal["text"]
+    text: str
 
 
 class ToolCallFunction(msgspec.Struct, kw_only=True):
@@ -172,7 +179,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     # a string, a list of token ids; a list of strings is rejected ("not supported")
-    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[Any], Meta(min_length=1)]
+    prompt: (Annotated[str, Meta(min_length=1)]
+             | Annotated[list[Any], Meta(min_length=1, extra_json_schema={"items": _REQUEST_TOKEN_ID_SCHEMA})])
     logprobs: TopLogprobs | None = None
     echo: bool | None = None
     best_of: OnlyOne | None = None
@@ -193,7 +201,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: list[RequestTokenId]
 
 
 # ---- responses ---------------------------------------------------------------------------------

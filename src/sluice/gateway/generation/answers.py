@@ -52,7 +52,32 @@ def failure_message(state: RequestState) -> str:
     return f"Generation failed on the server (request {state.request_id}); please retry."
 
 
+def refused(state: RequestState) -> OpenAIError | None:
+    """An upstream's own 4xx refusal of the request, as the same status and message to the client
+    (it is the request that is wrong: a retry would fail again, so no "please retry")."""
+    if state.error_status is None:
+        return None
+    return OpenAIError(state.error_status, state.error or "The upstream server refused the request.",
+                       type="invalid_request_error", code="upstream_refused")
+
+
+async def settled_refusal(flight: Flight) -> OpenAIError:
+    """A request whose first delta is an upstream's refusal (`Submission.refusal`), ended and
+    settled like any other; the error the client gets for it."""
+    flight.listen(lambda _delta: None)  # folds the queued final delta into the state
+    try:
+        await flight.ended()
+    finally:
+        flight.finish()
+    await flight.settled()
+    return refused(flight.state) or OpenAIError(500, failure_message(flight.state), type="server_error",
+                                                code="generation_failed")
+
+
 def failure_body(state: RequestState) -> dict[str, object]:
+    rejection = refused(state)
+    if rejection is not None:
+        return rejection.body()
     return {"error": {"message": failure_message(state), "type": "server_error", "param": None,
                       "code": "generation_failed"}}
 
@@ -152,5 +177,5 @@ async def complete(flight: Flight, tokenizer: ModelTokenizer) -> ChatCompletion 
         flight.finish(aborted=aborted and state.finish_reason is None)
     await flight.settled()
     if state.finish_reason == FinishReason.ERROR:
-        raise OpenAIError(500, failure_message(state), type="server_error", code="generation_failed")
+        raise refused(state) or OpenAIError(500, failure_message(state), type="server_error", code="generation_failed")
     return whole_answer(state, "".join(texts), positions, tokenizer)

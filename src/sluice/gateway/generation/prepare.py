@@ -22,6 +22,7 @@ from sluice.gateway.generation.state import Endpoint, Envelope, RequestState
 from sluice.gateway.generation.structured import structured_output
 from sluice.gateway.generation.tokenization import ModelTokenizer, TokenizerRegistry
 from sluice.gateway.generation.tools import call_constraint, fallback_messages, template_tool_calls, tool_request
+from sluice.gateway.queueing.backend import LinkLimits
 from sluice.grammar import GrammarError
 from sluice.grammar import check as grammar_check
 from sluice.objectives import Objective, resolve
@@ -142,11 +143,13 @@ class RequestPreparer:
     """Validates bodies into requests for the models this gateway serves."""
 
     def __init__(self, tokenizers: TokenizerRegistry, could_serve: Callable[[str], bool], limits: SizeLimits,
-                 objectives: ObjectiveSettings | None = None) -> None:
+                 objectives: ObjectiveSettings | None = None,
+                 link_limits: Callable[[str], LinkLimits] | None = None) -> None:
         self.tokenizers = tokenizers
         self.could_serve = could_serve
         self.limits = limits
         self.objectives = objectives if objectives is not None else ObjectiveSettings()
+        self.link_limits = link_limits or (lambda _model: LinkLimits())
 
     def model_tokenizer(self, tenant: TenantContext, model: str) -> ModelTokenizer:
         """The tokenizer of a model this tenant may use: 404 for an unknown model, 403 for a forbidden one."""
@@ -267,7 +270,13 @@ class RequestPreparer:
         logit_bias = _logit_bias(body, tokenizer)
         # The body's types bound every number (edge/schemas.py); what is left depends on the model and tenant.
         priority = resolve_priority(tenant, body.service_tier)
-        context = tokenizer.max_model_len
+        links = self.link_limits(tokenizer.name)
+        if logprobs and not links.logprobs:
+            raise bad_request(f"logprobs are not available for the model `{tokenizer.name}`: it is served by an "
+                              "upstream server whose logprobs sluice does not relay.", "logprobs")
+        context = tokenizer.max_model_len  # the smaller of sluice's and an upstream's (its /v1/models)
+        if links.max_model_len is not None:
+            context = min(context, links.max_model_len)
         if len(prompt_ids) >= context:
             raise context_exceeded(context, len(prompt_ids), "messages" if endpoint == "chat" else "prompt")
         room = context - len(prompt_ids)
@@ -338,7 +347,12 @@ class RequestPreparer:
             tool_format=tool_format,
         )
         envelope = Envelope(
-            id=request_id, created=int(arrival), model=tokenizer.name, service_tier=CLASS_TO_TIER[priority],
+            # A client that did not ask for a tier is told "default", whatever class its tenant's
+            # default put it in (clients file usage under the tier they are told: issue #35); one
+            # that asked is told the tier it ran at (its ask, or less under the tenant's ceiling).
+            # The class itself is the `x-sluice-class` header.
+            id=request_id, created=int(arrival), model=tokenizer.name,
+            service_tier="default" if body.service_tier is None else CLASS_TO_TIER[priority],
             endpoint=endpoint, include_usage=bool(stream and body.stream_options and body.stream_options.include_usage),
             choices=choices,
         )

@@ -56,7 +56,8 @@ class GenerationService:
         self.backend = backend
         self.limits = SizeLimits(max_messages=max_messages, max_prompt_chars=max_prompt_chars, max_n=max_n)
         self.preparer = RequestPreparer(tokenizers, backend.could_serve, self.limits,
-                                        objectives if objectives is not None else ObjectiveSettings())
+                                        objectives if objectives is not None else ObjectiveSettings(),
+                                        backend.link_limits)
         self.tokenize_pool = FairTokenizePool()
         self.tokenizers = tokenizers
         self.quotas = quotas

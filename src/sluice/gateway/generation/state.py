@@ -87,6 +87,7 @@ class RequestState:
     # ---- its end
     finish_reason: str | None = None
     error: str | None = None
+    error_status: int | None = None  # an upstream's 4xx refusal (RequestDelta.error_status)
 
     @classmethod
     def of(cls, request: GenerateRequest, service_tier: str, *, endpoint: Endpoint = "chat",
@@ -143,6 +144,7 @@ class RequestState:
         if delta.finish_reason is not None:
             self.finish_reason = str(delta.finish_reason)
             self.error = delta.error
+            self.error_status = delta.error_status
         return max(0, self.num_output_tokens - before)
 
     def resume_after(self, token_ids: Sequence[int]) -> None:

@@ -38,7 +38,7 @@ from sluice.gateway.cluster.shared import SharedState, open_shared
 from sluice.gateway.dispatch.dispatcher import Dispatcher
 from sluice.gateway.dispatch.jobs import Job
 from sluice.gateway.generation.state import RequestState
-from sluice.gateway.queueing.backend import BackendUnavailable, QueuedSubmission, ServedModel
+from sluice.gateway.queueing.backend import BackendUnavailable, LinkLimits, QueuedSubmission, ServedModel
 from sluice.gateway.queueing.batch_lines import BatchLineHandler, BatchLines
 from sluice.gateway.queueing.kafka import ClassConsumer, QueueUnavailable, RecordRef, RequestLog, ensure_topics
 from sluice.gateway.streams.holder import StreamHolder
@@ -160,6 +160,10 @@ class KafkaBackend:
 
     def could_serve(self, model: str) -> bool:
         return self.dispatcher.could_serve(model)
+
+    def link_limits(self, model: str) -> LinkLimits:
+        upstream = any(model in spec.models for spec in self.settings.upstreams)
+        return LinkLimits(max_model_len=self.dispatcher.upstream_context(model), logprobs=not upstream)
 
     async def ready(self) -> dict[str, bool]:
         return {"broker": self.running and await self._log.ping(),

