@@ -235,7 +235,9 @@ class Scheduler:
             return ()
         if request.ngram_index is None:
             request.ngram_index = NgramIndex()
-        drafts = self._lookup.propose(request.ngram_index, request.all_token_ids, limit)
+        # The step's other rows: every running request decodes at least one (speculative.py's bar).
+        drafts = self._lookup.propose(request.ngram_index, request.all_token_ids, limit,
+                                      batch_rows=len(self._running))
         if drafts and not self.block_manager.allocate(request, request.num_tokens + len(drafts)):
             return ()  # no free block for the guesses: never preempt for them
         return drafts
