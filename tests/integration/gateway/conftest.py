@@ -81,6 +81,12 @@ def gateway_options() -> dict[str, Any]:
     return {}
 
 
+@pytest.fixture(scope="module")
+def engine_options() -> dict[str, Any]:
+    """The local engine's options for this module's gateway (override it in a module)."""
+    return ENGINE_OPTIONS
+
+
 def _shared_settings(mode: str) -> SharedSettings:
     if mode == "in-process":
         return SharedSettings()
@@ -94,21 +100,22 @@ def _shared_settings(mode: str) -> SharedSettings:
 
 @pytest.fixture(scope="module")
 def gateway(
-    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, shared_mode: str, gateway_options: dict[str, Any]
+    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, shared_mode: str, gateway_options: dict[str, Any],
+    engine_options: dict[str, Any],
 ) -> Iterator[Gateway]:
     directory = tmp_path_factory.mktemp("gateway")
     database_url = f"sqlite+aiosqlite:///{directory / 'sluice.db'}"
     admin_token = "slc-admin-" + secrets.token_urlsafe(32)
     metrics_token = "metrics-" + secrets.token_urlsafe(24)
     settings = Settings(
-        gateway=GatewaySettings(
-            max_body_bytes=256 * 1024, key_cache_ttl_s=30.0, metrics_token=metrics_token, **gateway_options
-        ),
+        gateway=GatewaySettings(**{
+            "max_body_bytes": 256 * 1024, "key_cache_ttl_s": 30.0, "metrics_token": metrics_token, **gateway_options
+        }),
         admin=AdminSettings(token=admin_token),
         database=DatabaseSettings(url=database_url),
         shared=_shared_settings(shared_mode),
     )
-    backend = LocalEngineBackend({"demo": demo_model_dir}, ENGINE_OPTIONS)
+    backend = LocalEngineBackend({"demo": demo_model_dir}, engine_options)
     app = create_app(settings, backend)
     sock = _free_socket()
     port = sock.getsockname()[1]

@@ -29,7 +29,9 @@ def test_a_taken_over_request_counts_the_tokens_delivered_before_and_goes_on_aft
     added = taken.take_output(RequestDelta(request_id="r", token_ids=(9,), text="x", num_output_tokens=3,
                                            num_cached_tokens=5))
     assert added == 1 and taken.output_token_ids == [7, 8, 9] and taken.has_output
-    assert taken.unlogged_tokens() == [9] and taken.unlogged_tokens() == []
+    assert taken.unlogged_tokens() == [9]
+    taken.logged()
+    assert taken.unlogged_tokens() == []
     assert taken.cached_tokens == 5 and taken.text_chars == 1
 
 

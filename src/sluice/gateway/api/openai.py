@@ -24,6 +24,7 @@ from sluice.gateway.edge.schemas import (
     ModelList,
 )
 from sluice.gateway.generation.answers import complete
+from sluice.gateway.generation.choices import complete_all, fork, launch_all
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.quotas.service import QuotaService
 from sluice.gateway.services import Injected, Services
@@ -103,8 +104,12 @@ async def _answer(request: Request[Any, Any, Any], services: Services, tenant: T
         return await _answer_stream(request, services, tenant, state)
     services.drain.refuse_new()
     generation = services.generation
-    flight = await generation.launch(tenant, state)
     tokenizer = generation.tokenizers.get(state.request.model)
+    if state.envelope.choices > 1:  # n > 1: one request per choice (generation/choices.py)
+        flights = await launch_all(generation.launch, tenant, fork(state))
+        body = await _unless_disconnected(request, complete_all(flights, tokenizer))
+        return Response(body, headers=services.quotas.headers(tenant))
+    flight = await generation.launch(tenant, state)
     body = await _unless_disconnected(request, complete(flight, tokenizer))
     return Response(body, headers=services.quotas.headers(tenant))
 
@@ -146,7 +151,7 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
         raise
     if existing is not None:  # a concurrent POST with this key was filed first: follow that one
         flight.finish(aborted=True)
-        return await _attach(streams, services.quotas, tenant, existing, after)
+        return await _attach(streams, services.quotas, tenant, existing, after, metered=False)  # counted: launched
     try:  # the first delta before the first byte: an expiry until then is an HTTP error
         await _unless_disconnected(request, flight.first_delta())
     except BaseException:
@@ -158,12 +163,15 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
 
 
 async def _attach(streams: StreamHub, quotas: QuotaService, tenant: TenantContext, response_id: str,
-                  after: int) -> Response[Any]:
+                  after: int, *, metered: bool = True) -> Response[Any]:
+    """Follows a kept response; an attach counts against the tenant's requests/min (429 past it)."""
+    if metered:
+        await quotas.count_request(tenant, refuse=True)
     await streams.check_owner(response_id, tenant.id, after)
     return SSEResponse(streams.follow(response_id, after), {**quotas.headers(tenant), **_SSE_HEADERS})
 
 
-_ATTACH_ERRORS = error_responses(400, 401, 403, 404, 410, notes={404: "Unknown, expired, or another tenant's"})
+_ATTACH_ERRORS = error_responses(400, 401, 403, 404, 410, 429, notes={404: "Unknown, expired, or another tenant's"})
 _ATTACH_NOTE = (
     "Attach to a streamed response: its SSE events after `Last-Event-ID` (none: from the first), then "
     "the live rest, then `[DONE]`; during the generation and for `gateway.stream_retention_s` after it."

@@ -12,6 +12,7 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
+from sluice import tracing
 from sluice.gateway.auth.service import KEY_PREFIX, TenantContext, bearer_token, hash_secret
 from sluice.gateway.edge.errors import OpenAIError
 from sluice.gateway.services import services
@@ -38,12 +39,28 @@ async def tenant_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRo
             type="permission_error",
             code="wrong_credentials",
         )
-    connection.state.tenant = await auth.authenticate(token)
+    with tracing.span("authenticate"):
+        connection.state.tenant = await auth.authenticate(token)
+
+
+def source_address(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
+    """The peer's address (behind a proxy: the proxy's, unless the server is told to trust it)."""
+    client = connection.client
+    return client.host if client is not None else "unknown"
+
+
+async def failed_admin_sign_in(connection: ASGIConnection[Any, Any, Any, Any], via: str) -> None:
+    """A wrong admin token: counted against its source (auth/attempts.py), logged, audited."""
+    found = services(connection)
+    source = source_address(connection)
+    if found.auth.sign_ins.failed(source, via):
+        await found.admin.record("admin.sign_in_failed", via, {"source": source}, "anonymous")
 
 
 async def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     auth = services(connection).auth
     token = _required_token(connection, "admin token", "admin token")
+    auth.sign_ins.check(source_address(connection))
     if not auth.verify_admin(token):
         if token.startswith(KEY_PREFIX):
             raise OpenAIError(
@@ -52,6 +69,7 @@ async def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRou
                 type="permission_error",
                 code="wrong_credentials",
             )
+        await failed_admin_sign_in(connection, "admin API")
         raise OpenAIError(401, "Incorrect admin token.", type="invalid_request_error", code="invalid_api_key")
 
 

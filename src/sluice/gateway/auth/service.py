@@ -33,6 +33,7 @@ from litestar.connection import ASGIConnection
 from sqlalchemy import delete, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from sluice.gateway.auth.attempts import FailedSignIns
 from sluice.gateway.cluster.invalidation import Change, InvalidationBus, LocalBus
 from sluice.gateway.db.models import AdminToken, ApiKey, Quota, Tenant
 from sluice.gateway.edge.errors import OpenAIError
@@ -131,6 +132,7 @@ class AuthService:
         self._unknown: OrderedDict[str, float] = OrderedDict()  # key hash -> monotonic expiry, oldest first
         self._last_used_written: dict[str, float] = {}  # key id -> monotonic time of last write
         self._admin_hashes: frozenset[str] = frozenset()
+        self.sign_ins = FailedSignIns()  # wrong admin tokens per source address (auth/attempts.py)
         self._tasks: set[asyncio.Task[None]] = set()
         # Counts the changes applied: a lookup that read the database before a change arrived
         # does not cache what it read (it may be what the change invalidated).
@@ -282,6 +284,11 @@ class AuthService:
                 session.add(AdminToken(hash=hash_secret(generated)))
             self._admin_hashes = frozenset(hashes)
         return generated
+
+    def admin_binding(self) -> str:
+        """A fingerprint of the admin token(s) in force: console sessions are bound to it, so a
+        changed admin token ends every session signed in with the old one."""
+        return hashlib.sha256("\n".join(sorted(self._admin_hashes)).encode()).hexdigest()
 
     def verify_admin(self, token: str | None) -> bool:
         if not token:

@@ -80,7 +80,8 @@ class BatchComponents:
         from sluice.gateway.batches.service import BatchService
 
         self.service = BatchService(session_factory, generation, backend,
-                                    max_file_bytes=settings.gateway.max_body_bytes, shared=shared)
+                                    max_file_bytes=settings.gateway.max_body_bytes,
+                                    max_storage_bytes=settings.gateway.max_file_storage_bytes, shared=shared)
         runner = BatchRunner(self.service, quotas, usage)
         shared.bus.subscribe(runner.on_change)  # a tenant changed on any replica
         self.handler.set_runner(runner)
@@ -100,8 +101,15 @@ class BatchComponents:
 
     async def _sweep_orphans(self, service: Any) -> None:
         """Replicas outlive each other: a batch left `validating` by a replica that died is failed
-        by a live one, not only at the next start."""
+        by a live one, not only at the next start. The same round measures the open batches'
+        completion windows for the metrics (batches/window.py)."""
+        from sluice.gateway.batches import window
+
         while True:
+            try:
+                window.BATCH_WINDOW.publish(await window.measure(service.sessions))
+            except Exception as exc:  # the database is down: the last numbers stay, the next round retries
+                log.warning("measuring the open batches failed (%r)", exc)
             await asyncio.sleep(ORPHAN_SWEEP_S)
             try:
                 await service.fail_orphaned()

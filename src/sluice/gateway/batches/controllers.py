@@ -7,9 +7,11 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import Controller, Response, delete, get, post
+from litestar.connection import ASGIConnection
 from litestar.datastructures import UploadFile
 from litestar.di import NamedDependency, Provide
 from litestar.enums import RequestEncodingType
+from litestar.handlers.base import BaseRouteHandler
 from litestar.params import Body, JSONBody, QueryParameter
 
 from sluice.gateway.auth.guards import current_tenant, tenant_guard
@@ -18,7 +20,7 @@ from sluice.gateway.batches.service import BatchService
 from sluice.gateway.batches.views import file_view
 from sluice.gateway.edge.errors import OpenAIError, error_responses
 from sluice.gateway.edge.openapi import TENANT_SECURITY, IdPath, IdQuery
-from sluice.gateway.services import Injected, Services
+from sluice.gateway.services import Injected, Services, services
 
 MAX_FILENAME_CHARS = 255
 
@@ -66,6 +68,11 @@ class _TenantController(Controller):
     dependencies = {"tenant": Provide(current_tenant, sync_to_thread=False)}  # noqa: RUF012
 
 
+async def _metered_upload(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """An upload counts against the tenant's requests/min, and is refused (429) before its body is read."""
+    await services(connection).quotas.count_request(current_tenant(connection), refuse=True)
+
+
 class FilesController(_TenantController):
     path = "/v1/files"
     tags = ("Files",)
@@ -75,8 +82,10 @@ class FilesController(_TenantController):
         status_code=200,
         summary="Upload a batch input file (multipart: file, purpose=batch)",
         responses=error_responses(
-            *_BASE, 413, notes={400: "`param` is `file` for a bad file, its name or a bad line"}
+            *_BASE, 413, 429, notes={400: "`param` is `file` for a bad file, its name or a bad line, or files "
+                                     "over the tenant's storage limit (`file_storage_exceeded`)"}
         ),
+        guards=[_metered_upload],
     )
     async def create(
         self,
@@ -122,7 +131,7 @@ class FilesController(_TenantController):
     async def content(
         self, services: Injected[Services], tenant: NamedDependency[TenantContext], file_id: IdPath
     ) -> Response[bytes]:
-        row = await _service(services).file_row(tenant.id, file_id)
+        row = await _service(services).file_row(tenant.id, file_id, content=True)
         return Response(row.content, media_type="application/jsonl")
 
     @delete("/{file_id:str}", status_code=200, summary="Delete a file", responses=_BY_ID)

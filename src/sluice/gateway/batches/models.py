@@ -27,7 +27,9 @@ class FileObject(Base):
     size_bytes: Mapped[int] = mapped_column("bytes", Integer)  # `bytes` in the API
     line_count: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
-    content: Mapped[bytes] = mapped_column(LargeBinary)
+    # Deferred: a listing must not load every file's content (up to max_body_bytes each); what
+    # reads it asks for it (`undefer`), and a lazy load by mistake raises instead of blocking.
+    content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True, deferred_raiseload=True)
 
 
 class Batch(Base):

@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.orm import undefer
 
 from sluice.gateway.admin.service import tenant_with_quota
 from sluice.gateway.auth.service import TenantContext, tenant_context
@@ -44,7 +45,7 @@ from sluice.gateway.batches.views import (
 from sluice.gateway.cluster.invalidation import Change
 from sluice.gateway.cluster.shared import SharedState
 from sluice.gateway.db.base import new_id, utcnow
-from sluice.gateway.edge.errors import OpenAIError, service_unavailable
+from sluice.gateway.edge.errors import OpenAIError, bad_request, service_unavailable
 from sluice.gateway.generation.service import GenerationService
 from sluice.gateway.queueing.backend import BackendUnavailable
 from sluice.gateway.queueing.batch_lines import HeldLines
@@ -71,12 +72,14 @@ class BatchService:
         backend: Any,
         *,
         max_file_bytes: int,
+        max_storage_bytes: int = 2**30,
         shared: SharedState | None = None,
     ) -> None:
         self.sessions = sessions
         self.generation = generation
         self.backend = backend  # KafkaBackend: enqueue_batch_line(), dispatcher
         self.max_file_bytes = max_file_bytes
+        self.max_storage_bytes = max_storage_bytes  # per tenant: its uploads and batch outputs together
         # The app's shared state: its replica id, lease (the ledger) and bus.
         self.shared: SharedState = shared if shared is not None else backend.shared
         self._tasks: set[asyncio.Task[None]] = set()
@@ -94,6 +97,16 @@ class BatchService:
                 400,
                 f"The file has {len(content)} bytes; at most {self.max_file_bytes} are allowed.",
                 param="file",
+            )
+        async with self.sessions() as session:
+            stored = await session.scalar(select(func.coalesce(func.sum(FileObject.size_bytes), 0))
+                                          .where(FileObject.tenant_id == tenant_id))
+        if int(stored or 0) + len(content) > self.max_storage_bytes:
+            raise OpenAIError(
+                400,
+                f"Your files take {stored} bytes; with this one ({len(content)} bytes) they would pass your "
+                f"storage limit of {self.max_storage_bytes} bytes. Delete files you no longer need.",
+                param="file", code="file_storage_exceeded",
             )
         try:
             lines = await asyncio.to_thread(parse_batch_file, content)  # seconds for a large file
@@ -127,9 +140,10 @@ class BatchService:
             s.add(row)
         return file_view(row)
 
-    async def file_row(self, tenant_id: str, file_id: str) -> FileObject:
+    async def file_row(self, tenant_id: str, file_id: str, *, content: bool = False) -> FileObject:
+        """A tenant's file; its `content` loaded only when asked for."""
         async with self.sessions() as session:
-            row = await session.get(FileObject, file_id)
+            row = await session.get(FileObject, file_id, options=[undefer(FileObject.content)] if content else [])
         if row is None or row.tenant_id != tenant_id:  # another tenant's file does not exist for you
             raise not_found("file", file_id)
         return row
@@ -238,6 +252,8 @@ class BatchService:
 
     def _line_request(self, tenant: TenantContext, batch_id: str, line: Any) -> GenerateRequest:
         body = line.body
+        if body.n is not None and body.n > 1:  # a line's result holds one request's answer
+            raise bad_request("n above 1 is not supported in a batch line: write one line per choice.", "n")
         if line.url == "/v1/chat/completions":
             prepared = self.generation.preparer.prepare_chat(tenant, body)
         else:
@@ -316,7 +332,7 @@ class BatchService:
                 "metadata must be at most 16 string pairs (keys up to 64 characters, values up to 512).",
                 param="metadata",
             )
-        source = await self.file_row(tenant.id, input_file_id)
+        source = await self.file_row(tenant.id, input_file_id, content=True)
         if source.purpose != "batch":
             raise OpenAIError(
                 400,
@@ -562,7 +578,7 @@ class BatchService:
                 return []
             done = set((await session.scalars(
                 select(BatchResult.custom_id).where(BatchResult.batch_id == batch_id))).all())
-            source = await session.get(FileObject, batch.input_file_id)
+            source = await session.get(FileObject, batch.input_file_id, options=[undefer(FileObject.content)])
             found = await tenant_with_quota(session, batch.tenant_id)
         if source is None or found is None:
             log.error("batch %s lost queued lines but its input file or tenant is gone", batch_id)

@@ -17,6 +17,7 @@ from litestar.response import Redirect, Response, Template
 
 from sluice.gateway.admin import operations
 from sluice.gateway.admin.service import AdminService
+from sluice.gateway.auth.guards import failed_admin_sign_in, source_address
 from sluice.gateway.auth.service import AuthService
 from sluice.gateway.console import views
 from sluice.gateway.console.security import (
@@ -99,9 +100,11 @@ class SignInController(Controller):
         nonce = str(data.get("nonce", ""))
         expected = request.cookies.get(LOGIN_COOKIE, "")
         auth: AuthService = services(request).auth
+        auth.sign_ins.check(source_address(request))
         if not nonce or not expected or not hmac.compare_digest(nonce.encode(), expected.encode()):
             error, status = "The sign-in form expired; please try again.", 403
         elif not auth.verify_admin(str(data.get("token", "")).strip()):
+            await failed_admin_sign_in(request, "console")
             error, status = "That is not a valid admin token.", 401
         else:
             sessions: ConsoleSessions = services(request).console_sessions
@@ -126,6 +129,15 @@ class PagesController(Controller):
         sessions: ConsoleSessions = services(request).console_sessions
         await sessions.end(request.cookies.get(SESSION_COOKIE))
         await admin_service(request).record("console.sign_out", "console", {}, ACTOR)
+        return Response(content="", headers={"HX-Redirect": "/console/login"},
+                        cookies=[cleared(SESSION_COOKIE)])
+
+    @post("/logout-everywhere", include_in_schema=False, status_code=200)
+    async def logout_everywhere(self, request: AnyRequest) -> Response[Any]:
+        """Ends every console session (every browser, every replica), this one included."""
+        sessions: ConsoleSessions = services(request).console_sessions
+        ended = await sessions.end_all()
+        await admin_service(request).record("console.sign_out_everywhere", "console", {"sessions": ended}, ACTOR)
         return Response(content="", headers={"HX-Redirect": "/console/login"},
                         cookies=[cleared(SESSION_COOKIE)])
 

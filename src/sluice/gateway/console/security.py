@@ -5,6 +5,9 @@
   when `admin.console_secure_cookie` is set). Only its SHA-256 is stored (table console_session), so
   sessions hold across gateway replicas and restarts, and sign-out ends one everywhere.
 - Sessions expire `admin.console_session_ttl_s` after sign-in; expired rows are purged on sign-in.
+  A session is bound to the admin token it was signed in with (the stored hash covers the cookie
+  value and a fingerprint of the admin token in force): a new admin token ends every session.
+  "Sign out everywhere" deletes every session row.
 - CSRF: every state-changing console request must carry `X-CSRF-Token`, an HMAC of the session
   value (it reveals nothing about the session). htmx sends it on every request from the page's
   `hx-headers`; a cross-site form can neither read it nor set a header. The sign-in form, before
@@ -19,6 +22,7 @@ import datetime as dt
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from litestar.connection import ASGIConnection
@@ -69,16 +73,21 @@ def new_login_nonce() -> str:
 class ConsoleSessions:
     """Creates, checks and ends console sessions (rows keyed by the SHA-256 of the cookie value)."""
 
-    def __init__(self, session_factory: async_sessionmaker[AsyncSession], ttl_s: float) -> None:
+    def __init__(self, session_factory: async_sessionmaker[AsyncSession], ttl_s: float,
+                 binding: Callable[[], str] = lambda: "") -> None:
         self._sessions = session_factory
         self.ttl_s = ttl_s
+        self._binding = binding  # the admin token's fingerprint (AuthService.admin_binding)
+
+    def _hash(self, value: str) -> str:
+        return hash_secret(f"{value}\n{self._binding()}")
 
     async def start(self) -> str:
         value = secrets.token_urlsafe(32)
         now = utcnow()
         async with self._sessions() as session, session.begin():
             await session.execute(delete(ConsoleSession).where(ConsoleSession.expires_at <= now))
-            session.add(ConsoleSession(hash=hash_secret(value), created_at=now,
+            session.add(ConsoleSession(hash=self._hash(value), created_at=now,
                                        expires_at=now + dt.timedelta(seconds=self.ttl_s)))
         return value
 
@@ -87,13 +96,19 @@ class ConsoleSessions:
             return False
         async with self._sessions() as session:
             expires = await session.scalar(
-                select(ConsoleSession.expires_at).where(ConsoleSession.hash == hash_secret(value)))
+                select(ConsoleSession.expires_at).where(ConsoleSession.hash == self._hash(value)))
         return expires is not None and expires > utcnow()
 
     async def end(self, value: str | None) -> None:
         if value:
             async with self._sessions() as session, session.begin():
-                await session.execute(delete(ConsoleSession).where(ConsoleSession.hash == hash_secret(value)))
+                await session.execute(delete(ConsoleSession).where(ConsoleSession.hash == self._hash(value)))
+
+    async def end_all(self) -> int:
+        """Ends every session; returns how many there were."""
+        async with self._sessions() as session, session.begin():
+            result = await session.execute(delete(ConsoleSession))
+        return int(getattr(result, "rowcount", 0) or 0)
 
 
 def session_cookie(value: str, *, secure: bool, max_age: int) -> Cookie:

@@ -1,12 +1,14 @@
 """Generation: a body prepared into a request, admitted against the quotas, submitted, flown.
 
 `prepare()` validates (generation/prepare.py) and keeps the event loop free: a prompt over
-`INLINE_PROMPT_CHARS` characters is rendered and tokenized on a worker thread, at most
-`TOKENIZE_THREADS` at once (so three huge prompts do not hold three tokenizations' memory beside
-everything else), after the cheap limits have refused anything over `gateway.max_prompt_chars` /
-`gateway.max_messages`. `launch()` admits the request against the tenant's quotas and submits it
-to the backend (durably: it returns after the Kafka ack); the `Flight` it returns follows the
-request until it ends (generation/flight.py). `flights` holds every flight of this process.
+`INLINE_PROMPT_CHARS` characters is rendered and tokenized on a worker thread of a small pool
+shared fairly between tenants (generation/tokenize_pool.py), after the cheap limits have refused
+anything over `gateway.max_prompt_chars` / `gateway.max_messages` or certainly over the model's
+context, and after the tenant's requests/min and concurrency were checked: a large prompt refused
+once tokenized (400) still counts against requests/min. `launch()` admits the request against the
+tenant's quotas and submits it to the backend (durably: it returns after the Kafka ack); the
+`Flight` it returns follows the request until it ends (generation/flight.py). `flights` holds
+every flight of this process.
 """
 
 from __future__ import annotations
@@ -15,23 +17,22 @@ import asyncio
 import logging
 from typing import Any
 
-from sluice import telemetry
+from sluice import telemetry, tracing
 from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.edge.body_decode import SizeLimits, prompt_chars, size_fault
-from sluice.gateway.edge.errors import service_unavailable
+from sluice.gateway.edge.errors import OpenAIError, service_unavailable
 from sluice.gateway.edge.schemas import ChatCompletionRequest, CompletionRequest
 from sluice.gateway.generation.flight import Flight
 from sluice.gateway.generation.prepare import RequestPreparer
 from sluice.gateway.generation.state import RequestState, RequestTable
 from sluice.gateway.generation.tokenization import TokenizerRegistry
+from sluice.gateway.generation.tokenize_pool import INLINE_PROMPT_CHARS, FairTokenizePool
 from sluice.gateway.queueing.backend import BackendUnavailable, GenerationBackend, Submission
 from sluice.gateway.quotas.service import QuotaExceeded, QuotaService
 from sluice.gateway.quotas.usage import UsageService
 
 log = logging.getLogger(__name__)
 
-INLINE_PROMPT_CHARS = 16_384  # tokenized on the event loop up to this size (a thread hop costs more)
-TOKENIZE_THREADS = 2
 
 
 class GenerationService:
@@ -45,13 +46,14 @@ class GenerationService:
         request_timeout_s: float = 600.0,
         max_prompt_chars: int = 1_048_576,
         max_messages: int = 2048,
+        max_n: int = 8,
     ) -> None:
         if not request_timeout_s > 0:
             raise ValueError(f"gateway.request_timeout_s must be positive, got {request_timeout_s}")
         self.backend = backend
-        self.limits = SizeLimits(max_messages=max_messages, max_prompt_chars=max_prompt_chars)
+        self.limits = SizeLimits(max_messages=max_messages, max_prompt_chars=max_prompt_chars, max_n=max_n)
         self.preparer = RequestPreparer(tokenizers, backend.could_serve, self.limits)
-        self._tokenize_slots = asyncio.Semaphore(TOKENIZE_THREADS)
+        self.tokenize_pool = FairTokenizePool()
         self.tokenizers = tokenizers
         self.quotas = quotas
         self.usage = usage
@@ -70,18 +72,34 @@ class GenerationService:
 
     async def prepare(self, tenant: TenantContext, body: ChatCompletionRequest | CompletionRequest) -> RequestState:
         """The validated request, on a worker thread when the prompt is large."""
-        if size_fault(body, self.limits) is not None or prompt_chars(body) <= INLINE_PROMPT_CHARS:
+        chars = prompt_chars(body)
+        if size_fault(body, self.limits) is not None or chars <= INLINE_PROMPT_CHARS:
             return self.preparer.prepare(tenant, body)  # a cheap limit refuses it at once, or it is small
-        async with self._tokenize_slots:
-            return await asyncio.to_thread(self.preparer.prepare, tenant, body)
+        # Costly from here: first what needs no tokenizing (the 429s, a prompt far over the context).
+        self.quotas.precheck(tenant, pending=self.tokenize_pool.waiting(tenant.id))
+        tokenizer = self.preparer.model_tokenizer(tenant, body.model)
+        if tokenizer.surely_over(chars, tokenizer.max_model_len):
+            await self.quotas.count_request(tenant)
+            param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+            raise OpenAIError(
+                400, f"This model's maximum context length is {tokenizer.max_model_len} tokens; your prompt "
+                f"has {chars} characters, certainly more tokens than that.", param=param,
+                code="context_length_exceeded",
+            )
+        try:
+            return await self.tokenize_pool.run(tenant.id, self.preparer.prepare, tenant, body)
+        except OpenAIError:
+            await self.quotas.count_request(tenant)  # the tokenizing was spent: the request counts
+            raise
 
     async def launch(self, tenant: TenantContext, state: RequestState) -> Flight:
         """Quota admission, then submission; the reservation is refunded when submission fails."""
         request = state.request
         try:
-            state.reservation = await self.quotas.admit(
-                tenant, len(request.prompt_token_ids), request.sampling.max_tokens, request.priority
-            )
+            with tracing.span("admission"):
+                state.reservation = await self.quotas.admit(
+                    tenant, len(request.prompt_token_ids), request.sampling.max_tokens, request.priority
+                )
         except QuotaExceeded as exc:
             telemetry.count_rejection(tenant.name, exc.code or "rate_limit_exceeded", request.priority.label)
             raise

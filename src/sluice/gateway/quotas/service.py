@@ -18,6 +18,7 @@ the background: `flush` waits for them).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
 import time
@@ -149,6 +150,41 @@ class QuotaService:
                 param="max_tokens",
                 code="max_tokens_exceeded",
             )
+
+    def precheck(self, tenant: TenantContext, pending: int = 0) -> None:
+        """Before any expensive work on a request (tokenizing a large prompt): the 429 that admission
+        would give on requests/min or concurrency, from this process's view of the counters.
+        `pending`: this tenant's requests already waiting for the same work (not admitted yet)."""
+        limits = tenant.limits
+        if limits.requests_per_minute is not None:
+            view = self._ledger.view(tenant.id)
+            if view.requests >= limits.requests_per_minute:
+                raise self._refused(tenant, Refusal("requests", wait_s=view.requests_reset_s), 0)
+        if limits.max_concurrent is not None and self._ledger.live(tenant.id)[0] + pending >= limits.max_concurrent:
+            raise self._refused(tenant, Refusal("concurrent"), 0)
+
+    async def count_request(self, tenant: TenantContext, *, refuse: bool = False) -> None:
+        """Counts a request against requests/min, reserving no tokens and holding no concurrency
+        slot: a request refused after expensive work (a large prompt tokenized, then found over
+        the context), or an attach to a stream. Without it a tenant limited to 1 request/min could
+        have any number of large prompts tokenized, each refused with 400 and none counted.
+        Over the limit: the 429 when `refuse`, else counted as nothing."""
+        limits = tenant.limits
+        if limits.requests_per_minute is None:
+            return
+        uncapped = dataclasses.replace(limits, max_concurrent=None, max_queued=None, tokens_per_minute=None,
+                                       tokens_per_day=None)
+        ask = Ask(tenant.id, uncapped, 0, dt.datetime.now(dt.UTC).date())
+        outcome = await self._ledger.admit(ask)
+        while isinstance(outcome, DayUnseeded):
+            used = await self._day_loader(tenant.id, ask.day) if self._day_loader is not None else 0
+            await self._ledger.seed_day(tenant.id, ask.day, used)
+            outcome = await self._ledger.admit(ask)
+        if isinstance(outcome, Refusal):
+            if refuse:
+                raise self._refused(tenant, outcome, 0)
+            return
+        self._ledger.finish(tenant.id, outcome, 0)
 
     async def admit(
         self, tenant: TenantContext, prompt_tokens: int, max_tokens: int, priority: Priority

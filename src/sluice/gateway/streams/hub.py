@@ -53,7 +53,7 @@ def parse_last_event_id(value: str | None, response_id: str | None) -> tuple[str
     if value is None or value == "":
         return None, -1
     rid, sep, seq = value.rpartition(":")
-    if not sep or not rid or not seq.isdigit() or len(seq) > 12:
+    if not sep or not rid or not (seq.isascii() and seq.isdigit()) or len(seq) > 12:  # "²" is a digit to isdigit
         raise bad_request("Last-Event-ID must be '<response id>:<sequence number>' as sent in an event's id.", None)
     if response_id is not None and rid != response_id:
         raise bad_request("Last-Event-ID names another response than the one asked for.", None)
@@ -140,8 +140,11 @@ class _Pump:
         state = self.flight.state
         if self.hub.log.keeps_marks:
             tokens = state.unlogged_tokens()
+            # Packed before anything changes: an id that does not pack raises here, with the log,
+            # its readers and the state as they were (the pump ends this stream with an error).
             mark = Mark(EventKind.CHUNK, pack_tokens(tokens) if tokens else b"", chars, finish)
             self.hub.log.append(self.response_id, frame, mark)
+            state.logged()
         else:
             self.hub.log.append(self.response_id, frame)
 

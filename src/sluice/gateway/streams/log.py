@@ -601,6 +601,11 @@ class RedisStreamLog:
         entries = await self._redis.xrange(key, min=f"({_entry_id(after)}", count=READ_BATCH)
         if entries or not await self._redis.exists(self._k("sm", response_id)):
             return self._page(after, entries) if entries else None
+        # Nothing after `after`: a log that ended at or before it has nothing more to give (as the
+        # in-process log answers), rather than a wait for entries that never come until it expires.
+        last = await self._redis.xrevrange(key, count=1)
+        if last and b"e" in last[0][1] and _seq(last[0][0]) <= after + 1:
+            return Page(after + 1, [], True)
         if wait_s > 0:
             reply = await self._redis.xread({key: _entry_id(after)}, count=READ_BATCH, block=int(wait_s * 1000))
             if reply:

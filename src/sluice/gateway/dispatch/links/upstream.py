@@ -44,10 +44,12 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from sluice.gateway.dispatch.cache_index import CacheIndex
 from sluice.gateway.dispatch.links.base import LinkHost
+from sluice.gateway.dispatch.links.upstream_chunks import MalformedChunk, billed_completion, read_choice
 from sluice.gateway.dispatch.links.upstream_http import StreamedResponse, TransportError, UpstreamHTTP
 from sluice.gateway.dispatch.slots import has_room
-from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
+from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams, StructuredOutput
 from sluice.settings import Settings, UpstreamSpec, upstream_root
 
 if TYPE_CHECKING:
@@ -99,12 +101,46 @@ def completion_body(request: GenerateRequest, spec: UpstreamSpec, *, priority_en
             body[key] = getattr(s, key)
     if s.stop_token_ids:
         body["stop_token_ids"] = list(s.stop_token_ids)
+    if s.logit_bias:
+        body["logit_bias"] = {str(token_id): bias for token_id, bias in s.logit_bias}
+    if s.structured is not None:
+        if spec.kind != "vllm":
+            raise UnsupportedByUpstream(f"upstream {spec.name!r} (kind {spec.kind}) cannot enforce structured "
+                                        "outputs; only a vllm upstream can")
+        body["structured_outputs"] = vllm_structured_outputs(s.structured)
     if spec.kind == "vllm":
         body["return_token_ids"] = True  # exact ids in each chunk (vLLM >= 0.10.2; ignored before)
         body["cache_salt"] = request.cache_salt  # tenants never share prefix-cache blocks there either
     if spec.priority and priority_enabled:
         body["priority"] = int(request.priority)  # vLLM: lower runs first, as our classes
     return body
+
+
+class UnsupportedByUpstream(UpstreamError):
+    """A request the upstream's kind cannot serve as asked: the job ends with an error naming why."""
+
+
+def vllm_structured_outputs(structured: StructuredOutput) -> dict[str, Any]:
+    """vLLM's `structured_outputs` for a constraint. A `tagged` one (a forced tool call) becomes a
+    structural tag triggered by its begin: vLLM enforces the call's format once the model begins
+    one, but does not force it to begin (its completions API has no stronger form)."""
+    if structured.kind == "json":
+        return {"json": json.loads(structured.spec)}
+    if structured.kind == "choice":
+        return {"choice": json.loads(structured.spec)}
+    if structured.kind in ("regex", "grammar"):
+        return {structured.kind: structured.spec}
+    tagged = json.loads(structured.spec)
+    tag = {"type": "structural_tag", "triggers": [tagged["begin"]] if tagged["begin"] else [],
+           "structures": [{"begin": tagged["begin"], "schema": tagged["schema"], "end": tagged["end"]}]}
+    return {"structural_tag": json.dumps(tag)}
+
+
+def _headers(request_id: str, traceparent: str | None) -> dict[str, str]:
+    """Our request id, and the request's trace context so the server's spans join its trace."""
+    if traceparent is None:
+        return {"x-request-id": request_id}
+    return {"x-request-id": request_id, "traceparent": traceparent}
 
 
 def _error_detail(raw: bytes) -> str:
@@ -142,6 +178,8 @@ class UpstreamLink:
         self.inflight: dict[str, Job] = {}
         self.last_seen = time.monotonic()
         self.sent = 0
+        # Approximate: filled from the prompts sent here (it publishes no KV events to sluice).
+        self.cache = CacheIndex(settings.routing.max_index_blocks, approximate=True)
         self._host = host
         self._priority_enabled = settings.scheduler.priority_enabled
         self._probe_interval_s = METRICS_INTERVAL_S if spec.kind == "vllm" else settings.dispatch.heartbeat_interval_s
@@ -196,6 +234,10 @@ class UpstreamLink:
     def load(self) -> float:
         return len(self.inflight) / self.spec.max_concurrency
 
+    @property
+    def kv_use(self) -> float:
+        return 0.0  # not reported
+
     def view(self, draining: bool = False) -> dict[str, Any]:
         unstarted = sum(1 for job in self.inflight.values() if not job.started)
         vllm = self.spec.kind == "vllm"
@@ -208,6 +250,7 @@ class UpstreamLink:
             "est_waiting": self.est_waiting, "load": round(self.load, 3),
             "total_kv_blocks": 0, "free_kv_blocks": 0,
             "last_heartbeat_age_s": round(time.monotonic() - self.last_seen, 3), "draining": draining,
+            "cache_index_blocks": len(self.cache),
         }
 
     # ---- requests ------------------------------------------------------------------------------
@@ -235,10 +278,10 @@ class UpstreamLink:
     async def _run(self, stream: _Stream) -> None:
         request = stream.request
         rid = request.request_id
-        body = _encode(completion_body(request, self.spec, priority_enabled=self._priority_enabled))
         try:
+            body = _encode(completion_body(request, self.spec, priority_enabled=self._priority_enabled))
             async with asyncio.timeout(self.spec.request_timeout_s):
-                async with self._http.post("/v1/completions", body, {"x-request-id": rid}) as response:
+                async with self._http.post("/v1/completions", body, _headers(rid, request.traceparent)) as response:
                     if response.status >= 400:
                         detail = _error_detail(await response.read())
                         raise UpstreamError(f"upstream {self.spec.name!r} answered HTTP "
@@ -275,8 +318,11 @@ class UpstreamLink:
         finish: str | None = None
         usage: dict[str, Any] = {}
 
+        max_tokens = request.sampling.max_tokens
+        exact = True  # every chunk with output carried its token ids: the count is exact
+
         def on_event(data: bytes) -> bool:
-            nonlocal finish, usage
+            nonlocal finish, usage, exact
             if data == b"[DONE]":
                 return True  # the rest of the body is awaited, so the connection is reused
             event = _decode(data)
@@ -286,10 +332,17 @@ class UpstreamLink:
                 raise UpstreamError(f"upstream {self.spec.name!r} reported an error{_error_detail(data)}")
             if isinstance(event.get("usage"), dict):
                 usage = event["usage"]
-            for choice in event.get("choices") or ():
-                text = choice.get("text") or ""
-                token_ids = tuple(choice.get("token_ids") or ())
+            choices = event.get("choices") or ()
+            if not isinstance(choices, list):
+                raise MalformedChunk("choices is not a list")
+            for raw in choices:
+                choice = read_choice(raw)
+                text, token_ids = choice.text, choice.token_ids
                 if text or token_ids:
+                    exact = exact and bool(token_ids)
+                    left = max_tokens - stream.num_output_tokens
+                    if len(token_ids) > left:  # past max_tokens: what was reserved is what is relayed
+                        token_ids = token_ids[:left]
                     now = time.time()
                     count = len(token_ids) or 1  # no ids: one chunk per token, as servers stream
                     first = now if stream.num_output_tokens == 0 else None
@@ -298,19 +351,25 @@ class UpstreamLink:
                         request_id=request.request_id, token_ids=token_ids, text=text,
                         num_prompt_tokens=prompt_tokens, num_output_tokens=stream.num_output_tokens,
                         first_token_time=first, token_times=(now,) * count))
-                if choice.get("finish_reason"):
-                    finish = str(choice["finish_reason"])
+                    if stream.num_output_tokens >= max_tokens and not choice.finish_reason:
+                        finish = "length"  # the upstream would go on: sluice stops relaying here
+                        return True
+                if choice.finish_reason:
+                    finish = choice.finish_reason
             return False
 
-        await response.each_event(on_event, drain_s=DRAIN_AFTER_DONE_S)
+        try:
+            await response.each_event(on_event, drain_s=DRAIN_AFTER_DONE_S)
+        except MalformedChunk as exc:
+            raise UpstreamError(f"upstream {self.spec.name!r} sent a malformed chunk ({exc})") from None
         if finish is None:
             raise UpstreamError(f"upstream {self.spec.name!r} ended the stream before the request finished")
-        completion = usage.get("completion_tokens")
-        if isinstance(completion, int) and completion >= 0:
-            stream.num_output_tokens = completion
+        stream.num_output_tokens = billed_completion(
+            stream.num_output_tokens, usage.get("completion_tokens"), max_tokens, exact=exact)
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        self._end(stream, _FINISH.get(finish, FinishReason.STOP), cached=cached if isinstance(cached, int) else 0)
+        cached = cached if isinstance(cached, int) and not isinstance(cached, bool) else 0
+        self._end(stream, _FINISH.get(finish, FinishReason.STOP), cached=min(max(cached, 0), prompt_tokens))
 
     def _end(self, stream: _Stream, reason: FinishReason, error: str | None = None, *, cached: int = 0) -> None:
         self._host.deliver(self, RequestDelta(

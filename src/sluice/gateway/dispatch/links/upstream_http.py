@@ -232,17 +232,22 @@ class StreamedResponse:
         ([DONE]); the rest of the body is then read for up to `drain_s` (so the connection can be
         reused; a server that does not end it by then has it closed). Returns when the body
         ended; raises what `on_event` raised, or why the connection failed."""
-        pending = b""
+        pending = bytearray()  # the line not ended yet: appended in place (bytes += was quadratic)
         stopped = False
 
         def take(piece: bytes) -> None:
             nonlocal pending, stopped
             if stopped:
                 return
-            pending += piece
             if b"\n" not in piece:
+                pending += piece
+                if len(pending) > MAX_LINE:  # a chunk is a few tokens: this is no SSE stream
+                    raise ValueError(f"an SSE line longer than {MAX_LINE} bytes")
                 return
-            *lines, pending = pending.split(b"\n")
+            *lines, rest = (bytes(pending) + piece).split(b"\n")
+            pending = bytearray(rest)
+            if len(pending) > MAX_LINE:
+                raise ValueError(f"an SSE line longer than {MAX_LINE} bytes")
             for line in lines:
                 if line.startswith(b"data:") and on_event(line[5:].strip()):
                     stopped = True
@@ -251,7 +256,7 @@ class StreamedResponse:
 
         await self._relay(take)
         if not stopped and pending.startswith(b"data:"):
-            on_event(pending[5:].strip())
+            on_event(bytes(pending[5:]).strip())
 
     async def read(self) -> bytes:
         body = bytearray()

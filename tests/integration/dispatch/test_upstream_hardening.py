@@ -1,0 +1,169 @@
+"""Issue #36, "an upstream is not trusted blindly" (items 9 and 10): a front `sluice serve --workers 0`
+(real broker, SQLite, and Redis for the shared state and stream log where $SLUICE_TEST_REDIS_URL is
+set) in front of a misbehaving OpenAI-compatible server.
+
+The upstream is a fake, in a thread of the test: the faults it shows (token ids over 2**32, a
+number as text, 500 chunks for max_tokens 111, a reported usage of 10**9 tokens, a 3 MB SSE line)
+are ones no real server can be made to send. Its behaviour is chosen by the request's max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sluice.broker import free_port
+
+from .test_serve import Serve, serve_environment, write_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+NORMAL, BAD_ID, TOO_MANY, NOT_TEXT, LONG_LINE = 7, 101, 111, 112, 113
+REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "")
+
+
+def _chunk(text: Any, token_ids: list[Any] | None = None, finish: str | None = None,
+           usage: dict[str, int] | None = None) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    event: dict[str, Any] = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice]}
+    if usage is not None:
+        event["usage"] = usage
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+class _Misbehaving(BaseHTTPRequestHandler):
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:  # the link's probe
+        body = json.dumps({"object": "list", "data": [{"id": "demo", "object": "model"}]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        prompt_tokens = len(request["prompt"])
+        scenario = request["max_tokens"]
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+        out = self.wfile
+        if scenario == BAD_ID:
+            out.write(_chunk("a", [5]) + _chunk("b", [2**33]) + _chunk("", [], "stop"))
+        elif scenario == TOO_MANY:
+            for _ in range(500):
+                out.write(_chunk("b", [6]))
+            out.write(_chunk("", [], "length", {"prompt_tokens": prompt_tokens, "completion_tokens": 10**9}))
+        elif scenario == NOT_TEXT:
+            out.write(_chunk(123, [7]) + _chunk({"x": 1}, [7], "stop"))
+        elif scenario == LONG_LINE:
+            out.write(b"data: " + b"x" * (3 * 2**20))
+            out.flush()
+            time.sleep(2)
+        else:
+            for _ in range(scenario):
+                out.write(_chunk("a", [5]))
+            out.write(_chunk("", [], "length", {"prompt_tokens": prompt_tokens, "completion_tokens": scenario}))
+        out.write(b"data: [DONE]\n\n")
+        out.flush()
+
+
+@pytest.fixture(scope="module", params=["in-process", "redis"])
+def front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path,
+          bootstrap_servers: str) -> Iterator[tuple[Serve, str]]:
+    if request.param == "redis" and not REDIS_URL:
+        pytest.skip("SLUICE_TEST_REDIS_URL is not set")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Misbehaving)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    root = tmp_path_factory.mktemp("front")
+    config = write_config(root / "config", demo_model_dir, sluice_toml="[dispatch]\nheartbeat_interval_s = 0.5\n",
+                          tenants_toml='[[tenants]]\nname = "demo-chat"\n')
+    (config / "upstreams.toml").write_text(
+        f'[[upstreams]]\nname = "fake"\nbase_url = "http://127.0.0.1:{server.server_address[1]}/v1"\n'
+        'models = ["demo"]\nmax_concurrency = 8\nrequest_timeout_s = 60\n')
+    env = serve_environment(root, config, bootstrap_servers, "hard")
+    if request.param == "redis":
+        env.update(SLUICE_SHARED_URL=REDIS_URL, SLUICE_SHARED_PREFIX=f"hard{time.monotonic_ns()}")
+    serve = Serve(root, env, free_port(), "--workers", "0")
+    try:
+        serve.wait_ready()
+        tenants = serve.admin("GET", "/admin/tenants").json()
+        tenant_id = next(t["id"] for t in (tenants["data"] if isinstance(tenants, dict) else tenants)
+                         if t["name"] == "demo-chat")
+        key = serve.admin("POST", f"/admin/tenants/{tenant_id}/keys", json={"name": "t"}).json()["key"]
+        yield serve, key
+    finally:
+        serve.stop()
+        server.shutdown()
+
+
+def _stream(front: tuple[Serve, str], max_tokens: int) -> list[Any]:
+    """The events of one streamed completion (JSON, or "[DONE]"), read until the server closes."""
+    serve, key = front
+    events: list[Any] = []
+    body = {"model": "demo", "prompt": "hello", "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", serve.base + "/v1/completions", json=body, timeout=30,
+                      headers={"authorization": f"Bearer {key}"}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_a_bad_token_id_fails_its_stream_alone(front: tuple[Serve, str]) -> None:
+    bad = _stream(front, BAD_ID)
+    assert isinstance(bad[-1], dict) and bad[-1]["error"]["code"] == "generation_failed", bad[-3:]
+    for _ in range(3):  # every later stream ends, with all of its events (none lags one behind)
+        good = _stream(front, NORMAL)
+        assert good[-1] == "[DONE]"
+        assert "".join(e["choices"][0]["text"] for e in good[:-1] if isinstance(e, dict) and e["choices"]) == "a" * 7
+
+
+def test_output_is_capped_at_max_tokens_and_billed_as_counted(front: tuple[Serve, str]) -> None:
+    events = _stream(front, TOO_MANY)
+    assert events[-1] == "[DONE]"
+    text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+    assert text == "b" * TOO_MANY
+    usage = next(e["usage"] for e in events[:-1] if e.get("usage"))
+    assert usage["completion_tokens"] == TOO_MANY
+    serve, key = front
+    whole = httpx.post(serve.base + "/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": TOO_MANY},
+                       headers={"authorization": f"Bearer {key}"}, timeout=30)
+    assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == TOO_MANY, whole.text
+    assert whole.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_non_string_text_is_generation_failed(front: tuple[Serve, str]) -> None:
+    serve, key = front
+    whole = httpx.post(serve.base + "/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": NOT_TEXT},
+                       headers={"authorization": f"Bearer {key}"}, timeout=30)
+    assert whole.status_code == 500 and whole.json()["error"]["code"] == "generation_failed", whole.text
+    events = _stream(front, NOT_TEXT)
+    assert all(not isinstance(e, dict) or not e.get("choices") or isinstance(e["choices"][0].get("text"), str)
+               for e in events)
+    assert events[-1]["error"]["code"] == "generation_failed"
+
+
+def test_an_endless_sse_line_is_refused(front: tuple[Serve, str]) -> None:
+    serve, key = front
+    whole = httpx.post(serve.base + "/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": LONG_LINE},
+                       headers={"authorization": f"Bearer {key}"}, timeout=30)
+    assert whole.status_code == 500 and whole.json()["error"]["code"] == "generation_failed", whole.text
+    assert httpx.get(serve.base + "/health", timeout=10).status_code == 200

@@ -1,0 +1,120 @@
+"""Issue #36, resumable streams: an attach past the end of a finished stream returns at once on
+every replica, as the in-process log does, and attaches count against requests/min (item 4); a
+Last-Event-ID with non-ASCII digits is a 400, not a 500 (item 12).
+
+A real gateway over HTTP (uvicorn), the demo model in-process, SQLite; in Redis mode a second
+replica on the same database and Redis prefix reads what the first one streamed.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from sluice.gateway.app import create_app
+from sluice.gateway.queueing.local import LocalEngineBackend
+
+ENGINE_OPTIONS = {"max_num_seqs": 32, "kv_cache_bytes": 32 * 2**20, "max_num_batched_tokens": 512}
+
+pytestmark = pytest.mark.integration
+
+BODY = {"model": "demo", "messages": [{"role": "user", "content": "Tell me about rivers."}], "max_tokens": 8,
+        "temperature": 0, "stream": True}
+
+
+@pytest.fixture(scope="module", params=["in-process", "redis"])
+def shared_mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def other_replica(gateway: Any, demo_model_dir: Path, shared_mode: str) -> Iterator[str]:
+    """Redis mode: a second gateway on the same database and Redis prefix; in-process: the same one."""
+    if shared_mode != "redis":
+        yield gateway.base_url
+        return
+    app = create_app(gateway.app.state.services.settings, LocalEngineBackend({"demo": demo_model_dir}, ENGINE_OPTIONS))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def _finished_stream(client: httpx.Client) -> tuple[str, int]:
+    """A streamed chat read to its end: (response id, seq of its last event)."""
+    ids = []
+    with client.stream("POST", "/v1/chat/completions", json=BODY) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                ids.append(line[4:])
+    response_id, _, last = ids[-1].rpartition(":")
+    return response_id, int(last)
+
+
+def _attach(base: str, key: str, response_id: str, last_event_id: str) -> tuple[int, list[str]]:
+    headers = {"authorization": f"Bearer {key}", "last-event-id": last_event_id}
+    # 30 s is the failure mode (the attach waited for entries that never come), not a limit measured
+    with httpx.Client(base_url=base, timeout=30) as client, client.stream(
+            "GET", f"/v1/chat/completions/{response_id}/events", headers=headers) as response:
+        data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        return response.status_code, data
+
+
+def test_an_attach_past_the_end_returns_at_once_on_any_replica(gateway: Any, other_replica: str) -> None:
+    _, key = gateway.tenant()
+    with gateway.client(key) as client:
+        response_id, last = _finished_stream(client)
+    # Its last event, after the last event, far after it: an empty, ended answer each time.
+    for after in (last, last + 1, last + 1000):
+        status, data = _attach(other_replica, key, response_id, f"{response_id}:{after}")
+        assert status == 200 and data == [], (after, data)
+    status, data = _attach(other_replica, key, response_id, f"{response_id}:{last - 1}")
+    assert status == 200 and data == ["[DONE]"]
+
+
+def test_attaches_count_against_requests_per_minute(gateway: Any, other_replica: str) -> None:
+    _, key = gateway.tenant(quotas={"requests_per_minute": 3})
+    with gateway.client(key) as client:
+        response_id, last = _finished_stream(client)  # request 1
+    for _ in range(2):  # requests 2 and 3
+        assert _attach(gateway.base_url, key, response_id, f"{response_id}:{last - 1}")[0] == 200
+    with httpx.Client(base_url=other_replica, timeout=30, headers={"authorization": f"Bearer {key}"}) as client:
+        refused = client.get(f"/v1/chat/completions/{response_id}/events")
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded" and "retry-after" in refused.headers
+
+
+@pytest.mark.parametrize("seq", ["\u00b2", "1\u00b9", "-1", "1e3", "99999999999999"])
+def test_a_last_event_id_with_odd_digits_is_a_400(gateway: Any, seq: str) -> None:
+    _, key = gateway.tenant()
+    with gateway.client(key) as client:
+        response_id, _ = _finished_stream(client)
+        header = f"{response_id}:{seq}".encode("latin-1")  # a header's bytes are read as Latin-1
+        answer = client.get(f"/v1/chat/completions/{response_id}/events", headers={"last-event-id": header})
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+        again = client.post("/v1/chat/completions", json=BODY,
+                            headers={"idempotency-key": "k-" + response_id, "last-event-id": header})
+        assert again.status_code == 400, again.text
+        assert json.loads(again.text)["error"]["message"].startswith("Last-Event-ID")
