@@ -25,8 +25,8 @@ worth their rows:
 - the bar rises with the step's batch (`keep_chance_bar`). With a step costing a + b * rows (a:
   reading the weights and fixed overhead, b: one row's compute), d draft rows that keep K tokens
   on average raise the step's tokens per second iff K / d > b * rows / (a + b * rows): the share of
-  the step that grows with its rows. Alone a draft needs a coin flip; at 128 decoding requests it
-  needs ~0.9, which chat text almost never reaches and a repetition loop does. On chat traffic at
+  the step that grows with its rows. Alone a draft needs a coin flip; at 32 decoding requests 0.84, at
+  128 0.95, which chat text almost never reaches and a repetition loop does. On chat traffic at
   a large batch speculation therefore stays out of the way (it cost 6% of throughput there when
   its bar was flat), while a lone stream still gets its drafts.
 """
@@ -49,8 +49,9 @@ _MAX_LOOKBACK = 4096
 # A draft token is proposed only while its estimated chance of being kept is at least this.
 MIN_KEEP_CHANCE = 0.5
 # a / b of the step-cost model above, in rows: the batch at which the rows' compute equals the
-# fixed cost of a step. SmolLM2-135M on 2 EPYC cores: ~23 ms alone, ~+1.2 ms per decode row.
-STEP_KNEE_ROWS = 16
+# fixed cost of a step. SmolLM2-135M in float32 on 2 EPYC cores: a ~23 ms (the single-stream ITL),
+# b ~3-5 ms (0.27 GFLOP a row at the ~55-90 GFLOP/s the engine reaches in full batches).
+STEP_KNEE_ROWS = 6
 # The estimate starts at 3 kept of 4 (so an unseen kind of guess is tried) and forgets with this
 # weight per observation: it follows the last ~64 guesses of its kind.
 _PRIOR_KEPT, _PRIOR_SEEN = 3.0, 4.0
