@@ -1,7 +1,8 @@
 """What the in-process engine scripts share (bench/ab_engine.py, bench/profile_engine.py): the
 arguments that pick the model and the request set, and the engine and seeded requests they make.
 
-The request set is `sluice bench engine`'s (its length distributions and seed), greedy, ignore_eos.
+The request set is one of `sluice bench engine`'s workloads (`--workload`, default chat: sampled;
+random: greedy), with its length distributions and seed, ignore_eos.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from sluice.protocol import SamplingParams
 from sluice.workers.config import EngineConfig
 from sluice.workers.engine import LLMEngine
 from sluice.workers.model.config import ModelConfig
-from sluice_lab.engine_bench import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, make_requests
+from sluice_lab.engine_bench import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN
 from sluice_lab.loadgen.prompts import LengthDist
+from sluice_lab.workloads import WORKLOADS, make_workload
 
 
 def _length_dist(spec: str) -> str:
@@ -37,6 +39,8 @@ def add_engine_run_args(parser: argparse.ArgumentParser, *, num_requests: int, t
     parser.add_argument("--output-len", type=_length_dist, default=DEFAULT_OUTPUT_LEN)
     parser.add_argument("--threads", type=int, default=threads)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--workload", choices=WORKLOADS, default="chat")
+    parser.add_argument("--speculative-tokens", type=int, default=None, help="default: the engine's")
 
 
 def engine_run(args: argparse.Namespace, **engine_fields: Any) -> tuple[LLMEngine, list[list[int]],
@@ -44,9 +48,8 @@ def engine_run(args: argparse.Namespace, **engine_fields: Any) -> tuple[LLMEngin
     """The engine (`engine_fields`: more EngineConfig fields), the prompts and their parameters."""
     torch.set_num_threads(args.threads)
     cfg = ModelConfig.from_dir(Path(args.model))
-    requests = make_requests(args.num_requests, args.seed, LengthDist.parse(args.prompt_len),
+    workload = make_workload(args.workload, args.model, args.num_requests, args.seed, LengthDist.parse(args.prompt_len),
                              LengthDist.parse(args.output_len), cfg.vocab_size)
+    engine_fields.setdefault("num_speculative_tokens", args.speculative_tokens)
     engine = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks, **engine_fields))
-    prompts = [p for p, _ in requests]
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in requests]
-    return engine, prompts, params
+    return engine, [p for p, _ in workload.requests], workload.sampling_params()

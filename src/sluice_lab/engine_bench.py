@@ -1,20 +1,22 @@
-"""`sluice bench engine`: sluice's scheduling policies against HF static batching, same requests.
+"""`sluice bench engine`: sluice's scheduling policies against HF static batching and vLLM, same requests.
 
-One seeded request set (prompt and output lengths drawn from configurable distributions, random
-token ids, ignore_eos so every output has its drawn length) runs through
-  (a) HF `generate` in static batches, left-padded, greedy, each batch generating until its
-      longest member is done (tokens past a request's own length are waste, not counted), at
-      each of several batch sizes: the comparison is against the best of them, so no choice of
-      batch size flatters sluice;
-  (b) our engine under each policy.
-  (c) with `--peer vllm`, vLLM's CPU build in its own interpreter (sluice_lab/peer.py).
-HF and sluice run in this process, one run each; throughput = useful output tokens / wall time.
-Each engine also gets latency points (a 512-token prompt to 128 tokens, alone and 16 at once) and
-its achieved FLOP/s as a fraction of the machine's measured matmul peak. Also times the
-scheduler alone (schedule() + update(), CPU time per step) with synthetic decode batches.
+Each workload (sluice_lab/workloads.py; by default `chat`, the headline, then `random`) is one
+seeded request set that runs through
+  (a) HF `generate` in static batches, left-padded, each batch generating until its longest member
+      is done (tokens past a request's own length are waste, not counted), at each of several
+      batch sizes: the comparison is against the best of them, so no choice of batch size
+      flatters sluice;
+  (b) our engine under each policy (and, with `--also-speculation-off`, each policy without
+      speculation);
+  (c) with `--peer vllm`, vLLM's CPU build in its own interpreter (sluice_lab/peer.py), frozen
+      while anything else is timed.
+HF and sluice run in this process. Throughput = useful output tokens / wall time, and per CPU
+second (the machine may be shared). The headline workload also gets latency points (alone and
+16 at once) and each engine its achieved FLOP/s as a fraction of the machine's measured matmul
+peak. Also times the scheduler alone (schedule() + update(), CPU time per step).
 
-The default lengths are long-tailed (lognormal), as chat traffic is: most answers are short and a
-few are long. That tail is what static batching pays for, and what a uniform distribution hides.
+The JSON has the headline workload's sections at the top level (`workload` names it) and every
+other workload's under `scenarios`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from sluice.workers.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from sluice_lab import peer as bench_peer
 from sluice_lab.experiments.cli import positive_int_list
 from sluice_lab.loadgen.prompts import LengthDist
+from sluice_lab.workloads import WORKLOADS, Workload, chat_prompt_pool, make_workload
 
 # torch is imported inside the functions that run engines: every `sluice` process (a gateway
 # replica too) builds the whole parser, and so imports this module for `bench engine`'s arguments;
@@ -58,8 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     # Defaults shaped like chat traffic: modest prompts, answers of widely varying length (the
     # variance static batching pays for in padding and idle rows).
+    parser.add_argument("--workloads", default="chat,random",
+                        help=f"comma-separated, the first is the headline (of {', '.join(WORKLOADS)}; "
+                             "default chat,random)")
     parser.add_argument("--prompt-len", type=_length_dist, default=LengthDist.parse(DEFAULT_PROMPT_LEN),
-                        help=f"prompt length distribution (default {DEFAULT_PROMPT_LEN})")
+                        help=f"prompt length distribution of the random workload (default {DEFAULT_PROMPT_LEN})")
     parser.add_argument("--output-len", type=_length_dist, default=LengthDist.parse(DEFAULT_OUTPUT_LEN),
                         help=f"output length distribution (default {DEFAULT_OUTPUT_LEN})")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset")
@@ -88,6 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 0: the peer's defaults, no speculation)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved rounds of sluice and the peer; each reports its median run")
+    parser.add_argument("--also-speculation-off", action="store_true",
+                        help="also run each policy with speculation off (reported as '<policy> spec-off')")
     parser.add_argument("--kv-events-ab", action="store_true",
                         help="only the A/B of KV event reporting on/off, interleaved rounds (--repeat, at "
                              "least 3), same engine and requests (src/sluice_lab/kv_events_ab.py)")
@@ -97,19 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_requests(num: int, seed: int, prompt_len: LengthDist, output_len: LengthDist,
                   vocab: int) -> list[tuple[list[int], int]]:
-    import torch
-    rng = random.Random(seed)
-    prompt_lens = [prompt_len.sample(rng) for _ in range(num)]
-    output_lens = [output_len.sample(rng) for _ in range(num)]
-    gen = torch.Generator().manual_seed(seed)
-    # Skip the lowest ids, where tokenizers keep their special tokens.
-    low = min(16, vocab - 1)
-    return [(torch.randint(low, vocab, (p,), generator=gen).tolist(), o)
-            for p, o in zip(prompt_lens, output_lens, strict=True)]
+    """The random workload's requests (bench/engine_run.py)."""
+    from sluice_lab.workloads import random_requests
+
+    return random_requests(num, seed, prompt_len, output_len, vocab)
 
 
-def run_hf_static(model_dir: str, requests: list[tuple[list[int], int]], batch_size: int,
-                  device: str) -> dict[str, Any]:
+def run_hf_static(model_dir: str, workload: Workload, batch_size: int, device: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -118,18 +119,21 @@ def run_hf_static(model_dir: str, requests: list[tuple[list[int], int]], batch_s
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]
+    requests = workload.requests
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         batch = requests[i:i + batch_size]
-        _hf_generate(model, [p for p, _ in batch], max(o for _, o in batch), device)
+        _hf_generate(model, [p for p, _ in batch], max(o for _, o in batch), device, workload.temperature,
+                     workload.top_p)
     elapsed = time.perf_counter() - start
     useful = sum(o for _, o in requests)
     return {"output_tokens": useful, "seconds": elapsed, "output_tokens_per_s": useful / elapsed,
             "batch_size": batch_size}
 
 
-def _hf_generate(model: Any, prompts: list[list[int]], new: int, device: str) -> None:
-    """One static batch, left-padded, greedy, every row generating `new` tokens."""
+def _hf_generate(model: Any, prompts: list[list[int]], new: int, device: str, temperature: float = 0.0,
+                 top_p: float = 1.0) -> None:
+    """One static batch, left-padded, every row generating `new` tokens (temperature 0: greedy)."""
     import torch
     pad = 0
     width = max(len(p) for p in prompts)
@@ -139,8 +143,10 @@ def _hf_generate(model: Any, prompts: list[list[int]], new: int, device: str) ->
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
     with torch.inference_mode():
-        model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                       max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=pad)
+        sampling: dict[str, Any] = ({"do_sample": False} if temperature == 0.0 else
+                                    {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0})
+        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
+                       eos_token_id=None, pad_token_id=pad, **sampling)
 
 
 def hf_latency(model_dir: str, prompts: bench_peer.LatencyPoints, device: str) -> dict[str, dict[str, float]]:
@@ -150,17 +156,25 @@ def hf_latency(model_dir: str, prompts: bench_peer.LatencyPoints, device: str) -
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]
-    return prompts.time(lambda batch, new: _hf_generate(model, batch, new, device))
+    return prompts.time(lambda batch, new: _hf_generate(model, batch, new, device, prompts.temperature,
+                                                        prompts.top_p))
 
 
-def run_sluice(args: argparse.Namespace, policy: str, requests: list[tuple[list[int], int]],
+def run_sluice(args: argparse.Namespace, variant: str, workload: Workload,
                latency: bench_peer.LatencyPoints | None = None) -> dict[str, Any]:
+    """One timed run of sluice's engine: `variant` is a policy, optionally followed by " spec-off"."""
+    import dataclasses
+
     from sluice.workers.cli import engine_config
     from sluice.workers.engine import LLMEngine
 
-    engine = LLMEngine(engine_config(args, args.model, policy))
-    prompts = [p for p, _ in requests]
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in requests]
+    policy, _, modifier = variant.partition(" ")
+    config = engine_config(args, args.model, policy)
+    if modifier == "spec-off":
+        config = dataclasses.replace(config, num_speculative_tokens=0)
+    engine = LLMEngine(config)
+    prompts = [p for p, _ in workload.requests]
+    params = workload.sampling_params()
     engine.generate(prompts[:2], params[:2])  # warm-up outside the timing
     steps_before = engine.scheduler.stats.num_steps
     drafts_before = engine.scheduler.stats.num_draft_tokens
@@ -182,7 +196,10 @@ def run_sluice(args: argparse.Namespace, policy: str, requests: list[tuple[list[
         "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None}
     if latency is not None:
         def generate(batch: list[list[int]], new: int) -> None:
-            engine.generate(batch, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+            engine.generate(batch, [SamplingParams(max_tokens=new, temperature=latency.temperature,
+                                                   top_p=latency.top_p, ignore_eos=True,
+                                                   seed=None if latency.temperature == 0.0 else args.seed + i)
+                                    for i in range(len(batch))])
 
         report["latency"] = latency.time(generate)
     return report
@@ -237,6 +254,9 @@ def run_bench(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or any(p not in POLICIES for p in policies):
         raise CLIError(f"--policies must be a comma-separated subset of {', '.join(POLICIES)}")
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not names or any(w not in WORKLOADS for w in names) or len(set(names)) != len(names):
+        raise CLIError(f"--workloads must be a comma-separated subset of {', '.join(WORKLOADS)}, each once")
     if not Path(args.model).is_dir():
         raise CLIError(f"model directory {args.model} does not exist")
     from sluice.workers.cli import engine_config
@@ -259,20 +279,30 @@ def run_bench(args: argparse.Namespace) -> int:
             args.json.write_text(json.dumps(ab, indent=2) + "\n", encoding="utf-8")
         return 0
     model_cfg = ModelConfig.from_dir(Path(args.model))
-    requests = make_requests(args.num_requests, args.seed, args.prompt_len, args.output_len, model_cfg.vocab_size)
+    workloads = [make_workload(name, args.model, args.num_requests, args.seed, args.prompt_len, args.output_len,
+                               model_cfg.vocab_size) for name in names]
+    headline = workloads[0]
     if args.latency_prompt_len < 1 or args.latency_output_len < 2:
         raise CLIError("--latency-prompt-len must be positive and --latency-output-len at least 2")
-    latency = None if args.skip_latency else bench_peer.LatencyPoints.make(
-        model_cfg.vocab_size, args.seed, args.latency_prompt_len, args.latency_output_len, args.latency_streams)
+    latency = None
+    if args.skip_latency:
+        pass
+    elif headline.greedy:
+        latency = bench_peer.LatencyPoints.make(model_cfg.vocab_size, args.seed, args.latency_prompt_len,
+                                                args.latency_output_len, args.latency_streams)
+    else:  # distinct conversations, decoded as the workload decodes
+        latency = bench_peer.LatencyPoints.from_pool(chat_prompt_pool(args.model, args.seed), args.latency_output_len,
+                                                     args.latency_streams, headline.temperature, headline.top_p)
+    variants = [v for p in policies for v in ([p, f"{p} spec-off"] if args.also_speculation_off else [p])]
     report: dict[str, Any] = {
+        "workload": headline.name,
         "config": {"num_requests": args.num_requests, "seed": args.seed, "device": config.device,
-                   "threads": torch.get_num_threads(), "prompt_tokens": sum(len(p) for p, _ in requests),
-                   "output_tokens": sum(o for _, o in requests), "max_output_tokens": max(o for _, o in requests),
+                   "dtype": config.resolved_dtype, "threads": torch.get_num_threads(),
+                   **headline.summary(),
                    "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-                   "repeat": args.repeat,
+                   "speculative_tokens": config.resolved_num_speculative_tokens, "repeat": args.repeat,
                    # Shared machines: a high load average marks the numbers as noisy.
                    "load_average_at_start": os.getloadavg()[0]},
-        "sluice": {},
     }
     if config.device == "cpu":
         from sluice.kernels import native
@@ -284,23 +314,30 @@ def run_bench(args: argparse.Namespace) -> int:
         report["matmul_peak"] = bench_peer.matmul_peak(model_cfg)
         print(f"fp32 matmul peak {report['matmul_peak']['gflops']:.1f} GFLOP/s (best of the model's GEMM shapes)")
     peer = None
+    peer_info: dict[str, Any] = {}
     if args.peer == "vllm":
-        max_len = max(len(p) + o for p, o in requests) + 1
+        max_len = max(len(p) + o for w in workloads for p, o in w.requests) + 1
         if latency is not None:
             max_len = max(max_len, latency.longest() + 1)
-        peer = bench_peer.VllmPeer(args.peer_venv, args.model, requests, latency, torch.get_num_threads(), max_len,
-                                   args.peer_speculative_tokens)
-        peer_info = peer.call("info")  # waits for its load and warm-up: nothing is timed beside it
-        report["peers"] = {"vllm": {"version": peer_info["version"], "dtype": peer_info["dtype"],
-                                    "load_seconds": peer_info["load_seconds"],
-                                    "speculative_config": peer_info.get("speculative_config")}}
-        print(f"vllm {peer_info['version']} loaded in {peer_info['load_seconds']:.0f} s")
+        peer = bench_peer.VllmPeer(args.peer_venv, args.model, {w.name: w.peer_spec() for w in workloads}, latency,
+                                   torch.get_num_threads(), max_len, args.peer_speculative_tokens,
+                                   config.resolved_dtype)
+        info = peer.call("info")  # waits for its load and warm-up: nothing is timed beside it
+        peer_info = {"version": info["version"], "dtype": info["dtype"], "load_seconds": info["load_seconds"],
+                     "speculative_config": info.get("speculative_config")}
+        print(f"vllm {info['version']} loaded in {info['load_seconds']:.0f} s")
+    sections: dict[str, dict[str, Any]] = {
+        w.name: {"sluice": {}, **({"peers": {"vllm": dict(peer_info)}} if peer else {})} for w in workloads}
     try:
-        _run_engines(args, report, policies, requests, latency, peer)
+        _run_engines(args, sections, variants, workloads, latency, peer, str(config.device))
     finally:
         if peer is not None:
             peer.close()
-    _summarise(report, bench_peer.useful_flops(model_cfg, requests))
+    for w in workloads:
+        print(f"--- workload {w.name} ---")
+        _summarise(sections[w.name], bench_peer.useful_flops(model_cfg, w.requests), report.get("matmul_peak"))
+    report.update(sections[headline.name])
+    report["scenarios"] = {w.name: {"config": w.summary(), **sections[w.name]} for w in workloads[1:]}
     report["scheduler_cpu_ms_per_step"] = {str(n): scheduler_step_cpu_ms(n) for n in args.scheduler_sizes}
     for n, ms in report["scheduler_cpu_ms_per_step"].items():
         print(f"scheduler step with {n:>4} running: {ms:.3f} ms CPU")
@@ -315,57 +352,62 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ordered = sorted(runs, key=lambda r: r["output_tokens_per_s"])
     median = dict(ordered[(len(ordered) - 1) // 2])
     median["runs_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in runs]
+    median["runs_output_tokens_per_cpu_s"] = [r.get("output_tokens_per_cpu_s") for r in runs]
     return median
 
 
-def _run_engines(args: argparse.Namespace, report: dict[str, Any], policies: list[str],
-                 requests: list[tuple[list[int], int]], latency: bench_peer.LatencyPoints | None,
-                 peer: bench_peer.VllmPeer | None) -> None:
-    device = report["config"]["device"]
+def _run_engines(args: argparse.Namespace, sections: dict[str, dict[str, Any]], variants: list[str],
+                 workloads: list[Workload], latency: bench_peer.LatencyPoints | None,
+                 peer: bench_peer.VllmPeer | None, device: str) -> None:
     if not args.skip_hf:
-        by_batch = {}
-        for batch in args.hf_batch_sizes:
-            by_batch[str(batch)] = run_hf_static(args.model, requests, batch, device)
-            print(f"hf_static batch {batch:<4} {by_batch[str(batch)]['output_tokens_per_s']:10.1f} output tok/s")
-        report["hf_static_by_batch"] = by_batch
-        report["hf_static"] = dict(max(by_batch.values(), key=lambda r: r["output_tokens_per_s"]))
+        for w in workloads:
+            by_batch = {}
+            for batch in args.hf_batch_sizes:
+                by_batch[str(batch)] = run_hf_static(args.model, w, batch, device)
+                print(f"[{w.name}] hf_static batch {batch:<4} {by_batch[str(batch)]['output_tokens_per_s']:10.1f} "
+                      "output tok/s")
+            sections[w.name]["hf_static_by_batch"] = by_batch
+            sections[w.name]["hf_static"] = dict(max(by_batch.values(), key=lambda r: r["output_tokens_per_s"]))
         if latency is not None:
-            report["hf_static"]["latency"] = hf_latency(args.model, latency, device)
-    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
-    peer_runs: list[dict[str, Any]] = []
+            sections[workloads[0].name]["hf_static"]["latency"] = hf_latency(args.model, latency, device)
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(w.name, v): [] for w in workloads for v in variants}
+    peer_runs: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workloads}
     # Interleaved rounds: every engine once per round, so a noisy minute hits all of them.
     for round_index in range(args.repeat):
-        for policy in policies:
-            point = latency if round_index == 0 and policy == policies[0] else None
-            result = run_sluice(args, policy, requests, point)
-            runs[policy].append(result)
-            print(f"sluice {policy:<13} {result['output_tokens_per_s']:10.1f} output tok/s "
-                  f"({result['steps']} steps, {result['preemptions']} preemptions, "
-                  f"{result['accepted_draft_tokens']}/{result['draft_tokens']} drafts kept, "
-                  f"{result['cpu_seconds']:.1f} s CPU in {result['seconds']:.1f} s)")
-        if peer is not None:
-            peer_runs.append(peer.call("throughput"))
-            last = peer_runs[-1]
-            cpu = f" ({last['cpu_seconds']:.1f} s CPU in {last['seconds']:.1f} s)" if "cpu_seconds" in last else ""
-            print(f"vllm                 {last['output_tokens_per_s']:10.1f} output tok/s{cpu}")
-    for policy, policy_runs in runs.items():
-        report["sluice"][policy] = _median_run(policy_runs)
-        if "latency" in policy_runs[0]:
-            report["sluice"][policy]["latency"] = policy_runs[0]["latency"]
+        for w in workloads:
+            for variant in variants:
+                point = latency if round_index == 0 and w is workloads[0] else None
+                result = run_sluice(args, variant, w, point)
+                runs[w.name, variant].append(result)
+                print(f"[{w.name}] sluice {variant:<18} {result['output_tokens_per_s']:8.1f} output tok/s, "
+                      f"{result['output_tokens_per_cpu_s']:6.1f} per CPU s "
+                      f"({result['steps']} steps, {result['preemptions']} preemptions, "
+                      f"{result['accepted_draft_tokens']}/{result['draft_tokens']} drafts kept, "
+                      f"{result['cpu_seconds']:.1f} s CPU in {result['seconds']:.1f} s)")
+            if peer is not None:
+                peer_runs[w.name].append(peer.call(f"throughput {w.name}"))
+                last = peer_runs[w.name][-1]
+                cpu = f" ({last['cpu_seconds']:.1f} s CPU in {last['seconds']:.1f} s)" if "cpu_seconds" in last else ""
+                print(f"[{w.name}] vllm {'':<20} {last['output_tokens_per_s']:8.1f} output tok/s{cpu}")
+    for (name, variant), variant_runs in runs.items():
+        sections[name]["sluice"][variant] = _median_run(variant_runs)
+        if "latency" in variant_runs[0]:
+            sections[name]["sluice"][variant]["latency"] = variant_runs[0]["latency"]
     if peer is not None:
-        report["peers"]["vllm"].update(_median_run(peer_runs))
+        for w in workloads:
+            sections[w.name]["peers"]["vllm"].update(_median_run(peer_runs[w.name]))
         if latency is not None:
-            report["peers"]["vllm"]["latency"] = peer.call("latency")
+            sections[workloads[0].name]["peers"]["vllm"]["latency"] = peer.call("latency")
 
 
-def _summarise(report: dict[str, Any], flops: float) -> None:
-    """Ratios, FLOP/s as a fraction of the matmul peak, and one table of every engine."""
+def _summarise(report: dict[str, Any], flops: float, matmul_peak: dict[str, Any] | None) -> None:
+    """Ratios, FLOP/s as a fraction of the matmul peak, and one table of every engine (of one workload)."""
     engines: dict[str, dict[str, Any]] = {}
     if "hf_static" in report:
         engines[f"hf_static (batch {report['hf_static']['batch_size']})"] = report["hf_static"]
     engines.update({f"sluice {p}": r for p, r in report["sluice"].items()})
     engines.update({f"peer {name}": r for name, r in report.get("peers", {}).items()})
-    peak = report.get("matmul_peak", {}).get("gflops")
+    peak = (matmul_peak or {}).get("gflops")
     report["useful_gflop"] = flops / 1e9
     for result in engines.values():
         result["achieved_gflops"] = flops / result["seconds"] / 1e9
@@ -385,14 +427,15 @@ def _summarise(report: dict[str, Any], flops: float) -> None:
                 p: r["output_tokens_per_cpu_s"] / peer_cpu
                 for p, r in report["sluice"].items() if r.get("output_tokens_per_cpu_s")}}
     points = sorted({p for r in engines.values() for p in r.get("latency", {})}, key=lambda p: int(p.split("_")[1]))
-    print(f"{'engine':<24} {'tok/s':>8} {'GFLOP/s':>8} {'%peak':>6} "
+    print(f"{'engine':<24} {'tok/s':>8} {'tok/CPUs':>8} {'GFLOP/s':>8} {'%peak':>6} "
           + " ".join(f"{'TTFT/ITL ms @' + p.split('_')[1]:>18}" for p in points))
     for name, r in engines.items():
         lat = r.get("latency", {})
         cells = " ".join(f"{lat[p]['ttft_s'] * 1e3:>9.0f}/{lat[p]['mean_itl_s'] * 1e3:<8.1f}"
                          if p in lat else f"{'-':>18}" for p in points)
         pct = f"{100 * r['fraction_of_matmul_peak']:6.1f}" if "fraction_of_matmul_peak" in r else f"{'-':>6}"
-        print(f"{name:<24} {r['output_tokens_per_s']:8.1f} {r['achieved_gflops']:8.1f} {pct} {cells}")
+        per_cpu = f"{r['output_tokens_per_cpu_s']:8.1f}" if r.get("output_tokens_per_cpu_s") else f"{'-':>8}"
+        print(f"{name:<24} {r['output_tokens_per_s']:8.1f} {per_cpu} {r['achieved_gflops']:8.1f} {pct} {cells}")
     for ref, ratios in [("HF static", report.get("speedup_vs_hf", {})),
                         ("vLLM", report.get("speedup_vs_peer", {}).get("vllm", {})),
                         ("vLLM per CPU second", report.get("speedup_vs_peer_per_cpu_s", {}).get("vllm", {}))]:

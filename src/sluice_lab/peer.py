@@ -5,11 +5,14 @@
   its stdin (results come back as JSON files), so its runs interleave with sluice's and vLLM never
   enters sluice's interpreter.
 - `LatencyPoints`: prompts timed to their first token (max 1 output token) and to
-  `output_tokens` (by default a 512-token prompt to 128 tokens), for one stream and for several
-  at once; TTFT is the first wall time and the mean ITL is (full - first) / (tokens - 1). Every
-  engine (HF, sluice, vLLM) is timed this way, from outside, so no engine's own accounting is
-  trusted. The two runs use different prompts of the same length, so a prefix cache cannot
-  shorten the second.
+  `output_tokens` (by default 128 tokens), for one stream and for several at once, decoded as the
+  workload decodes (sampled for chat); TTFT is the first wall time and the mean ITL is
+  (full - first) / (tokens - 1). Every engine (HF, sluice, vLLM) is timed this way, from outside,
+  so no engine's own accounting is trusted. The two runs use different prompts (chat: different
+  conversations; random: different 512-token prompts), so a prefix cache cannot serve the second
+  from the first.
+- While the bench times sluice, the loaded vLLM peer is frozen (SIGSTOP to its process group; its
+  idle worker was seen using ~40% of a core), and it is thawed only for its own commands.
 - `matmul_peak`: the machine's measured float32 GEMM rate on the model's own projection shapes,
   and `useful_flops`: the forward FLOPs a request set needs (weights, attention, the head at each
   sampled position), so each engine's achieved FLOP/s can be put against the physical limit.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,14 +48,18 @@ Requests = list[tuple[list[int], int]]
 
 @dataclass(frozen=True, slots=True)
 class LatencyPoints:
-    """Per point name: (prompts timed to the first token, prompts timed to `output_tokens`)."""
+    """Per point name: (prompts timed to the first token, prompts timed to `output_tokens`), decoded
+    at `temperature` (0 = greedy) and `top_p`."""
 
     output_tokens: int
     prompts: dict[str, tuple[list[list[int]], list[list[int]]]]
+    temperature: float = 0.0
+    top_p: float = 1.0
 
     @classmethod
     def make(cls, vocab: int, seed: int, prompt_tokens: int, output_tokens: int,
              streams: Sequence[int]) -> LatencyPoints:
+        """Random-token prompts of `prompt_tokens`, greedy (the random workload's points)."""
         import torch  # not at the top: see bench_engine (every `sluice` process imports this module)
 
         gen = torch.Generator().manual_seed(seed + 1)
@@ -61,6 +69,22 @@ class LatencyPoints:
             return torch.randint(low, vocab, (n, prompt_tokens), generator=gen).tolist()
 
         return cls(output_tokens, {f"streams_{n}": (batch(n), batch(n)) for n in streams})
+
+    @classmethod
+    def from_pool(cls, pool: Sequence[list[int]], output_tokens: int, streams: Sequence[int],
+                  temperature: float, top_p: float) -> LatencyPoints:
+        """Each point takes 2n prompts in turn from `pool` (distinct conversations), n for each run."""
+        if len(pool) < 2:
+            raise ValueError("latency points need at least two distinct prompts")
+        taken = 0
+
+        def batch(n: int) -> list[list[int]]:
+            nonlocal taken
+            out = [list(pool[(taken + i) % len(pool)]) for i in range(n)]
+            taken += n
+            return out
+
+        return cls(output_tokens, {f"streams_{n}": (batch(n), batch(n)) for n in streams}, temperature, top_p)
 
     def longest(self) -> int:
         return max(len(p) for first, _ in self.prompts.values() for p in first) + self.output_tokens
@@ -95,29 +119,49 @@ def vllm_python(venv: Path) -> Path:
 class VllmPeer:
     """vLLM loaded once in its own interpreter (src/sluice_lab/vllm_runner.py); each call runs one command."""
 
-    def __init__(self, venv: Path, model_dir: str, requests: Requests, latency: LatencyPoints | None,
-                 threads: int, max_model_len: int, speculative_tokens: int = 0) -> None:
+    def __init__(self, venv: Path, model_dir: str, workloads: dict[str, dict[str, Any]],
+                 latency: LatencyPoints | None, threads: int, max_model_len: int, speculative_tokens: int = 0,
+                 dtype: str = "float32") -> None:
+        """`workloads`: name -> {"requests": [[prompt ids, output tokens], ...], "temperature", "top_p"}."""
         python = vllm_python(venv)
         self._tmp = tempfile.TemporaryDirectory(prefix="sluice-vllm-")
         spec_path = Path(self._tmp.name) / "spec.json"
         spec = {"model": str(Path(model_dir).resolve()), "threads": threads, "max_model_len": max_model_len,
-                "speculative_tokens": speculative_tokens,
-                "requests": requests, "latency_output_tokens": latency.output_tokens if latency else 0,
+                "speculative_tokens": speculative_tokens, "dtype": dtype, "workloads": workloads,
+                "latency_output_tokens": latency.output_tokens if latency else 0,
+                "latency_sampling": {"temperature": latency.temperature if latency else 0.0,
+                                     "top_p": latency.top_p if latency else 1.0},
                 "latency": {name: {"first": f, "full": full}
                             for name, (f, full) in (latency.prompts if latency else {}).items()}}
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
         env = {**os.environ, "VLLM_CACHE_ROOT": str(venv / "cache"),
                "TORCHINDUCTOR_CACHE_DIR": str(venv / "inductor"), "OMP_NUM_THREADS": str(threads)}
         env.pop("PYTHONPATH", None)  # sluice's tree must not shadow anything in the peer's interpreter
+        # Its own session (process group): the bench freezes and thaws vLLM and its engine-core
+        # child together.
         self._proc = subprocess.Popen([str(python), str(VLLM_RUNNER), str(spec_path)], env=env, text=True,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
         if self._proc.stdin is None or self._proc.stdout is None:
             raise RuntimeError("Popen gave no pipes")
         self._stdin, self._stdout = self._proc.stdin, self._proc.stdout
         self._calls = 0
 
+    def _signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, sig)
+
     def call(self, command: str) -> dict[str, Any]:
-        """Sends one command ("info", "throughput", "latency") and waits for its result."""
+        """Sends one command ("info", "throughput WORKLOAD", "latency") and waits for its result.
+        The peer runs only inside this call: it is frozen (SIGSTOP) before it returns, so it takes
+        no CPU while the bench times sluice."""
+        self._signal(signal.SIGCONT)
+        try:
+            return self._call(command)
+        finally:
+            self._signal(signal.SIGSTOP)
+
+    def _call(self, command: str) -> dict[str, Any]:
         self._calls += 1
         out = Path(self._tmp.name) / f"result-{self._calls}.json"
         tail: deque[str] = deque(maxlen=15)
@@ -135,6 +179,7 @@ class VllmPeer:
         raise CLIError(f"the vLLM peer failed (exit {self._proc.wait()}); its last output is above")
 
     def close(self) -> None:
+        self._signal(signal.SIGCONT)
         with contextlib.suppress(BrokenPipeError):
             self._stdin.close()
         try:

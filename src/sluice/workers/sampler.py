@@ -31,6 +31,7 @@ from typing import overload
 import torch
 
 from sluice.protocol import PositionLogprobs, SamplingParams, TokenLogprob
+from sluice.workers.candidates import sample_from_candidates
 from sluice.workers.grammar_mask import apply_bitmask
 
 
@@ -120,10 +121,10 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
     """logits: [N, V] float32 -> penalised copy (rows without penalties unchanged)."""
     device = logits.device
     vocab = logits.shape[1]
-    logits = logits.clone()
     idx = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
     if not idx:
-        return logits
+        return logits  # unchanged: no copy (the caller never writes into it)
+    logits = logits.clone()
     sub = logits[idx]  # [n, V]
     n = len(idx)
     rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=device)[:, None]
@@ -160,6 +161,22 @@ def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     remove[:, 0] = False
     masked_sorted = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, masked_sorted)
+
+
+def _sample_sorted(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                   u: torch.Tensor) -> torch.Tensor:
+    """scaled [n, V], u [n] -> one token per row: truncate over the fully sorted row, then draw by
+    inverse CDF in vocabulary order."""
+    probs = _truncate(scaled, top_k, top_p, min_p).softmax(dim=-1)  # [n, V]
+    cdf = probs.cumsum(dim=-1)
+    # Inverse CDF: the first token whose cumulative mass exceeds u * total (clamped in range).
+    picked = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]
+    picked = picked.clamp(max=probs.shape[1] - 1)
+    # Guard against landing on a zero-probability token at the tail after rounding.
+    zero = probs.gather(1, picked[:, None])[:, 0] <= 0
+    if bool(zero.any()):
+        picked = torch.where(zero, probs.argmax(dim=-1), picked)
+    return picked
 
 
 def _logprobs(logprobs: torch.Tensor, chosen: list[int], rows: Sequence[SampleRow],
@@ -228,31 +245,29 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], mask_rows: Sequence[
     temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=True)],
                          device=device)[:, None]
     scaled = logits / temps
-    chosen = scaled.argmax(dim=-1)  # [N]; final for greedy rows
+    chosen = torch.zeros(len(rows), dtype=torch.int64, device=device)  # [N]
+    greedy_idx = [i for i, g in enumerate(greedy) if g]
+    if greedy_idx:
+        chosen[greedy_idx] = scaled[greedy_idx].argmax(dim=-1)
     random_idx = [i for i, g in enumerate(greedy) if not g]
     if random_idx:
         sub_rows = [rows[i] for i in random_idx]
-        truncated = _truncate(
-            scaled[random_idx],
-            torch.tensor([r.params.top_k for r in sub_rows], device=device),
-            torch.tensor([r.params.top_p for r in sub_rows], device=device),
-            torch.tensor([r.params.min_p for r in sub_rows], device=device),
-        )
-        probs = truncated.softmax(dim=-1)  # [n, V]
         uniforms = []
         for r in sub_rows:
             if r.seed is None:
                 raise ValueError("a sampling (non-greedy) request needs a seed")
             uniforms.append(uniform(r.seed, len(r.output_token_ids)))
-        u = torch.tensor(uniforms, device=device, dtype=probs.dtype)[:, None]
-        cdf = probs.cumsum(dim=-1)
-        # Inverse CDF: the first token whose cumulative mass exceeds u * total (clamped in range).
-        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
-        picked = picked.clamp(max=probs.shape[1] - 1)
-        # Guard against landing on a zero-probability token at the tail after rounding.
-        zero = probs.gather(1, picked[:, None])[:, 0] <= 0
-        if bool(zero.any()):
-            picked = torch.where(zero, probs.argmax(dim=-1), picked)
+        sub = scaled[random_idx]
+        top_k = torch.tensor([r.params.top_k for r in sub_rows], device=device)
+        top_p = torch.tensor([r.params.top_p for r in sub_rows], device=device)
+        min_p = torch.tensor([r.params.min_p for r in sub_rows], device=device)
+        u = torch.tensor(uniforms, device=device, dtype=sub.dtype)
+        # Most rows are decided by their most likely tokens alone (workers/candidates.py); the
+        # rest take the full sort.
+        picked, decided = sample_from_candidates(sub, top_k, top_p, min_p, u)
+        if not bool(decided.all()):
+            rest = (~decided).nonzero()[:, 0]
+            picked[rest] = _sample_sorted(sub[rest], top_k[rest], top_p[rest], min_p[rest], u[rest])
         chosen[random_idx] = picked
     token_ids = chosen.tolist()
     logprob_rows: list[PositionLogprobs | None] = [None] * len(rows)

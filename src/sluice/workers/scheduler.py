@@ -311,7 +311,9 @@ class Scheduler:
             return ()
         if request.ngram_index is None:
             request.ngram_index = NgramIndex()
-        drafts = self._lookup.propose(request.ngram_index, request.all_token_ids, limit)
+        # The step's other rows: every running request decodes at least one (speculative.py's bar).
+        drafts = self._lookup.propose(request.ngram_index, request.all_token_ids, limit,
+                                      batch_rows=len(self._running))
         if drafts and request.grammar is not None:
             # A draft the grammar refuses can never equal the (masked) sampled token: do not compute it.
             drafts = drafts[:request.grammar.num_accepted(drafts)]

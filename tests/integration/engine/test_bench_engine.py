@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 def test_bench_engine_writes_report(tmp_path: Path, demo_model_dir: Path) -> None:
     out = tmp_path / "bench.json"
     code = main(["bench", "engine", "--model", str(demo_model_dir), "--json", str(out), "--no-kernel-build",
-                 "--num-requests", "4",
+                 "--num-requests", "4", "--workloads", "random",
                  "--prompt-len", "uniform:4:20", "--output-len", "fixed:3", "--hf-batch-sizes", "2,4",
                  "--policies", "chunked,static", "--scheduler-sizes", "4", "--max-model-len", "128",
                  "--num-kv-blocks", "32", "--latency-prompt-len", "20",
@@ -42,6 +42,44 @@ def test_bench_engine_writes_report(tmp_path: Path, demo_model_dir: Path) -> Non
     assert set(report["sluice"]["chunked"]["latency"]) == {"streams_1", "streams_3"}
     assert report["sluice"]["chunked"]["fraction_of_matmul_peak"] > 0
     assert report["hf_static"]["latency"]["streams_1"]["mean_itl_s"] > 0
+    assert report["workload"] == "random" and report["scenarios"] == {}
+
+
+def test_chat_workload_is_rendered_sampled_and_long_tailed(tmp_path: Path, demo_model_dir: Path) -> None:
+    """The default workload: shipped conversations through the chat template, sampled with a seed
+    per request, output lengths from the long-tailed default; speculation on and off side by side."""
+    from sluice_lab.engine_bench import DEFAULT_OUTPUT_LEN
+    from sluice_lab.workloads import load_conversations, make_workload
+
+    conversations, domains = load_conversations()
+    assert len(conversations) >= 40 and {"code", "translation", "support", "math", "writing"} <= set(domains)
+    assert any(len(c) > 3 for c in conversations)  # multi-turn
+    workload = make_workload("chat", demo_model_dir, 64, 3, LengthDist.parse("fixed:4"),
+                             LengthDist.parse(DEFAULT_OUTPUT_LEN), 100)
+    again = make_workload("chat", demo_model_dir, 64, 3, LengthDist.parse("fixed:4"),
+                          LengthDist.parse(DEFAULT_OUTPUT_LEN), 100)
+    assert workload == again  # a function of the seed
+    lengths = sorted(o for _, o in workload.requests)
+    assert lengths[-1] > 3 * lengths[len(lengths) // 2]  # long-tailed
+    params = workload.sampling_params()
+    assert {p.temperature for p in params} == {0.8} and {p.top_p for p in params} == {0.95}
+    assert len({p.seed for p in params}) == len(params) and all(p.ignore_eos for p in params)
+    # Requests sharing the long support-handbook system context share a long prompt prefix.
+    prompts = [p for p, _ in workload.requests]
+    assert max(len(p) for p in prompts) > 4 * sorted(len(p) for p in prompts)[len(prompts) // 2]
+
+    out = tmp_path / "chat.json"
+    code = main(["bench", "engine", "--model", str(demo_model_dir), "--json", str(out), "--no-kernel-build",
+                 "--num-requests", "3", "--output-len", "fixed:5", "--skip-hf", "--also-speculation-off",
+                 "--policies", "chunked", "--scheduler-sizes", "4", "--latency-output-len", "4",
+                 "--latency-streams", "1"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["workload"] == "chat" and set(report["scenarios"]) == {"random"}
+    assert set(report["sluice"]) == {"chunked", "chunked spec-off"}
+    assert report["sluice"]["chunked spec-off"]["speculative_tokens"] == 0
+    assert report["sluice"]["chunked spec-off"]["latency"]["streams_1"]["mean_itl_s"] > 0
+    assert all(r["output_tokens"] == 15 for r in report["scenarios"]["random"]["sluice"].values())
 
 
 def test_length_distributions() -> None:
@@ -96,7 +134,7 @@ def test_scheduler_timing_runs_decodes(policy: str) -> None:
 
 def test_missing_peer_venv_is_one_cli_line(tmp_path: Path, demo_model_dir: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["bench", "engine", "--model", str(demo_model_dir), "--peer", "vllm",
+    code = main(["bench", "engine", "--model", str(demo_model_dir), "--peer", "vllm", "--workloads", "random",
                  "--peer-venv", str(tmp_path / "nowhere"), "--skip-hf"])
     assert code != 0
     err = capsys.readouterr().err.strip().splitlines()
@@ -113,3 +151,12 @@ def test_useful_flops_counts_weights_attention_and_head(demo_model_dir: Path) ->
     expected = 2 * cfg.num_layers * layer + 2 * cfg.hidden_size * cfg.vocab_size \
         + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
     assert useful_flops(cfg, [([5], 1)]) == expected
+
+
+@pytest.mark.parametrize("workloads", ["chat,nope", "", "chat,chat"])
+def test_bad_workloads_are_one_cli_line(workloads: str, demo_model_dir: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "engine", "--model", str(demo_model_dir), "--workloads", workloads, "--skip-hf"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--workloads" in err[0]

@@ -115,3 +115,31 @@ def test_a_stop_string_inside_kept_drafts_ends_the_output_where_it_would_without
         off, on = (_engine(demo_model_dir, "chunked", k).generate([prompt], params)[0] for k in (0, 4))
         assert (on.token_ids, on.text, on.finish_reason) == (off.token_ids, off.text, off.finish_reason)
         assert on.finish_reason is not None and on.finish_reason.value == "stop"
+
+
+def test_seeded_chat_sampling_is_the_same_with_and_without_drafts_on_the_real_model(real_model_dir: Path) -> None:
+    """The bench's chat workload (code and translation prompts, where drafts are found and some
+    kept) at temperature 0.8 / top_p 0.95 with a seed per request: the candidate sampler
+    (workers/candidates.py) and speculation's verification rows give the tokens one-token steps give."""
+    from sluice_lab.loadgen.prompts import LengthDist
+    from sluice_lab.workloads import make_workload
+
+    prompts, params = [], []
+    for name in ("code", "translation"):
+        workload = make_workload(name, real_model_dir, 3, 5, LengthDist.parse("fixed:4"),
+                                 LengthDist.parse("fixed:48"), 49152)
+        prompts += [p for p, _ in workload.requests]
+        params += workload.sampling_params()
+    outputs, drafts = [], []
+    for speculative in (0, 4):
+        engine = LLMEngine(EngineConfig(model=str(real_model_dir), num_speculative_tokens=speculative,
+                                        max_model_len=1024, num_kv_blocks=256))
+        if engine.scheduler.prompt_lookup is not None:
+            engine.scheduler.prompt_lookup.min_keep_chance = 0.0  # draft at every chance: many checks
+            engine.scheduler.prompt_lookup.knee_rows = 0
+        outputs.append([r.token_ids for r in engine.generate(prompts, params)])
+        drafts.append((engine.scheduler.stats.num_draft_tokens, engine.scheduler.stats.num_accepted_draft_tokens))
+    assert outputs[1] == outputs[0]
+    assert all(len(t) == 48 for t in outputs[0])
+    drafted, kept = drafts[1]
+    assert 0 < kept < drafted

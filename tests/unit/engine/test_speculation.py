@@ -103,6 +103,25 @@ def test_a_kind_of_guess_that_keeps_failing_is_cut_and_comes_back_when_it_holds(
     assert sent[0] == 1 and sent[-1] == 4
 
 
+def test_the_bar_rises_with_the_batch() -> None:
+    """A draft row pays when its chance of being kept beats the share of the step that grows with
+    the rows: alone a coin flip is enough; beside 128 decodes a 3-in-4 guess is not, while the
+    guesses of an unbroken loop (kept nearly always) still are."""
+    lookup = PromptLookup(4, 1, 4)
+    assert lookup.keep_chance_bar(1) == MIN_KEEP_CHANCE
+    bars = [lookup.keep_chance_bar(n) for n in (1, 8, 32, 64, 128, 256)]
+    assert bars == sorted(bars) and 0.9 < bars[4] < 0.99
+    tokens = LOOP * 4
+    # Nothing learned yet: every kind of guess is estimated at 3 in 4.
+    assert len(lookup.propose(NgramIndex(), tokens, limit=9, batch_rows=1)) == 4
+    assert lookup.propose(NgramIndex(), tokens, limit=9, batch_rows=128) == ()
+    for _ in range(200):  # the loop holds: its guesses earn their rows even in a full batch
+        _verify(lookup, NgramIndex(), tokens, [7, 8, 9, 10, 7])
+    assert len(lookup.propose(NgramIndex(), tokens, limit=9, batch_rows=128)) == 4
+    flat = PromptLookup(4, 1, 4, knee_rows=0)  # the bar off: the learned cut-off alone
+    assert flat.keep_chance_bar(128) == MIN_KEEP_CHANCE
+
+
 def test_the_previous_guess_s_fate_is_part_of_the_kind() -> None:
     lookup = PromptLookup(4, 1, 4)
     index = NgramIndex()
