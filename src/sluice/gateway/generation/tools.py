@@ -128,7 +128,8 @@ def call_constraint(tools: ToolRequest, fmt: ToolFormat) -> StructuredOutput:
     calls = [{"type": "object",
               "properties": {"name": {"const": f["name"]},
                              ("parameters" if fmt == "llama3_json" else "arguments"): f["parameters"]},
-              "required": ["name", "parameters" if fmt == "llama3_json" else "arguments"]}
+              "required": ["name", "parameters" if fmt == "llama3_json" else "arguments"],
+              "additionalProperties": False}  # nothing after the arguments: the call ends there
              for f in allowed]
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if fmt == "mistral":
