@@ -2,10 +2,10 @@
 gateway process, the embedded broker, a real worker process, the demo model: random weights, so
 only the engine's grammar can make an answer valid).
 
-Tests marked `needs_grammar` need the engine's constrained decoding (issue #31's engine side) and
-skip, saying so, while the engine ignores grammars; the others hold with the gateway alone: every
-bad input gets a 400 naming its `param` and the next request is served, and a conversation with a
-tool result goes on.
+Tests marked `needs_grammar` need the engine's constrained decoding (issue #31's engine side; they
+first check that it is applied); the others hold with the gateway alone: every bad input gets a
+400 naming its `param` and the next request is served, and a conversation with a tool result goes
+on.
 """
 
 from __future__ import annotations
@@ -73,12 +73,11 @@ def client(stack: Stack) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def engine_enforces_grammar(client: openai.OpenAI, stack: Stack) -> None:
-    """Skips until the engine applies grammar masks (issue #31's engine side): with one allowed
-    choice, a random-weight model's answer is that choice only when the mask is applied."""
+    """The engine applies grammar masks: with one allowed choice, a random-weight model's answer is
+    that choice only when the mask is applied (a clear first failure when the engine stops)."""
     probe = client.chat.completions.create(model=stack.model, messages=ASK, max_tokens=8, seed=3,
                                            extra_body={"guided_choice": ["sluice"]})
-    if probe.choices[0].message.content != "sluice":
-        pytest.skip("the engine does not enforce structured outputs yet (issue #31, engine side)")
+    assert probe.choices[0].message.content == "sluice", "the engine does not enforce structured outputs"
 
 
 def refused(call: Any, param: str) -> None:

@@ -29,7 +29,7 @@ from sluice.protocol import StructuredOutput
 ToolFormat = Literal["hermes", "llama3_json", "mistral"]
 TOOL_FORMATS: tuple[str, ...] = get_args(ToolFormat)
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
-# What the fallback system message says (docs/api.md quotes it).
+# What the fallback system message says (docs/structured-api.md describes it).
 FALLBACK_INSTRUCTIONS = (
     "You may call one or more functions to help with the user's request. The functions are listed as "
     "JSON below, between <tools> and </tools>.\n<tools>\n{tools}\n</tools>\n"
@@ -128,7 +128,8 @@ def call_constraint(tools: ToolRequest, fmt: ToolFormat) -> StructuredOutput:
     calls = [{"type": "object",
               "properties": {"name": {"const": f["name"]},
                              ("parameters" if fmt == "llama3_json" else "arguments"): f["parameters"]},
-              "required": ["name", "parameters" if fmt == "llama3_json" else "arguments"]}
+              "required": ["name", "parameters" if fmt == "llama3_json" else "arguments"],
+              "additionalProperties": False}  # nothing after the arguments: the call ends there
              for f in allowed]
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if fmt == "mistral":
