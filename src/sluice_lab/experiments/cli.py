@@ -30,6 +30,15 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
+    libs = bench_subparsers.add_parser(
+        "grammar-libs", help="llguidance vs xgrammar: nested-schema compile time, per-step mask cost")
+    libs.add_argument("--model", required=True, help="model directory whose tokenizer to use (e.g. SmolLM2)")
+    libs.add_argument("--rows", type=positive_int_list, default=[1, 16, 64], help="constrained rows per step")
+    libs.add_argument("--steps", type=int, default=20, help="mask steps per round and row count")
+    libs.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a fresh schema each)")
+    libs.add_argument("--json", dest="json_out", default="grammar-libs.json", help="JSON summary path")
+    libs.set_defaults(handler=_grammar_libs)
+
     policies = bench_subparsers.add_parser(
         "policies", help="static vs prefill_first vs chunked: a long prompt arrives while streams decode")
     _engine_args(policies)
@@ -130,6 +139,17 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     chaos.add_argument("--logs", help="keep every replica's and worker's log in this directory")
     chaos.add_argument("--out", "--json", dest="json_out", default="chaos.json", help="JSON summary path")
     chaos.set_defaults(handler=_chaos)
+
+
+def _grammar_libs(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from sluice_lab.experiments.grammar_libs import run
+
+    report = run(Path(args.model), args.rows, args.steps, args.rounds, Path(args.json_out))
+    print(json.dumps(report["libraries"], indent=2))
+    return 0
 
 
 def _policies(args: argparse.Namespace) -> int:
