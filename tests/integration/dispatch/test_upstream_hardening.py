@@ -70,10 +70,8 @@ class _Misbehaving(BaseHTTPRequestHandler):
             out.write(_chunk("", [], "length", {"prompt_tokens": prompt_tokens, "completion_tokens": 10**9}))
         elif scenario == NOT_TEXT:
             out.write(_chunk(123, [7]) + _chunk({"x": 1}, [7], "stop"))
-        elif scenario == LONG_LINE:
-            out.write(b"data: " + b"x" * (3 * 2**20))
-            out.flush()
-            time.sleep(2)
+        elif scenario == LONG_LINE:  # one well-formed chunk on a 3 MB line: more than sluice buffers
+            out.write(_chunk("x" * (3 * 2**20), [5], "stop"))
         else:
             for _ in range(scenario):
                 out.write(_chunk("a", [5]))

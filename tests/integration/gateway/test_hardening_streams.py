@@ -118,3 +118,23 @@ def test_a_last_event_id_with_odd_digits_is_a_400(gateway: Any, seq: str) -> Non
                             headers={"idempotency-key": "k-" + response_id, "last-event-id": header})
         assert again.status_code == 400, again.text
         assert json.loads(again.text)["error"]["message"].startswith("Last-Event-ID")
+
+
+def test_an_idempotency_key_replays_only_its_own_request(gateway: Any, other_replica: str) -> None:
+    """Item 13: a key reused with another body or on the other endpoint is a 422, on any replica."""
+    _, key = gateway.tenant()
+    idem = {"idempotency-key": "order-42"}
+    with gateway.client(key) as client:
+        with client.stream("POST", "/v1/chat/completions", json=BODY, headers=idem) as response:
+            first = [line for line in response.iter_lines() if line.startswith("data: ")]
+    with httpx.Client(base_url=other_replica, timeout=30, headers={"authorization": f"Bearer {key}"}) as client:
+        other_body = client.post("/v1/chat/completions", json={**BODY, "max_tokens": 9}, headers=idem)
+        assert other_body.status_code == 422, other_body.text
+        assert other_body.json()["error"]["code"] == "idempotency_key_reused"
+        other_endpoint = client.post("/v1/completions", json={"model": "demo", "prompt": "Tell me about rivers.",
+                                                              "max_tokens": 8, "stream": True}, headers=idem)
+        assert other_endpoint.status_code == 422, other_endpoint.text
+        with client.stream("POST", "/v1/chat/completions", json=BODY, headers=idem) as response:
+            assert response.status_code == 200
+            again = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert again == first  # the same request: the first response replayed

@@ -26,7 +26,7 @@ from sluice.gateway.streams.hub import (
     disconnect_grace,
     parse_last_event_id,
 )
-from sluice.gateway.streams.log import LocalStreamLog, LogTrimmed
+from sluice.gateway.streams.log import Keyed, LocalStreamLog, LogTrimmed
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -106,9 +106,9 @@ async def test_an_ended_response_is_kept_out_of_the_collectors_sight() -> None:
 async def test_keys_are_per_tenant_and_expire_with_the_response() -> None:
     log = LocalStreamLog(retention_s=0.05)
     assert await log.create("r1", "a", "k") is None
-    assert await log.create("r2", "a", "k") == "r1"  # same tenant, same key: the first response
+    assert await log.create("r2", "a", "k") == Keyed("r1")  # same tenant, same key: the first response
     assert await log.create("r3", "b", "k") is None  # another tenant's key is its own
-    assert await log.by_key("a", "k") == "r1"
+    assert await log.by_key("a", "k") == Keyed("r1")
     log.end("r1")
     await asyncio.sleep(0.1)
     assert await log.owner("r1") is None and await log.by_key("a", "k") is None

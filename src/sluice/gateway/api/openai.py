@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath, FromQuery, JSONBody
 
@@ -35,6 +37,7 @@ from sluice.gateway.streams.hub import (
     not_found,
     parse_last_event_id,
 )
+from sluice.gateway.streams.log import Keyed
 from sluice.gateway.streams.response import SSEResponse
 
 T = TypeVar("T")
@@ -47,6 +50,7 @@ _GENERATION_ERRORS = error_responses(
     403,
     404,
     413,
+    422,
     429,
     503,
     notes={
@@ -127,11 +131,13 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
         raise OpenAIError(
             400, "Last-Event-ID on a POST needs the Idempotency-Key it was sent with.", code="missing_idempotency_key"
         )
-    existing = None if key is None else await streams.log.by_key(tenant.id, key)
-    if existing is not None:
-        if last_id is not None and last_id != existing:
+    fingerprint = request_fingerprint(state)
+    filed = None if key is None else await streams.log.by_key(tenant.id, key)
+    if filed is not None:
+        _same_request(filed, fingerprint)
+        if last_id is not None and last_id != filed.response_id:
             raise OpenAIError(400, "Last-Event-ID names another response than this Idempotency-Key's.")
-        return await _attach(streams, services.quotas, tenant, existing, after)
+        return await _attach(streams, services.quotas, tenant, filed.response_id, after)
     if last_id is not None:  # a resume whose original is gone: starting over would repeat events
         raise not_found(last_id)
     services.drain.refuse_new()  # attaching (above) is still served while draining
@@ -140,13 +146,15 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
     # that was not accepted, so a client whose POST broke before that starts afresh with it, and
     # a filed key's response always has a record some replica holds (and can take over).
     try:
-        existing = await streams.log.create(response_id, tenant.id, key, grace_s=grace_s, envelope=state.envelope)
+        filed = await streams.log.create(response_id, tenant.id, key, grace_s=grace_s, envelope=state.envelope,
+                                         fingerprint=fingerprint)
     except BaseException:
         flight.finish(aborted=True)
         raise
-    if existing is not None:  # a concurrent POST with this key was filed first: follow that one
+    if filed is not None:  # a concurrent POST with this key was filed first: follow that one
         flight.finish(aborted=True)
-        return await _attach(streams, services.quotas, tenant, existing, after, metered=False)  # counted: launched
+        _same_request(filed, fingerprint)
+        return await _attach(streams, services.quotas, tenant, filed.response_id, after, metered=False)
     try:  # the first delta before the first byte: an expiry until then is an HTTP error
         await _unless_disconnected(request, flight.first_delta())
     except BaseException:
@@ -155,6 +163,26 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
         raise
     streams.start(flight, Framer(state, generation.tokenizers.get(state.request.model)), grace_s)
     return SSEResponse(streams.follow(response_id, -1), {**services.quotas.headers(tenant), **_SSE_HEADERS})
+
+
+def request_fingerprint(state: RequestState) -> str:
+    """What makes two POSTs the same request: endpoint, model, prompt ids and sampling (not the
+    JSON's spelling). An Idempotency-Key replays only the request it was first sent with."""
+    request = state.request
+    parts = (state.envelope.endpoint, request.model, request.prompt_token_ids, request.sampling,
+             state.envelope.include_usage)
+    return hashlib.sha256(msgspec.msgpack.encode(parts)).hexdigest()[:32]
+
+
+def _same_request(filed: Keyed, fingerprint: str) -> None:
+    """422 for an Idempotency-Key reused with another body or endpoint (as payment APIs answer);
+    a key filed without a fingerprint (before an upgrade) is taken as the same request."""
+    if filed.fingerprint and filed.fingerprint != fingerprint:
+        raise OpenAIError(
+            422, "This Idempotency-Key was used with another request (body or endpoint); a key replays only "
+            "the request it was first sent with. Use a new key for a new request.",
+            param="Idempotency-Key", code="idempotency_key_reused",
+        )
 
 
 async def _attach(streams: StreamHub, quotas: QuotaService, tenant: TenantContext, response_id: str,
