@@ -134,9 +134,9 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
     fingerprint = request_fingerprint(state)
     filed = None if key is None else await streams.log.by_key(tenant.id, key)
     if filed is not None:
-        _same_request(filed, fingerprint)
         if last_id is not None and last_id != filed.response_id:
             raise OpenAIError(400, "Last-Event-ID names another response than this Idempotency-Key's.")
+        _same_request(filed, fingerprint)
         return await _attach(streams, services.quotas, tenant, filed.response_id, after)
     if last_id is not None:  # a resume whose original is gone: starting over would repeat events
         raise not_found(last_id)
