@@ -109,7 +109,8 @@ def _fields(cls: type) -> list[_Field]:
 DOCUMENTED: tuple[type, ...] = (
     settings_module.GatewaySettings, settings_module.AdminSettings, settings_module.DatabaseSettings,
     settings_module.KafkaSettings, settings_module.BrokerSettings, settings_module.SchedulerSettings,
-    settings_module.DispatchSettings, settings_module.SharedSettings, EngineConfig,
+    settings_module.DispatchSettings, settings_module.RoutingSettings, settings_module.SharedSettings,
+    EngineConfig,
     settings_module.ModelSpec, settings_module.TenantSeed, settings_module.QuotaSeed,
     settings_module.UpstreamSpec,
 )
@@ -202,7 +203,10 @@ _SECTION_INTROS = {
               "`[kafka] bootstrap_servers` is empty.",
     "scheduler": "The gateway's scheduler: priority classes and their anti-starvation.",
     "dispatch": "Sending work to workers and upstreams; `sluice serve`'s local workers.",
+    "routing": "Which worker a dispatched request goes to: least loaded, round robin, or by its cached "
+               "prefix (docs/routing.md).",
     "shared": "State the gateway replicas share (docs/scale-out.md).",
+    "tracing": "OpenTelemetry traces over OTLP/HTTP, off by default (docs/measuring.md, \"Traces\").",
 }
 
 _ENGINE_INTRO = (

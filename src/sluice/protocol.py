@@ -11,12 +11,15 @@ import asyncio
 import enum
 import hashlib
 import hmac
+import logging
 import math
 import struct
 from pathlib import Path
 from typing import Literal
 
 import msgspec
+
+_log = logging.getLogger(__name__)
 
 
 class Priority(enum.IntEnum):
@@ -160,6 +163,12 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # prompt + these and generates after them, as its preemption does (worker failover, replica
     # takeover). `sampling.max_tokens` stays the whole budget, these included.
     resume_token_ids: tuple[int, ...] = ()
+    # W3C trace context of the request's span at the gateway (sluice/tracing.py): the worker's and
+    # an upstream's spans are its children. None while tracing is off.
+    traceparent: str | None = None
+    # The tool-call format of the answer ("hermes", "llama3_json", "mistral") when the request gave
+    # tools: the gateway parses the output with it (a batch line's too). The engine ignores it.
+    tool_format: str | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
@@ -212,6 +221,20 @@ class WorkerCapacity(msgspec.Struct, frozen=True, kw_only=True, tag="capacity"):
     num_accepted_draft_tokens: int = 0  # of those, kept (cumulative)
 
 
+class KvEvents(msgspec.Struct, frozen=True, kw_only=True, tag="kv_events"):
+    """Worker → gateway, once per engine step that changed its prefix cache: the chained, salted
+    hashes (sluice/prefix_hash.py) of the blocks it cached and evicted. Sent only to a gateway whose
+    challenge asked for them (`WorkerChallenge.kv_events`): an older gateway never sees the kind.
+
+    A gateway indexes them per connection (gateway/dispatch/cache_index.py): a new connection
+    starts from an empty entry, so a restarted or reconnected worker is treated as empty."""
+
+    block_size: int  # tokens per block: the gateway hashes a prompt with it
+    stored: tuple[bytes, ...] = ()
+    evicted: tuple[bytes, ...] = ()
+    cleared: bool = False  # the worker forgot its whole cache before these (e.g. new weights)
+
+
 class ServedModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What a worker serves under one model name: the gateway checks it against its own view."""
 
@@ -224,6 +247,8 @@ class WorkerChallenge(msgspec.Struct, frozen=True, tag="challenge"):
     """Gateway → worker, the first frame of every connection: the nonce the worker's proof covers."""
 
     nonce: bytes
+    # The gateway reads `KvEvents` (an older worker ignores the field, an older gateway omits it).
+    kv_events: bool = False
 
 
 class WorkerRegister(msgspec.Struct, frozen=True, kw_only=True, tag="register"):
@@ -244,7 +269,7 @@ class WorkerRejected(msgspec.Struct, frozen=True, tag="rejected"):
 
 
 Message = (GenerateRequest | AbortRequest | RequestDelta | WorkerCapacity | WorkerRegister | WorkerChallenge
-           | WorkerRejected)
+           | WorkerRejected | KvEvents)
 
 
 def worker_proof(secret: str, nonce: bytes, worker_id: str) -> str:
@@ -294,11 +319,17 @@ class FrameDecoder:
 
     The gateway reads an unauthenticated peer with a small limit, so a stranger cannot make it
     buffer a 64 MiB frame; `max_frame_bytes` is raised once the worker is accepted.
+
+    `skip_undecodable` (set by the gateway once a worker is accepted): a whole frame that does not
+    decode to a known message (a kind from a newer worker, a malformed body) is logged and skipped;
+    the length prefix keeps the stream in step, so the connection goes on.
     """
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buffer = bytearray()
         self.max_frame_bytes = max_frame_bytes
+        self.skip_undecodable = False
+        self.num_skipped = 0
 
     def feed(self, data: bytes) -> list[Message]:
         self._buffer.extend(data)
@@ -310,8 +341,15 @@ class FrameDecoder:
             end = _HEADER.size + length
             if len(self._buffer) < end:
                 break
-            messages.append(_decoder.decode(bytes(self._buffer[_HEADER.size:end])))
+            body = bytes(self._buffer[_HEADER.size:end])
             del self._buffer[:end]
+            try:
+                messages.append(_decoder.decode(body))
+            except msgspec.DecodeError as exc:  # ValidationError (an unknown kind, a bad field) included
+                if not self.skip_undecodable:
+                    raise
+                self.num_skipped += 1
+                _log.warning("skipped an undecodable frame of %d bytes (%s)", length, exc)
         return messages
 
 

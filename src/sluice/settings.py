@@ -59,6 +59,10 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     metrics_token: str = ""
     """`GET /metrics` needs `Authorization: Bearer <metrics_token>` (or the admin token); empty = the
     admin token only."""
+    metrics_max_tenants: int = 100
+    """Per-tenant Prometheus series (TTFT/ITL histograms, queue depth, admitted/rejected, tokens)
+    for at most this many tenants per gateway process, the first seen; later tenants are counted
+    under the label `tenant="other"`. Each tenant adds about 60 series per model and class it uses."""
     anonymous_tokenize: bool = False
     """Serve `POST /tokenize` and `/detokenize` without an Authorization header (as vLLM serves them,
     for `vllm bench serve`); off: a tenant key is needed and scopes them to its models."""
@@ -69,6 +73,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_messages: int = 2048
     """Messages of one chat request (OpenAI's own limit); more is refused with 400 before any
     tokenization."""
+    max_n: int = 8
+    """Choices of one answer (`n`); more is refused with 400. Each choice is its own engine request
+    (sharing the prompt's KV through the prefix cache) and is admitted against the quotas as one."""
     max_body_bytes: int = 8 * 2**20
     """Largest request body in bytes; a larger one gets 413."""
     max_file_storage_bytes: int = 2**30
@@ -198,6 +205,41 @@ class DispatchSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     only models some worker announced (a model whose workers are all down keeps being accepted)."""
 
 
+RoutingPolicy = Literal["least_loaded", "round_robin", "cache_aware"]
+
+
+class RoutingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which worker a dispatched request goes to (docs/routing.md). The fair scheduler decides which
+    request goes next; routing decides where."""
+
+    policy: RoutingPolicy = "least_loaded"
+    """`least_loaded`: the worker with the fewest running and waiting requests per slot;
+    `round_robin`: each worker in turn; `cache_aware`: the lowest predicted cost, the prompt tokens
+    a worker would have to prefill (those not in its prefix cache, from its KV events) plus its load."""
+    load_cost_tokens: int = 2048
+    """cache_aware: a worker's load in prefill tokens: a worker whose running and waiting requests
+    fill its `max_num_seqs` (load 1.0) costs this many tokens more than an idle one."""
+    spread_margin: float = 0.5
+    """cache_aware: a worker holding the prompt's prefix is passed over for the least loaded one when
+    its load exceeds the least loaded's by more than this (a hot prefix spreads, no worker is driven
+    into overload)."""
+    max_index_blocks: int = 1_000_000
+    """Prefix-cache block hashes the gateway remembers per worker (90-110 MB per million); past it
+    the least recently stored are forgotten."""
+    upstream_block_size: int = 16
+    """Block size of the approximate index kept for an upstream (it sends no KV events)."""
+
+    def __post_init__(self) -> None:
+        if self.load_cost_tokens < 0:
+            raise ValueError(f"routing.load_cost_tokens must be 0 or more, got {self.load_cost_tokens}")
+        if not self.spread_margin >= 0:
+            raise ValueError(f"routing.spread_margin must be 0 or more, got {self.spread_margin}")
+        if self.max_index_blocks < 1:
+            raise ValueError(f"routing.max_index_blocks must be positive, got {self.max_index_blocks}")
+        if self.upstream_block_size < 1:
+            raise ValueError(f"routing.upstream_block_size must be positive, got {self.upstream_block_size}")
+
+
 class SharedSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where gateway replicas share quota counters and cache invalidations (docs/scale-out.md)."""
 
@@ -209,6 +251,19 @@ class SharedSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """A replica that stops renewing (killed, hung, cut off) has its holds released after this long."""
     prefix: str = "sluice"
     """Of every Redis key and channel (several deployments on one Redis)."""
+
+
+class TracingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """OpenTelemetry traces of requests across the gateway and the workers (docs/measuring.md)."""
+
+    enabled: bool = False
+    """Export spans over OTLP/HTTP; needs the OpenTelemetry SDK (`pip install 'sluice[tracing]'`).
+    Gateways and workers read it (set it on both)."""
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    """Where spans go: an OpenTelemetry Collector's (or Jaeger's, Tempo's) OTLP/HTTP traces URL."""
+    sample_ratio: float = 1.0
+    """Share of traces kept (0..1) for requests without a sampled `traceparent`; a client's sampled
+    flag is followed."""
 
 
 def check_shared_url(url: str) -> None:
@@ -248,6 +303,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     serve --demo` (or when no other model is listed)."""
     fetch: str | None = None
     """A known model (`smollm2`) that `sluice model fetch NAME` creates when absent; not with demo."""
+    tool_parser: str | None = None
+    """How the model writes tool calls: `hermes` (`<tool_call>` JSON; Hermes, Qwen), `llama3_json` or
+    `mistral` (`[TOOL_CALLS]`). Unset: read from the chat template (hermes for a template without
+    tool support, which gets the documented fallback system message)."""
 
 
 class QuotaSeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -326,7 +385,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     broker: BrokerSettings = msgspec.field(default_factory=BrokerSettings)
     scheduler: SchedulerSettings = msgspec.field(default_factory=SchedulerSettings)
     dispatch: DispatchSettings = msgspec.field(default_factory=DispatchSettings)
+    routing: RoutingSettings = msgspec.field(default_factory=RoutingSettings)
     shared: SharedSettings = msgspec.field(default_factory=SharedSettings)
+    tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
     # Engine options for workers: keys of sluice.workers.config.EngineConfig (validated there).
     engine: dict[str, Any] = msgspec.field(default_factory=dict)
     models: tuple[ModelSpec, ...] = ()
@@ -335,7 +396,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     config_dir: str = "config"
 
 
-_SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "shared", "engine")
+_SECTIONS = ("gateway", "admin", "database", "kafka", "broker", "scheduler", "dispatch", "routing", "shared",
+             "tracing", "engine")
 _FILES = {"sluice.toml": None, "models.toml": "models", "tenants.toml": "tenants", "upstreams.toml": "upstreams"}
 
 
@@ -376,7 +438,8 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, dict[str, tuple[str, An
 _SECTION_TYPES: dict[str, type[msgspec.Struct]] = {
     "gateway": GatewaySettings, "admin": AdminSettings, "database": DatabaseSettings,
     "kafka": KafkaSettings, "broker": BrokerSettings, "scheduler": SchedulerSettings,
-    "dispatch": DispatchSettings, "shared": SharedSettings,
+    "dispatch": DispatchSettings, "routing": RoutingSettings, "shared": SharedSettings,
+    "tracing": TracingSettings,
 }
 
 
@@ -418,7 +481,7 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
                           "16 characters (a random one, e.g. from `openssl rand -base64 32`)")
     if bool(gw.worker_tls_cert) != bool(gw.worker_tls_key):
         raise ConfigError(f"{gw_source}: [gateway] worker_tls_cert and worker_tls_key are set together")
-    for key in ("max_prompt_chars", "max_messages"):
+    for key in ("max_prompt_chars", "max_messages", "max_n", "metrics_max_tenants"):
         if getattr(gw, key) < 1:
             raise ConfigError(f"{gw_source}: [gateway] {key} must be at least 1, got {getattr(gw, key)}")
     shared, shared_source = settings.shared, sources.get("shared", "[shared]")
@@ -430,6 +493,9 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
         raise ConfigError(f"{shared_source}: [shared] lease_s must be positive, got {shared.lease_s}")
     if not shared.prefix or any(c.isspace() for c in shared.prefix):
         raise ConfigError(f"{shared_source}: [shared] prefix must be non-empty, without spaces")
+    if not 0.0 <= settings.tracing.sample_ratio <= 1.0:
+        raise ConfigError(f"{sources.get('tracing', '[tracing]')}: [tracing] sample_ratio must be 0..1, "
+                          f"got {settings.tracing.sample_ratio}")
     kafka = settings.kafka
     if not 0 < kafka.heartbeat_interval_ms < kafka.session_timeout_ms:
         raise ConfigError(f"{sources.get('kafka', '[kafka]')}: [kafka] heartbeat_interval_ms must be positive and "
@@ -452,6 +518,9 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
                               f"model; known: {', '.join(KNOWN_MODELS)}")
         if model.fetch is not None and model.demo:
             raise ConfigError(f"{models_source}: model {model.name!r}: set demo or fetch, not both")
+        if model.tool_parser is not None and model.tool_parser not in ("hermes", "llama3_json", "mistral"):
+            raise ConfigError(f"{models_source}: model {model.name!r}: tool_parser = {model.tool_parser!r}; "
+                              "expected hermes, llama3_json or mistral")
     _check_upstreams(settings.upstreams, names, sources.get("upstreams", "upstreams.toml"))
     tenant_source = sources.get("tenants", "tenants.toml")
     seen: set[str] = set()

@@ -14,8 +14,9 @@ computed by `percentile()` below (linear interpolation between closest ranks, nu
 records agree.
 
 Metric names and semantics follow vLLM's (`vllm:time_to_first_token_seconds` and friends) with the
-`sluice:` prefix. Label values for tenants and workers are capped (see `_BoundedLabel`) so a
-misbehaving deployment with thousands of tenants cannot explode the series count.
+`sluice:` prefix. Label values for tenants and workers are capped (see `_BoundedLabel`; the tenant cap
+is `gateway.metrics_max_tenants`) so a deployment with thousands of tenants cannot explode the series
+count: the tenants past the cap share the label value "other".
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from sluice.live_window import WINDOW
 from sluice.protocol import WorkerCapacity
+from sluice.tenant_gauges import TenantQueueCollector
 
 RECORDS_LOGGER = "sluice.records"
 _log = logging.getLogger(RECORDS_LOGGER)
@@ -97,6 +99,8 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     batch_id: str | None = None
     engine_first_scheduled: float | None = None  # raw engine timestamps (unix s), for joins
     engine_first_token: float | None = None
+    route: str = ""  # why the gateway sent it to `worker` (gateway/dispatch/routing.py; "" = not routed)
+    route_cached_tokens: int = 0  # prompt tokens routing expected that worker to have cached
 
 
 def _gap_summary(token_times: Sequence[float]) -> tuple[float | None, ...]:
@@ -117,7 +121,8 @@ def make_record(*, request_id: str, tenant: str, model: str, priority_class: str
                 finish_time: float, token_times: Sequence[float], prompt_tokens: int,
                 completion_tokens: int, cached_tokens: int, finish_reason: str,
                 engine_first_scheduled: float | None = None, engine_first_token: float | None = None,
-                engine_arrival: float | None = None, batch_id: str | None = None) -> RequestRecord:
+                engine_arrival: float | None = None, batch_id: str | None = None, route: str = "",
+                route_cached_tokens: int = 0) -> RequestRecord:
     """Build a record from raw timestamps.
 
     `token_times` are the times each completion token became available (engine-side in the
@@ -143,6 +148,7 @@ def make_record(*, request_id: str, tenant: str, model: str, priority_class: str
         prefill_s=_since(engine_first_token, engine_first_scheduled),
         decode_s=_since(finish_time, first_token_time), batch_id=batch_id,
         engine_first_scheduled=engine_first_scheduled, engine_first_token=engine_first_token,
+        route=route, route_cached_tokens=route_cached_tokens,
     )
 
 
@@ -187,11 +193,15 @@ REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5
                            20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 _REQUEST_LABELS = ("model", "class")
+# TTFT and ITL also by tenant (the objectives an application is promised); the other latency
+# histograms stay per model and class, so the series count grows with tenants only twice.
+_TENANT_REQUEST_LABELS = ("model", "class", "tenant")
 
 
-def _request_histogram(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
-    """A per-request latency histogram, labelled by model and class."""
-    return Histogram(name, documentation, _REQUEST_LABELS, buckets=buckets, registry=REGISTRY)
+def _request_histogram(name: str, documentation: str, buckets: Sequence[float],
+                       labels: Sequence[str] = _REQUEST_LABELS) -> Histogram:
+    """A per-request latency histogram, labelled by model and class (and tenant for TTFT and ITL)."""
+    return Histogram(name, documentation, labels, buckets=buckets, registry=REGISTRY)
 
 
 def _counter(name: str, documentation: str, labels: Sequence[str] = ()) -> Counter:
@@ -203,9 +213,9 @@ def _gauge(name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
 
 
 TTFT = _request_histogram("sluice:time_to_first_token_seconds", "Time to first token (arrival -> first token).",
-                          TTFT_BUCKETS)
+                          TTFT_BUCKETS, _TENANT_REQUEST_LABELS)
 ITL = _request_histogram("sluice:inter_token_latency_seconds", "Gap between consecutive output tokens of a request.",
-                         ITL_BUCKETS)
+                         ITL_BUCKETS, _TENANT_REQUEST_LABELS)
 E2E = _request_histogram("sluice:e2e_request_latency_seconds", "Arrival -> finish of a request.",
                          REQUEST_LATENCY_BUCKETS)
 QUEUE_TIME = _request_histogram("sluice:request_queue_time_seconds", "Arrival -> dispatch to a worker.",
@@ -221,7 +231,7 @@ GENERATION_TOKENS = _counter("sluice:generation_tokens_total", "Generated tokens
 REQUESTS = _counter("sluice:requests_total", "Finished requests by class, tenant and finish reason.",
                     ("model", "class", "tenant", "finish_reason"))
 REJECTIONS = _counter("sluice:request_rejections_total", "Requests refused before admission (quotas, limits).",
-                      ("tenant", "reason"))
+                      ("tenant", "class", "reason"))
 PREEMPTIONS = _counter("sluice:num_preemptions_total", "Requests preempted by a worker's engine.", ("worker",))
 SPEC_DRAFTS = _counter("sluice:spec_decode_num_draft_tokens_total",
                        "Prompt-lookup draft tokens a worker's engine verified.", ("worker",))
@@ -248,7 +258,19 @@ WORKER_TOKENS = _counter("sluice:worker_generation_tokens_total", "Tokens genera
                          ("worker",))
 ADMISSIONS = _counter("sluice:request_admissions_total", "Requests admitted (accepted into a queue).",
                       ("tenant", "class"))
+ROUTES = _counter("sluice:route_decisions_total",
+                  "Dispatches by why routing chose the worker (docs/routing.md: cache, load, spread, ...).",
+                  ("reason",))
+CACHE_INDEX_BLOCKS = _gauge("sluice:worker_cache_index_blocks",
+                            "Prefix-cache blocks the gateway's index holds for a worker (from its KV events).",
+                            ("worker",))
 USAGE_WRITE_FAILURES = _counter("sluice:usage_write_failures_total", "Failed usage writes (retried later).")
+# For the alert rules (deploy/prometheus/alerts.yml): workers lost, a dependency unreachable, 5xx.
+WORKERS_CONNECTED = _gauge("sluice:workers_connected", "Workers and upstreams this gateway can dispatch to now.")
+READINESS = _gauge("sluice:readiness_check", "/ready's checks at the last scrape (1 passes, 0 fails): "
+                   "accepting, database, shared (Redis), broker (Kafka), workers.", ("check",))
+ERROR_RESPONSES = _counter("sluice:http_error_responses_total", "Error answers (4xx and 5xx) by status code.",
+                           ("status",))
 
 
 class _BoundedLabel:
@@ -258,6 +280,12 @@ class _BoundedLabel:
         self.limit = limit
         self._seen: set[str] = set()
         self._lock = threading.Lock()
+
+    def reset(self, limit: int) -> None:
+        """A new cap and no value labelled yet (a process configures this once, at start)."""
+        with self._lock:
+            self.limit = limit
+            self._seen.clear()
 
     def __call__(self, value: str) -> str:
         value = value or "unknown"
@@ -270,14 +298,14 @@ class _BoundedLabel:
         return "other"
 
 
-MAX_TENANT_LABELS = 200
+MAX_TENANT_LABELS = 100  # the default of gateway.metrics_max_tenants
 MAX_WORKER_LABELS = 256
 tenant_label = _BoundedLabel(MAX_TENANT_LABELS)
 worker_label = _BoundedLabel(MAX_WORKER_LABELS)
 _KNOWN_CLASSES = frozenset({"interactive", "standard", "batch"})
 
 
-def _class_label(value: str) -> str:
+def class_label(value: str) -> str:
     return value if value in _KNOWN_CLASSES else "other"
 
 
@@ -310,9 +338,13 @@ _prefix_lock = threading.Lock()
 _prefix_totals: dict[str, list[int]] = {}  # worker label -> [cached tokens, prompt tokens]
 
 
-def configure(record_log_path: str = "") -> None:
-    """Append every emitted record to `record_log_path` as JSON lines ("" = logger only)."""
+def configure(record_log_path: str = "", max_tenant_labels: int = MAX_TENANT_LABELS) -> None:
+    """Append every emitted record to `record_log_path` as JSON lines ("" = logger only); at most
+    `max_tenant_labels` tenants get their own series, the first seen from now on."""
+    if max_tenant_labels < 1:
+        raise ValueError(f"max_tenant_labels must be at least 1, got {max_tenant_labels}")
     _sink.configure(record_log_path)
+    tenant_label.reset(max_tenant_labels)
 
 
 def encode_record(record: RequestRecord) -> bytes:
@@ -332,10 +364,10 @@ def read_records(path: str | Path) -> list[RequestRecord]:
 
 def observe_record(record: RequestRecord, token_times: Sequence[float] = ()) -> None:
     """Feed one record to the Prometheus metrics (emit_record does this; exposed for tests)."""
-    labels = {"model": record.model or "unknown", "class": _class_label(record.priority_class)}
+    labels = {"model": record.model or "unknown", "class": class_label(record.priority_class)}
     tenant = tenant_label(record.tenant)
     if record.ttft_s is not None:
-        TTFT.labels(**labels).observe(record.ttft_s)
+        TTFT.labels(tenant=tenant, **labels).observe(record.ttft_s)
     if record.queue_wait_s is not None:
         QUEUE_TIME.labels(**labels).observe(record.queue_wait_s)
     if record.prefill_s is not None:
@@ -347,11 +379,11 @@ def observe_record(record: RequestRecord, token_times: Sequence[float] = ()) -> 
     # the real gaps; a record alone only keeps a summary, so then the mean stands in for each
     # gap (count and sum stay exact, which rate()- and average-based queries need).
     if len(token_times) > 1:
-        itl = ITL.labels(**labels)
+        itl = ITL.labels(tenant=tenant, **labels)
         for earlier, later in itertools.pairwise(token_times):
             itl.observe(later - earlier)
     elif record.itl_mean_s is not None and record.completion_tokens > 1:
-        itl = ITL.labels(**labels)
+        itl = ITL.labels(tenant=tenant, **labels)
         for _ in range(record.completion_tokens - 1):
             itl.observe(record.itl_mean_s)
     PROMPT_TOKENS.labels(model=labels["model"], tenant=tenant).inc(record.prompt_tokens)
@@ -385,12 +417,12 @@ def emit_record(record: RequestRecord, token_times: Sequence[float] = ()) -> Non
 
 
 def count_rejection(tenant: str, reason: str, priority_class: str = "") -> None:
-    REJECTIONS.labels(tenant=tenant_label(tenant), reason=reason).inc()
+    REJECTIONS.labels(tenant=tenant_label(tenant), reason=reason, **{"class": class_label(priority_class)}).inc()
     WINDOW.count_rejection(tenant, reason, priority_class)
 
 
 def count_admission(tenant: str, priority_class: str) -> None:
-    ADMISSIONS.labels(tenant=tenant_label(tenant), **{"class": _class_label(priority_class)}).inc()
+    ADMISSIONS.labels(tenant=tenant_label(tenant), **{"class": class_label(priority_class)}).inc()
     WINDOW.count_admission(tenant, priority_class)
 
 
@@ -410,11 +442,31 @@ def count_worker_tokens(worker: str, n: int) -> None:
 
 
 def set_queue_depth(priority_class: str, depth: int) -> None:
-    WAITING.labels(_class_label(priority_class)).set(depth)
+    WAITING.labels(class_label(priority_class)).set(depth)
 
 
 def set_running(priority_class: str, n: int) -> None:
-    RUNNING.labels(_class_label(priority_class)).set(n)
+    RUNNING.labels(class_label(priority_class)).set(n)
+
+
+TENANT_QUEUES = TenantQueueCollector()
+REGISTRY.register(TENANT_QUEUES)
+
+
+def set_tenant_queues(waiting: Iterable[tuple[str, str]], running: Iterable[tuple[str, str]]) -> None:
+    """One (tenant name, class) pair per request queued at the gateway and per request on a worker:
+    `sluice:tenant_num_requests_waiting` / `_running` by tenant (capped) and class."""
+    TENANT_QUEUES.publish(((tenant_label(t), class_label(c)) for t, c in waiting),
+                          ((tenant_label(t), class_label(c)) for t, c in running))
+
+
+def set_readiness(checks: dict[str, bool]) -> None:
+    for check, ok in checks.items():
+        READINESS.labels(check=check).set(1 if ok else 0)
+
+
+def count_error_response(status: int) -> None:
+    ERROR_RESPONSES.labels(status=str(status)).inc()
 
 
 def observe_worker(capacity: WorkerCapacity) -> None:
@@ -424,6 +476,14 @@ def observe_worker(capacity: WorkerCapacity) -> None:
         KV_USAGE.labels(worker=worker).set(used / capacity.total_kv_blocks)
     WORKER_RUNNING.labels(worker=worker).set(capacity.num_running)
     WORKER_WAITING.labels(worker=worker).set(capacity.num_waiting)
+
+
+def count_route(reason: str) -> None:
+    ROUTES.labels(reason=reason).inc()
+
+
+def set_cache_index_blocks(worker_id: str, blocks: int) -> None:
+    CACHE_INDEX_BLOCKS.labels(worker=worker_label(worker_id)).set(blocks)
 
 
 def count_engine_events(before: WorkerCapacity, after: WorkerCapacity) -> None:

@@ -26,6 +26,15 @@ def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
     add_engine_arguments(engine, with_policy=False)
     engine.set_defaults(handler=run_bench)
 
+    from sluice_lab.structured_bench import add_arguments as add_structured_arguments
+    from sluice_lab.structured_bench import run_structured
+
+    structured = bench_subparsers.add_parser(
+        "structured", help="output tok/s at 0/50/100%% constrained by a nested JSON Schema; mask and compile costs")
+    add_structured_arguments(structured)
+    add_engine_arguments(structured)
+    structured.set_defaults(handler=run_structured)
+
     serve = bench_subparsers.add_parser(
         "serve", help="replay a scenario against an OpenAI-compatible server (sluice, vLLM, ...)")
     serve.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")

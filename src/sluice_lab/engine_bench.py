@@ -88,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 0: the peer's defaults, no speculation)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved rounds of sluice and the peer; each reports its median run")
+    parser.add_argument("--kv-events-ab", action="store_true",
+                        help="only the A/B of KV event reporting on/off, interleaved rounds (--repeat, at "
+                             "least 3), same engine and requests (src/sluice_lab/kv_events_ab.py)")
+    parser.add_argument("--kv-events-output-len", type=int, default=32,
+                        help="output tokens of each request of the KV events A/B")
 
 
 def make_requests(num: int, seed: int, prompt_len: LengthDist, output_len: LengthDist,
@@ -242,6 +247,17 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.peer == "vllm":
         bench_peer.vllm_python(args.peer_venv)  # fail before anything runs
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    if args.kv_events_ab:
+        from sluice_lab.kv_events_ab import run_kv_events_ab
+
+        ab = run_kv_events_ab(args, engine_config(args, args.model, "chunked"))
+        ab["config"] = {"num_requests": args.num_requests, "seed": args.seed, "threads": torch.get_num_threads(),
+                        "repeat": max(3, args.repeat), "load_average": os.getloadavg()[0]}
+        print(f"KV events on/off: {ab['kv_events_ab']['on_over_off_tokens_per_cpu_s']:.3f} tokens per CPU-s, "
+              f"{ab['kv_events_ab']['on_over_off_tokens_per_s']:.3f} tokens per s")
+        if args.json is not None:
+            args.json.write_text(json.dumps(ab, indent=2) + "\n", encoding="utf-8")
+        return 0
     model_cfg = ModelConfig.from_dir(Path(args.model))
     requests = make_requests(args.num_requests, args.seed, args.prompt_len, args.output_len, model_cfg.vocab_size)
     if args.latency_prompt_len < 1 or args.latency_output_len < 2:

@@ -22,7 +22,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from sluice import telemetry
+from sluice import telemetry, tracing
 from sluice.gateway.admin.controllers import AdminController
 from sluice.gateway.admin.seed import seed_tenants
 from sluice.gateway.admin.service import AdminService
@@ -41,6 +41,7 @@ from sluice.gateway.edge.errors import EXCEPTION_HANDLERS
 from sluice.gateway.edge.json_body import strict_json_body
 from sluice.gateway.edge.methods import OptionsMiddleware
 from sluice.gateway.edge.openapi import COMPONENTS, ContractJsonPlugin
+from sluice.gateway.edge.tracing import TracingMiddleware
 from sluice.gateway.generation.service import GenerationService
 from sluice.gateway.generation.tokenization import ModelTokenizer, TokenizerRegistry
 from sluice.gateway.queueing.backend import GenerationBackend
@@ -64,11 +65,11 @@ async def _load_tokenizers(backend: GenerationBackend, registry: TokenizerRegist
             continue
         shared = getattr(backend, "tokenizer", None)  # LocalEngineBackend shares its engine's tokenizer
         if callable(shared):
-            registry.add(ModelTokenizer(model.name, shared(model.name), model.max_model_len))
+            registry.add(ModelTokenizer(model.name, shared(model.name), model.max_model_len,
+                                        tool_parser=model.tool_parser))
         else:
-            registry.add(
-                await asyncio.to_thread(ModelTokenizer.load, model.name, model.path, model.max_model_len)
-            )
+            registry.add(await asyncio.to_thread(ModelTokenizer.load, model.name, model.path, model.max_model_len,
+                                                 tool_parser=model.tool_parser))
 
 
 def build_services(settings: Settings, backend: GenerationBackend, *,
@@ -81,7 +82,8 @@ def build_services(settings: Settings, backend: GenerationBackend, *,
     quotas = QuotaService(usage.day_total, ledger=shared.ledger)
     tokenizers = TokenizerRegistry()
     generation = GenerationService(backend, tokenizers, quotas, usage, request_timeout_s=gw.request_timeout_s,
-                                   max_prompt_chars=gw.max_prompt_chars, max_messages=gw.max_messages)
+                                   max_prompt_chars=gw.max_prompt_chars, max_messages=gw.max_messages,
+                                   max_n=gw.max_n)
     streams = StreamHub(shared.stream_log, generation.flights, generation.spawn, grace_s=gw.disconnect_grace_s)
     admin = AdminService(session_factory, auth, usage.flush)
     batch_service = None
@@ -137,7 +139,7 @@ def create_app(
     async def startup(app: Litestar) -> None:
         if owned_engine is not None:
             await migrate(settings.database.url)
-        telemetry.configure(settings.gateway.record_log_path)
+        telemetry.configure(settings.gateway.record_log_path, settings.gateway.metrics_max_tenants)
         await services.shared.start()
         generated = await services.auth.ensure_admin_token(settings.admin.token)
         await seed_tenants(services.admin, settings.tenants)
@@ -168,6 +170,9 @@ def create_app(
         if owned_engine is not None:
             await owned_engine.dispose()
 
+    # Tracing is per process: the first app that enables it starts the exporter (sluice/tracing.py).
+    traced = settings.tracing.enabled and (tracing.enabled() or tracing.configure(
+        True, settings.tracing.otlp_endpoint, "sluice-gateway", settings.tracing.sample_ratio))
     config = AppConfig(
         route_handlers=[
             OpenAIController, TokenizeController, AdminController, *console_route_handlers(), health, ready,
@@ -181,7 +186,7 @@ def create_app(
         before_request=strict_json_body,
         state=State({"services": services}),
         request_max_body_size=settings.gateway.max_body_bytes,
-        middleware=[OptionsMiddleware()],
+        middleware=[OptionsMiddleware(), *([TracingMiddleware()] if traced else [])],
         openapi_config=OpenAPIConfig(
             title="sluice gateway",
             version="0.1.0",

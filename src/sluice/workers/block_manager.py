@@ -5,30 +5,24 @@ been computed gets a chained hash: H(parent hash, cache salt, its token ids), so
 whole prefix up to that block and two tenants (different salts) never share a block. A freed block
 keeps its hash and stays reusable (a prefix-cache hit) until it is evicted, least recently freed
 first, to make room for a new allocation. Block ids are indices into the runner's KV tensors.
+The hash function is shared with the gateway (sluice/prefix_hash.py).
+
+KV events (`record_events`): each hash published to the cache and each evicted is noted, and
+`take_events` hands them over once per step (the engine host sends them to its gateways, which
+route requests to the worker holding their prefix: gateway/dispatch/routing.py). Only the last
+change of a hash within a step is kept: the gateway needs the state, not the history.
 
 No torch here; the scheduler calls this once per scheduled request per step.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
+from sluice.prefix_hash import ROOT_HASH as _ROOT_HASH
+from sluice.prefix_hash import hash_block as hash_block
 from sluice.workers.request import Request
-
-_ROOT_HASH = bytes(16)
-
-
-def hash_block(parent_hash: bytes, cache_salt: str, token_ids: Sequence[int]) -> bytes:
-    """Chained, salted hash of one full block (16-byte BLAKE2b: collisions are not a concern)."""
-    salt = cache_salt.encode()
-    h = hashlib.blake2b(parent_hash, digest_size=16)
-    h.update(len(salt).to_bytes(4, "little"))
-    h.update(salt)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
 
 
 class BlockManager:
@@ -45,6 +39,9 @@ class BlockManager:
         # recently freed first (evicted in that order).
         self._free_plain: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.record_events = False
+        self._events: dict[bytes, bool] = {}  # hash -> stored (True) or evicted (False), this step
+        self._events_cleared = False  # the whole cache was forgotten this step (before `_events`)
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -160,6 +157,8 @@ class BlockManager:
             if self._block_hash[block_id] is None and block_hash not in self._cached:
                 self._cached[block_hash] = block_id
                 self._block_hash[block_id] = block_hash
+                if self.record_events:
+                    self._events[block_hash] = True
         request.num_committed_blocks = max(request.num_committed_blocks, num_full)
 
     def reset_prefix_cache(self) -> None:
@@ -169,6 +168,20 @@ class BlockManager:
         self._evictable.clear()
         self._cached.clear()
         self._block_hash = [None] * self.num_blocks
+        if self.record_events:
+            self._events.clear()
+            self._events_cleared = True
+
+    def take_events(self) -> tuple[list[bytes], list[bytes], bool]:
+        """(stored, evicted, cleared) since the last call: `cleared` = forget every earlier hash
+        first. Empty when `record_events` is off."""
+        if not self._events and not self._events_cleared:
+            return [], [], False
+        events, cleared = self._events, self._events_cleared
+        self._events, self._events_cleared = {}, False
+        stored = [h for h, kept in events.items() if kept]
+        evicted = [h for h, kept in events.items() if not kept]
+        return stored, evicted, cleared
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -181,6 +194,8 @@ class BlockManager:
             if block_hash is not None:
                 del self._cached[block_hash]
                 self._block_hash[block_id] = None
+                if self.record_events:
+                    self._events[block_hash] = False
         self._ref_counts[block_id] = 1
         return block_id
 

@@ -106,6 +106,11 @@ class EngineConfig:
     """CUDA: run decode batches as captured CUDA graphs."""
     seed: int = 0
     """Seed of the seeds drawn for sampled requests that set none (a request's own seed wins)."""
+    grammar_compile_timeout_s: float = 10.0
+    """Structured outputs: a grammar not compiled within this many seconds fails its request alone
+    (compiles run beside the engine loop; other requests keep stepping meanwhile)."""
+    grammar_cache_size: int = 256
+    """Structured outputs: compiled grammars kept, by hash of (tokenizer, kind, spec)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -129,6 +134,10 @@ class EngineConfig:
         _one_of("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        timeout = self.grammar_compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < float("inf"):
+            raise ValueError(f"grammar_compile_timeout_s must be a positive number of seconds, got {timeout!r}")
+        _positive("grammar_cache_size", self.grammar_cache_size)
 
     @property
     def is_cuda(self) -> bool:

@@ -8,6 +8,7 @@ tokens are detokenized (stop strings applied) into a `RequestDelta`. `generate()
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
 import logging
@@ -18,8 +19,10 @@ from pathlib import Path
 
 import msgspec
 
+from sluice.grammar.compiler import GrammarCompiler
 from sluice.protocol import (
     FinishReason,
+    KvEvents,
     PositionLogprobs,
     Priority,
     RequestDelta,
@@ -107,6 +110,10 @@ class LLMEngine:
         self._pending: list[RequestDelta] = []  # abort deltas, returned by the next step()
         self._ids = itertools.count()
         self._failed_steps = 0  # consecutive steps in which every chunk raised (see _execute_isolating)
+        self._grammar_compiler: GrammarCompiler | None = None  # built for the first structured request
+        # Structured requests whose grammar is compiling: not yet the scheduler's (they are not
+        # scheduled until it is ready, and the engine keeps stepping the others meanwhile).
+        self._compiling: dict[str, tuple[Request, concurrent.futures.Future, float]] = {}
 
     # ---- properties ----------------------------------------------------------------------------
 
@@ -124,18 +131,43 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work
+        return bool(self._pending) or self.scheduler.has_work or bool(self._compiling)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured outputs' compiler for this model's tokenizer (its token table is built on first use)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(
+                self._tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                tokenizer_id=f"{self.config.model}:{self.model_config.vocab_size}",
+                cache_size=self.config.grammar_cache_size)
+        return self._grammar_compiler
 
     def capacity(self, worker_id: str) -> WorkerCapacity:
         return WorkerCapacity(
             worker_id=worker_id,
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + len(self._compiling),
             free_kv_blocks=self.scheduler.num_free_blocks,
             total_kv_blocks=self.scheduler.num_total_blocks,
             max_num_seqs=self.config.max_num_seqs,
             sent_at=time.time(),
         )
+
+    # ---- KV events -----------------------------------------------------------------------------
+
+    def enable_kv_events(self, enabled: bool = True) -> None:
+        """Note each prefix block cached and evicted, for `take_kv_events` (off by default: an
+        engine nobody routes by, e.g. offline `generate`, keeps no log)."""
+        self.scheduler.block_manager.record_events = enabled
+
+    def take_kv_events(self) -> KvEvents | None:
+        """The prefix-cache changes since the last call (one batch per step), None when none."""
+        stored, evicted, cleared = self.scheduler.block_manager.take_events()
+        if not (stored or evicted or cleared):
+            return None
+        return KvEvents(block_size=self.scheduler.config.block_size, stored=tuple(stored),
+                        evicted=tuple(evicted), cleared=cleared)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -166,13 +198,20 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; this model accepts at most "
                 f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
             )
+        if any(t < 0 or t >= vocab for t, _ in sampling.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids between 0 and {vocab - 1}")
         resumed = self._check_resume(token_ids, [int(t) for t in resume_token_ids], sampling)
         request = Request(request_id, token_ids, sampling,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
                           priority=priority, cache_salt=cache_salt, eos_token_ids=self.eos_token_ids,
                           resume_token_ids=resumed)
         detokenizer = IncrementalDetokenizer(self._decode, token_ids, sampling.stop, resumed)
-        self.scheduler.add_request(request)
+        if sampling.structured is not None:
+            future = self.grammar_compiler.submit(sampling.structured)
+            deadline = time.monotonic() + self.config.grammar_compile_timeout_s
+            self._compiling[request_id] = (request, future, deadline)
+        else:
+            self.scheduler.add_request(request)
         self._detokenizers[request_id] = detokenizer
         self._num_reported[request_id] = len(resumed)  # delivered by the earlier attempt
 
@@ -196,7 +235,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Aborts a live request; its final delta (finish_reason abort) comes from the next step()."""
-        request = self.scheduler.abort(request_id)
+        compiling = self._compiling.pop(request_id, None)
+        request = compiling[0] if compiling is not None else self.scheduler.abort(request_id)
         if request is None or request_id not in self._detokenizers:
             return False
         self._pending.append(self._delta(request, (), "", (), FinishReason.ABORT))
@@ -207,7 +247,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestDelta]:
         deltas, self._pending = self._pending, []
+        if self._compiling:
+            self._admit_compiled(deltas)
         if not self.scheduler.has_work:
+            if self._compiling and not deltas:  # nothing to step: wait a little for a compile
+                futures = [future for _, future, _ in self._compiling.values()]
+                concurrent.futures.wait(futures, timeout=0.005, return_when=concurrent.futures.FIRST_COMPLETED)
             return deltas
         scheduled = self.scheduler.schedule(time.time())
         try:
@@ -218,6 +263,33 @@ class LLMEngine:
         for request in changed:
             deltas.append(self._process(request, runner_output.logprobs.get(request.request_id, ())))
         return deltas
+
+    def _admit_compiled(self, deltas: list[RequestDelta]) -> None:
+        """Hand the requests whose grammar is ready to the scheduler; end those whose grammar failed or
+        took longer than `grammar_compile_timeout_s` with an error (the engine goes on)."""
+        now = time.monotonic()
+        for rid, (request, future, deadline) in list(self._compiling.items()):
+            error: str | None = None
+            if future.done():
+                try:
+                    request.grammar = self.grammar_compiler.matcher(future.result(), request.output_token_ids)
+                except ValueError as exc:  # GrammarError included: a spec the gateway did not check
+                    error = f"the structured output cannot be enforced: {exc}"
+                except Exception:  # the library failed on its own
+                    log.warning("request %s: grammar compile failed", rid, exc_info=True)
+                    error = "the structured output's grammar failed to compile"
+            elif now > deadline:
+                error = (f"the structured output's grammar did not compile within "
+                         f"{self.config.grammar_compile_timeout_s:g} s")
+            else:
+                continue
+            del self._compiling[rid]
+            if error is None:
+                self.scheduler.add_request(request)
+                continue
+            delta = self._delta(request, (), "", (), FinishReason.ERROR)
+            deltas.append(msgspec.structs.replace(delta, error=error))
+            self._forget(rid)
 
     def _execute_isolating(self, scheduled: SchedulerOutput, deltas: list[RequestDelta]) -> RunnerOutput:
         """A step raised: run its chunks one by one, so a request that raises on its own ends with an

@@ -18,7 +18,9 @@ does, it does once for every kind:
   alone) fails every request with an error delta, tells every client it is closed, and `run()`
   raises: a broken engine is not served from.
 Each step's deltas reach a client in one call (`EngineClient.on_deltas`), so 200 streams cost a
-client one hand-off per step, not 200.
+client one hand-off per step, not 200. With `kv_events` on, each step's prefix-cache changes
+(`KvEvents`: blocks cached and evicted) go to every client after its deltas, one batch per step;
+the gateways route by them (gateway/dispatch/routing.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from sluice.protocol import FinishReason, GenerateRequest, RequestDelta, WorkerCapacity
+from sluice import tracing
+from sluice.protocol import FinishReason, GenerateRequest, KvEvents, RequestDelta, WorkerCapacity
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,10 @@ class EngineClient(Protocol):
 
     def on_capacity(self, capacity: WorkerCapacity) -> None: ...
 
+    def on_kv_events(self, events: KvEvents) -> None:
+        """One step's prefix-cache changes (sent to every client; a client may drop them)."""
+        ...
+
     def on_closed(self, reason: str) -> None:
         """The host stopped (its engine failed, or `stop()`): nothing more comes."""
         ...
@@ -60,14 +67,27 @@ class _ClientState:
     last_sent: float = 0.0
 
 
+@dataclass(slots=True)
+class _Trace:
+    """A traced request's context and the engine's timestamps so far (unix s)."""
+
+    traceparent: str
+    received: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+
+
 _Command = Callable[[], None]  # run on the engine thread, between steps
 
 
 class EngineHost:
     """Steps one LLMEngine for its clients until `stop()` (module docstring)."""
 
-    def __init__(self, engine: Any, worker_id: str, *, heartbeat_interval_s: float = 1.0) -> None:
+    def __init__(self, engine: Any, worker_id: str, *, heartbeat_interval_s: float = 1.0,
+                 kv_events: bool = True) -> None:
         self.engine = engine  # an LLMEngine: touched on the engine thread only, once running
+        self.kv_events = kv_events
+        engine.enable_kv_events(kv_events)
         self.worker_id = worker_id
         self.heartbeat_interval_s = heartbeat_interval_s
         self._inbox: queue.Queue[_Command] = queue.Queue()
@@ -75,6 +95,7 @@ class EngineHost:
         self._failed = threading.Event()  # set before its clients hear of the failure
         self._clients: dict[EngineClient, _ClientState] = {}
         self._owners: dict[str, EngineClient] = {}  # every request in the engine, by id
+        self._traces: dict[str, _Trace] = {}  # traced requests in the engine (sluice/tracing.py)
         self._thread: threading.Thread | None = None
 
     # ---- from any thread -----------------------------------------------------------------------
@@ -149,6 +170,11 @@ class EngineHost:
             self._fail_all(f"the worker serving this request ({self.worker_id}) failed; please retry")
             raise
         self._route(deltas)
+        if self.kv_events:
+            events = self.engine.take_kv_events()  # taken even with no client: the log stays one step long
+            if events is not None:
+                for client in self._clients:
+                    client.on_kv_events(events)
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -196,6 +222,8 @@ class EngineHost:
             self._reply_error(client, request, text)
             return
         self._owners[rid] = client
+        if request.traceparent is not None and tracing.enabled():
+            self._traces[rid] = _Trace(request.traceparent, time.time())
 
     @staticmethod
     def _reply_error(client: EngineClient, request: GenerateRequest, text: str) -> None:
@@ -219,12 +247,15 @@ class EngineHost:
             failed.setdefault(client, []).append(
                 RequestDelta(request_id=rid, finish_reason=FinishReason.ERROR, error=text))
         self._owners.clear()
+        self._traces.clear()
         for client, deltas in failed.items():
             client.on_deltas(deltas)
 
     def _route(self, deltas: list[RequestDelta]) -> None:
         out: dict[EngineClient, list[RequestDelta]] = {}
         for delta in deltas:
+            if self._traces:
+                self._trace(delta)
             client = self._owners.get(delta.request_id)
             if client is None:
                 continue  # an aborted request of a client that is gone
@@ -234,6 +265,29 @@ class EngineHost:
                 out.setdefault(client, []).append(delta)
         for client, batch in out.items():
             client.on_deltas(batch)
+
+    def _trace(self, delta: RequestDelta) -> None:
+        """Keeps a traced request's engine timestamps; at its end, its spans (children of the
+        gateway's request span): worker.queue, prefill, decode."""
+        trace = self._traces.get(delta.request_id)
+        if trace is None:
+            return
+        trace.first_scheduled = trace.first_scheduled or delta.first_scheduled_time
+        trace.first_token = trace.first_token or delta.first_token_time
+        if delta.finish_reason is None:
+            return
+        del self._traces[delta.request_id]
+        now, parent = time.time(), trace.traceparent
+        attributes = {"sluice.worker": self.worker_id, "sluice.request_id": delta.request_id}
+        if trace.first_scheduled is not None:
+            tracing.record_span("worker.queue", parent, trace.received, trace.first_scheduled, attributes)
+            tracing.record_span("prefill", parent, trace.first_scheduled, trace.first_token or now,
+                                {**attributes, "sluice.prompt_tokens": delta.num_prompt_tokens,
+                                 "sluice.cached_tokens": delta.num_cached_tokens})
+        if trace.first_token is not None:
+            tracing.record_span("decode", parent, trace.first_token, now,
+                                {**attributes, "sluice.output_tokens": delta.num_output_tokens,
+                                 "sluice.finish_reason": str(delta.finish_reason)})
 
     def _send_capacity(self) -> None:
         now = time.monotonic()

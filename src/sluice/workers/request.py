@@ -9,6 +9,7 @@ import enum
 import math
 from collections.abc import Iterable, Sequence
 
+from sluice.grammar.compiler import Matcher
 from sluice.protocol import FinishReason, GenerateRequest, Priority, SamplingParams
 from sluice.workers.speculative import NgramIndex
 
@@ -56,6 +57,7 @@ class Request:
         "eos_token_ids",
         "first_scheduled_time",
         "first_token_time",
+        "grammar",
         "ngram_index",
         "num_cached_tokens",
         "num_committed_blocks",
@@ -114,6 +116,9 @@ class Request:
         self.num_committed_blocks = 0  # leading blocks already offered to the prefix cache
         self.num_preemptions = 0
         self.ngram_index: NgramIndex | None = None  # speculation's index of its tokens (scheduler's)
+        # Its structured output's matcher, following output_token_ids (set before it is scheduled;
+        # None: unconstrained). Preemption keeps the output, so the matcher stays where it is.
+        self.grammar: Matcher | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
@@ -163,6 +168,8 @@ class Request:
         return self.status.finish_reason
 
     def append_output(self, token_id: int, now: float) -> None:
+        if self.grammar is not None:
+            self.grammar.consume((token_id,))
         self._all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if self.first_token_time is None:
@@ -174,6 +181,8 @@ class Request:
         last step produced tokens past its stop string."""
         drop = self.num_output_tokens - num_output_tokens
         if drop > 0:
+            if self.grammar is not None:
+                self.grammar.rollback(drop)
             del self._all_token_ids[-drop:], self.output_token_ids[-drop:], self.token_times[-drop:]
 
     def __repr__(self) -> str:

@@ -10,24 +10,29 @@ per-request sampling seeds.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import random
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from sluice.grammar.compiler import Matcher
 from sluice.kernels import native
 from sluice.kernels.attention import AttentionMetadata
 from sluice.kernels.ops import Ops
 from sluice.protocol import PositionLogprobs
 from sluice.workers.config import EngineConfig
+from sluice.workers.grammar_mask import MaskFiller
 from sluice.workers.model.config import ModelConfig
 from sluice.workers.model.cuda_graphs import DecodeGraphRunner
 from sluice.workers.model.llama import LlamaForCausalLM
 from sluice.workers.model.loader import load_model
-from sluice.workers.sampler import Continued, SampleRow, sample
+from sluice.workers.sampler import Continued, SampleRow, apply_bias_and_mask, sample
 from sluice.workers.scheduler import RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,18 @@ def available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(slots=True)
+class GrammarStats:
+    """What constrained rows cost the runner (read by benchmarks): steps with a constrained row,
+    such rows, seconds waited for their masks after the forward pass (the fill runs beside it),
+    and seconds spent applying them."""
+
+    steps: int = 0
+    rows: int = 0
+    wait_s: float = 0.0
+    apply_s: float = 0.0
 
 
 class ModelRunner:
@@ -91,6 +108,8 @@ class ModelRunner:
         self.scratch_block = self.num_kv_blocks
         self._seeds: dict[str, int] = {}  # per request: its own seed, or one drawn for it
         self._seed_source = random.Random(config.seed)
+        self._masks = MaskFiller(self.model_config.vocab_size)  # grammar masks, beside the forward pass
+        self.grammar_stats = GrammarStats()
         self._graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
             self._graphs = DecodeGraphRunner(self.model, self.kv_caches, self.device,
@@ -147,12 +166,26 @@ class ModelRunner:
         if not chunks:
             return RunnerOutput(sampled_token_ids={})
         ids, positions, meta = self._prepare(scheduled)
+        # The constrained rows' masks are computed in a thread while the model runs.
+        mask_rows = self._grammar_rows(scheduled)
+        masks = self._masks.start(mask_rows) if mask_rows else None
         hidden: torch.Tensor | None = None
-        if self._graphs is not None and meta.is_decode_only and self._graphs.can_run(meta.num_seqs):
-            hidden = self._graphs.run(ids, positions, meta)  # None if capture failed: run eagerly
-        if hidden is None:
-            hidden = self.model(ids, positions, self.kv_caches, meta)  # [T, H]
+        try:
+            if self._graphs is not None and meta.is_decode_only and self._graphs.can_run(meta.num_seqs):
+                hidden = self._graphs.run(ids, positions, meta)  # None if capture failed: run eagerly
+            if hidden is None:
+                hidden = self.model(ids, positions, self.kv_caches, meta)  # [T, H]
+        except BaseException:
+            if masks is not None:  # the matchers are the scheduler's again only once the fill is over
+                concurrent.futures.wait([masks])
+            raise
         sample_chunks = [(b, c) for b, c in enumerate(chunks) if c.sample]
+        wait_start = time.perf_counter()
+        bitmask = masks.result() if masks is not None else None  # before any early return
+        if masks is not None:
+            self.grammar_stats.steps += 1
+            self.grammar_stats.rows += len(mask_rows)
+            self.grammar_stats.wait_s += time.perf_counter() - wait_start
         if not sample_chunks:
             return RunnerOutput(sampled_token_ids={})
         # A sampling chunk samples at its last num_sample_rows rows: its last token and each draft.
@@ -170,6 +203,10 @@ class ModelRunner:
             for j in range(1, c.num_sample_rows):  # after draft j - 1: as if drafts[:j] were output
                 output = Continued(req.output_token_ids, c.draft_token_ids[:j])
                 rows.append(SampleRow(req.sampling, req.prompt_token_ids, output, seed))
+        apply_start = time.perf_counter()
+        logits = apply_bias_and_mask(logits, rows, [row for row, _, _ in mask_rows], bitmask)
+        if masks is not None:
+            self.grammar_stats.apply_s += time.perf_counter() - apply_start
         out = sample(logits, rows)
         sampled: dict[str, tuple[int, ...]] = {}
         logprobs: dict[str, tuple[PositionLogprobs, ...]] = {}
@@ -183,6 +220,21 @@ class ModelRunner:
                 logprobs[rid] = tuple(lp for lp in row_logprobs if lp is not None)
             i += n
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _grammar_rows(scheduled: SchedulerOutput) -> list[tuple[int, Matcher, tuple[int, ...]]]:
+        """(sample row, matcher, drafts before the row) of every constrained row, in row order (the
+        rows `execute` builds: per sampling chunk, its last token, then one per draft)."""
+        out: list[tuple[int, Matcher, tuple[int, ...]]] = []
+        row = 0
+        for c in scheduled.chunks:
+            if not c.sample:
+                continue
+            grammar = c.request.grammar
+            if grammar is not None:
+                out.extend((row + j, grammar, c.draft_token_ids[:j]) for j in range(c.num_sample_rows))
+            row += c.num_sample_rows
+        return out
 
     def _prepare(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat inputs for the chunks: ids/positions/slots [T], block tables [B, max_blocks]."""

@@ -1,6 +1,9 @@
 """Turns the logits of the rows that sample into tokens (and optional logprobs).
 
 Order of processing, vectorised over rows [N, V]:
+  0. logit_bias (OpenAI's: added to the raw logits of the listed tokens), then the grammar mask of
+     the constrained rows (workers/grammar_mask.py: blocked tokens -inf; unconstrained rows are not
+     touched, and a step without constrained rows or biases skips this entirely);
   1. penalties: repetition (HF: over prompt + output; positive logits divided, negative
      multiplied), then presence/frequency (OpenAI: over output only,
      logit -= presence * [count > 0] + frequency * count);
@@ -11,9 +14,12 @@ Order of processing, vectorised over rows [N, V]:
      request's seed and the output position alone (a counter-based hash, no generator state), so
      a seeded request gets the same tokens whatever else is in the batch, however often it was
      preempted, and when it is resumed at position k on another worker (worker failover).
-Logprobs (when asked) are the log-softmax of the logits after penalties and temperature
-(temperature 1 for greedy rows) but before top-k/top-p/min-p truncation, so top_logprobs never
-report -inf for tokens that truncation removed.
+Logprobs (when asked) are the log-softmax of the logits after logit_bias, the grammar mask,
+penalties and temperature (temperature 1 for greedy rows) but before top-k/top-p/min-p truncation,
+so top_logprobs never report -inf for tokens that truncation removed. For a constrained row they
+describe the distribution the token was drawn from: the grammar's allowed tokens renormalised
+(vLLM v1 likewise applies the grammar bitmask to the logits before its sampler computes logprobs),
+so every reported top_logprob is a token the grammar allowed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import overload
 import torch
 
 from sluice.protocol import PositionLogprobs, SamplingParams, TokenLogprob
+from sluice.workers.grammar_mask import apply_bitmask
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,10 +185,38 @@ def _logprobs(logprobs: torch.Tensor, chosen: list[int], rows: Sequence[SampleRo
     return out
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
-    """logits: [N, V] float32, row i belonging to rows[i]."""
+def apply_bias_and_mask(logits: torch.Tensor, rows: Sequence[SampleRow], mask_rows: Sequence[int] = (),
+                        bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """logit_bias, then the grammar masks (bitmask row j for logits row mask_rows[j]); returns
+    `logits` itself when neither applies, else a modified copy."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased and not mask_rows:
+        return logits
+    logits = logits.clone()
+    for i in biased:
+        ids, biases = zip(*rows[i].params.logit_bias, strict=True)
+        index = torch.tensor(ids, device=logits.device)
+        logits[i].index_add_(0, index, torch.tensor(biases, device=logits.device, dtype=logits.dtype))
+    if mask_rows:
+        if bitmask is None or bitmask.shape[0] != len(mask_rows):
+            raise ValueError(f"{len(mask_rows)} constrained rows need as many bitmask rows")
+        if len(mask_rows) == len(rows):  # every row constrained, in order: in place
+            apply_bitmask(logits, bitmask)
+        else:
+            index = torch.tensor(mask_rows, device=logits.device)
+            sub = logits.index_select(0, index)
+            apply_bitmask(sub, bitmask)
+            logits.index_copy_(0, index, sub)
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], mask_rows: Sequence[int] = (),
+           bitmask: torch.Tensor | None = None) -> SamplerOutput:
+    """logits: [N, V] float32, row i belonging to rows[i]; `mask_rows` (ascending) are the rows
+    under a grammar, `bitmask` their masks [len(mask_rows), ceil(V / 32)] int32."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"got {logits.shape[0]} logit rows for {len(rows)} requests")
+    logits = apply_bias_and_mask(logits, rows, mask_rows, bitmask)
     device = logits.device
     want_logprobs = any(r.params.logprobs for r in rows)
     if not want_logprobs and all(r.params.greedy and not _has_penalty(r.params) for r in rows):

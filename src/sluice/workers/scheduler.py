@@ -236,6 +236,9 @@ class Scheduler:
         if request.ngram_index is None:
             request.ngram_index = NgramIndex()
         drafts = self._lookup.propose(request.ngram_index, request.all_token_ids, limit)
+        if drafts and request.grammar is not None:
+            # A draft the grammar refuses can never equal the (masked) sampled token: do not compute it.
+            drafts = drafts[:request.grammar.num_accepted(drafts)]
         if drafts and not self.block_manager.allocate(request, request.num_tokens + len(drafts)):
             return ()  # no free block for the guesses: never preempt for them
         return drafts
@@ -389,6 +392,8 @@ class Scheduler:
             not sampling.ignore_eos and token_id in request.eos_token_ids
         ):
             return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_done:
+            return RequestStatus.FINISHED_STOPPED  # the structured output is complete
         if (
             request.num_output_tokens >= sampling.max_tokens
             or request.num_tokens >= self.config.max_model_len

@@ -7,7 +7,8 @@ gateway's worker port (TLS when a CA file is configured), answers the gateway's 
 WorkerRegister carrying the HMAC proof of the shared worker secret (the secret itself never
 crosses the wire) and what it serves (name, max length, tokenizer identity), then forwards frames:
 GenerateRequest / AbortRequest in (to the host, from this connection), RequestDelta /
-WorkerCapacity out. Socket IO never blocks a step.
+WorkerCapacity out, and KvEvents (each step's prefix-cache changes) to a gateway whose challenge
+asked for them. Socket IO never blocks a step.
 
 Many gateways, one engine: each connection is a client of the host (`_Connection`), so a
 request's deltas go back only on the connection it came on (a stream never crosses replicas),
@@ -32,16 +33,18 @@ import signal
 import ssl
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from sluice import tracing
 from sluice.protocol import (
     READ_CHUNK_BYTES,
     AbortRequest,
     FrameDecoder,
     GenerateRequest,
+    KvEvents,
     RequestDelta,
     ServedModelInfo,
     WorkerCapacity,
@@ -53,6 +56,7 @@ from sluice.protocol import (
     tokenizer_identity,
     worker_proof,
 )
+from sluice.settings import TracingSettings
 from sluice.workers.engine_host import EngineHost
 
 if TYPE_CHECKING:
@@ -75,6 +79,7 @@ class WorkerOptions:
     secret: str = ""  # the shared worker secret (from settings / SLUICE_GATEWAY_WORKER_SECRET)
     tls_ca: str = ""  # verify the gateways' certificates against this CA file; "" = plain TCP
     rejected_retry_s: float = 5.0  # a gateway that refused this worker is asked again this much later
+    tracing: TracingSettings = field(default_factory=TracingSettings)  # [tracing]: spans of its requests
 
     def __post_init__(self) -> None:
         if not self.gateways:
@@ -162,8 +167,9 @@ class _GatewayLink:
             log.info("connected to the gateway at %s:%d", self.host, self.port)
             try:
                 decoder = FrameDecoder()
-                nonce = await asyncio.wait_for(self._challenge(reader, decoder), 30.0)
-                proof = worker_proof(opts.secret, nonce, register.worker_id)
+                challenge = await asyncio.wait_for(self._challenge(reader, decoder), 30.0)
+                connection.kv_events = challenge.kv_events  # an older gateway does not read them
+                proof = worker_proof(opts.secret, challenge.nonce, register.worker_id)
                 writer.write(encode_frame(msgspec.structs.replace(register, proof=proof)))
                 await self._pump(reader, writer, self._outbox, decoder, connection)
             except _Refused as exc:
@@ -184,12 +190,12 @@ class _GatewayLink:
                 backoff = 0.05
 
     @staticmethod
-    async def _challenge(reader: asyncio.StreamReader, decoder: FrameDecoder) -> bytes:
+    async def _challenge(reader: asyncio.StreamReader, decoder: FrameDecoder) -> WorkerChallenge:
         messages = await read_opening(reader, decoder)
         if not messages:
             raise ConnectionResetError("the gateway closed the connection before its challenge")
         if isinstance(messages[0], WorkerChallenge) and len(messages) == 1:
-            return messages[0].nonce
+            return messages[0]
         raise ValueError("the gateway did not open with a challenge")
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -231,12 +237,17 @@ class _Connection:
         self._link = link
         self._generation = generation
         self._loop = loop
+        self.kv_events = False  # its gateway asked for KvEvents (set from its challenge)
 
     def on_deltas(self, deltas: list[RequestDelta]) -> None:
         self._post([encode_frame(delta) for delta in deltas])
 
     def on_capacity(self, capacity: WorkerCapacity) -> None:
         self._post([encode_frame(capacity)])
+
+    def on_kv_events(self, events: KvEvents) -> None:
+        if self.kv_events:
+            self._post([encode_frame(events)])
 
     def on_closed(self, reason: str) -> None:
         pass  # the process exits next; its sockets close with it
@@ -320,6 +331,8 @@ def run_worker(engine_config: EngineConfig, options: WorkerOptions) -> None:
     """Builds the engine and serves until SIGTERM/SIGINT."""
     from sluice.workers.engine import LLMEngine
 
+    tracing.configure(options.tracing.enabled, options.tracing.otlp_endpoint, "sluice-worker",
+                      options.tracing.sample_ratio)
     engine = LLMEngine(engine_config)
     server = WorkerServer(engine, options)
 

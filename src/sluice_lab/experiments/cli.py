@@ -30,6 +30,15 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
+    libs = bench_subparsers.add_parser(
+        "grammar-libs", help="llguidance vs xgrammar: nested-schema compile time, per-step mask cost")
+    libs.add_argument("--model", required=True, help="model directory whose tokenizer to use (e.g. SmolLM2)")
+    libs.add_argument("--rows", type=positive_int_list, default=[1, 16, 64], help="constrained rows per step")
+    libs.add_argument("--steps", type=int, default=20, help="mask steps per round and row count")
+    libs.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a fresh schema each)")
+    libs.add_argument("--json", dest="json_out", default="grammar-libs.json", help="JSON summary path")
+    libs.set_defaults(handler=_grammar_libs)
+
     policies = bench_subparsers.add_parser(
         "policies", help="static vs prefill_first vs chunked: a long prompt arrives while streams decode")
     _engine_args(policies)
@@ -100,6 +109,13 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     scale.set_defaults(handler=_scale_out)
 
+    routing = bench_subparsers.add_parser(
+        "routing", help="least_loaded vs round_robin vs cache_aware routing on worker processes (issue #33)")
+    from sluice_lab.experiments.routing import add_arguments as routing_arguments
+
+    routing_arguments(routing)
+    routing.set_defaults(handler=_routing)
+
     chaos = bench_subparsers.add_parser(
         "chaos", help="mixed streaming and batch load while replicas and workers are SIGKILLed (issue #16)")
     chaos.add_argument("--replicas", type=int, default=3, help="gateway replica processes")
@@ -125,6 +141,17 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     chaos.set_defaults(handler=_chaos)
 
 
+def _grammar_libs(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from sluice_lab.experiments.grammar_libs import run
+
+    report = run(Path(args.model), args.rows, args.steps, args.rounds, Path(args.json_out))
+    print(json.dumps(report["libraries"], indent=2))
+    return 0
+
+
 def _policies(args: argparse.Namespace) -> int:
     from sluice_lab.experiments.policies import run_policies_command
 
@@ -147,6 +174,12 @@ def _scale_out(args: argparse.Namespace) -> int:
     from sluice_lab.experiments.scale_out import run_scale_out_command
 
     return run_scale_out_command(args)
+
+
+def _routing(args: argparse.Namespace) -> int:
+    from sluice_lab.experiments.routing import run_routing_command
+
+    return run_routing_command(args)
 
 
 def _chaos(args: argparse.Namespace) -> int:

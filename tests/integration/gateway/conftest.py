@@ -81,6 +81,12 @@ def gateway_options() -> dict[str, Any]:
     return {}
 
 
+@pytest.fixture(scope="module")
+def engine_options() -> dict[str, Any]:
+    """The local engine's options for this module's gateway (override it in a module)."""
+    return ENGINE_OPTIONS
+
+
 def _shared_settings(mode: str) -> SharedSettings:
     if mode == "in-process":
         return SharedSettings()
@@ -94,7 +100,8 @@ def _shared_settings(mode: str) -> SharedSettings:
 
 @pytest.fixture(scope="module")
 def gateway(
-    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, shared_mode: str, gateway_options: dict[str, Any]
+    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, shared_mode: str, gateway_options: dict[str, Any],
+    engine_options: dict[str, Any],
 ) -> Iterator[Gateway]:
     directory = tmp_path_factory.mktemp("gateway")
     database_url = f"sqlite+aiosqlite:///{directory / 'sluice.db'}"
@@ -108,7 +115,7 @@ def gateway(
         database=DatabaseSettings(url=database_url),
         shared=_shared_settings(shared_mode),
     )
-    backend = LocalEngineBackend({"demo": demo_model_dir}, ENGINE_OPTIONS)
+    backend = LocalEngineBackend({"demo": demo_model_dir}, engine_options)
     app = create_app(settings, backend)
     sock = _free_socket()
     port = sock.getsockname()[1]

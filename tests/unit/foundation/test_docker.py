@@ -52,10 +52,10 @@ def _mounts(service: str) -> dict[PurePosixPath, str]:
 
 def _served_by_gateway() -> dict[str, PurePosixPath]:
     """Model name -> directory, as `sluice serve` picks them (its --model, else models.toml)."""
-    args = _args("gateway")
+    args = _args("gateway-1")
     if args.model is not None:
         return {PurePosixPath(args.model).name: PurePosixPath(args.model)}
-    settings = load_settings(REPO / "config", environ=_env("gateway"))
+    settings = load_settings(REPO / "config", environ=_env("gateway-1"))
     return {m.name: PurePosixPath(m.path) for m in settings.models}
 
 
@@ -74,15 +74,18 @@ def _perturbed(raw: str) -> str:
     return raw + "-changed"
 
 
+GATEWAYS = ["gateway-1", "gateway-2"]
+
+
 def test_compose_has_kafka_kraft_postgres_gateway_and_gpu_worker() -> None:
     services = COMPOSE["services"]
-    assert set(services) >= {"kafka", "postgres", "gateway", "worker"}
+    assert set(services) >= {"kafka", "postgres", "redis", *GATEWAYS, "worker"}
     assert "controller" in services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"]
     devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
 
 
-@pytest.mark.parametrize("service", ["gateway", "worker"])
+@pytest.mark.parametrize("service", [*GATEWAYS, "worker"])
 def test_service_command_parses_with_the_real_cli(service: str) -> None:
     command = COMPOSE["services"][service]["command"]
     assert command[0] == "sluice"
@@ -90,11 +93,12 @@ def test_service_command_parses_with_the_real_cli(service: str) -> None:
     assert callable(args.handler)
 
 
-@pytest.mark.parametrize("service", ["gateway", "worker"])
+@pytest.mark.parametrize("service", [*GATEWAYS, "worker"])
 def test_service_environment_is_made_of_real_settings(service: str, tmp_path: Path) -> None:
     env = _env(service)
     settings = load_settings(REPO / "config", environ=env)  # raises ConfigError on an unknown key
-    if service == "gateway":
+    if service in GATEWAYS:
+        assert settings.shared.url.startswith("redis://")  # replicas share quotas, slots, streams
         assert settings.kafka.bootstrap_servers == "kafka:9092"
         assert settings.kafka.enable_idempotence is True
         assert settings.database.url.startswith("postgresql+asyncpg://")
@@ -115,25 +119,25 @@ def test_dockerfiles_copy_paths_that_exist(dockerfile: str) -> None:
 
 
 def test_build_contexts_point_at_the_repo() -> None:
-    for service in ("gateway", "worker"):
+    for service in (*GATEWAYS, "worker"):
         build = COMPOSE["services"][service]["build"]
         assert (REPO / "docker" / build["context"]).resolve() == REPO
         assert (REPO / build["dockerfile"]).is_file()
 
 
 def test_gateway_and_worker_mount_one_model_directory() -> None:
-    gateway, worker = _mounts("gateway"), _mounts("worker")
+    gateway, worker = _mounts("gateway-1"), _mounts("worker")
     shared = {target for target in gateway if worker.get(target) == gateway[target]}
     assert shared, f"no read-only model mount common to gateway {gateway} and worker {worker}"
 
 
 def test_gateway_serves_the_mounted_model_not_the_demo() -> None:
-    mounts = _mounts("gateway")
+    mounts = _mounts("gateway-1")
     served = _served_by_gateway()
     for name, path in served.items():
         assert any(path == target or target in path.parents for target in mounts), (
             f"the gateway serves {name} from {path}, which is not mounted into its container")
-    models = load_settings(REPO / "config", environ=_env("gateway")).models
+    models = load_settings(REPO / "config", environ=_env("gateway-1")).models
     demo_paths = {PurePosixPath(m.path) for m in models if m.demo}
     assert not demo_paths & set(served.values()), "the gateway serves the demo model"
 
@@ -176,8 +180,8 @@ def test_every_worker_variable_changes_what_the_worker_runs(tmp_path: Path, monk
 
 
 def test_gateway_gets_no_engine_variable_it_would_not_read() -> None:
-    if _args("gateway").workers != 0:
-        return  # local workers read every [engine] key
+    if getattr(_args("gateway-1"), "workers", 0) != 0:
+        return  # local workers (sluice serve) read every [engine] key
     # With no local workers the gateway reads [engine] only for the context length it enforces.
-    unread = [v for v in _env("gateway") if v.startswith("SLUICE_ENGINE_") and v != "SLUICE_ENGINE_MAX_MODEL_LEN"]
+    unread = [v for v in _env("gateway-1") if v.startswith("SLUICE_ENGINE_") and v != "SLUICE_ENGINE_MAX_MODEL_LEN"]
     assert not unread, f"engine settings given to a gateway without local workers: {unread}"

@@ -75,7 +75,7 @@ def test_finish_before_arrival_is_refused() -> None:
 def test_emit_writes_jsonl_and_logger_and_observes_the_same_ttft(tmp_path, caplog) -> None:
     path = tmp_path / "records.jsonl"
     telemetry.configure(str(path))
-    labels = {"model": "model-emit", "class": "interactive"}
+    labels = {"model": "model-emit", "class": "interactive", "tenant": "tenant-a"}
     before_sum = _sample_value("sluice:time_to_first_token_seconds_sum", labels)
     before_count = _sample_value("sluice:time_to_first_token_seconds_count", labels)
     record = _record("req-emit", model="model-emit")
@@ -129,7 +129,8 @@ def test_gauges_and_counters_follow_their_inputs() -> None:
     assert _sample_value("sluice:num_requests_waiting", {"class": "batch"}) == 7
     assert _sample_value("sluice:num_requests_running", {"class": "interactive"}) == 3
     assert _sample_value("sluice:kv_cache_usage_perc", {"worker": "w-gauge"}) == pytest.approx(0.75)
-    assert _sample_value("sluice:request_rejections_total", {"tenant": "tenant-rej", "reason": "rpm"}) == 1
+    assert _sample_value("sluice:request_rejections_total", {"tenant": "tenant-rej", "class": "other",
+                                                             "reason": "rpm"}) == 1
     assert _sample_value("sluice:num_preemptions_total", {"worker": "w-gauge"}) == 2
     assert _sample_value("sluice:spec_decode_num_draft_tokens_total", {"worker": "w-gauge"}) == 10
     assert _sample_value("sluice:spec_decode_num_accepted_tokens_total", {"worker": "w-gauge"}) == 7
@@ -148,6 +149,23 @@ def test_tenant_label_cardinality_is_capped() -> None:
     label = telemetry._BoundedLabel(3)
     assert [label(f"t{i}") for i in range(5)] == ["t0", "t1", "t2", "other", "other"]
     assert label("t1") == "t1"  # known values keep their label
+
+
+def test_tenant_queue_gauges_count_per_tenant_and_class_and_keep_emptied_tenants_at_zero() -> None:
+    telemetry.set_tenant_queues([("tq-a", "batch"), ("tq-a", "batch"), ("tq-b", "interactive")],
+                                [("tq-a", "standard")])
+    waiting, running = "sluice:tenant_num_requests_waiting", "sluice:tenant_num_requests_running"
+    assert _sample_value(waiting, {"tenant": "tq-a", "class": "batch"}) == 2
+    assert _sample_value(waiting, {"tenant": "tq-b", "class": "interactive"}) == 1
+    assert _sample_value(running, {"tenant": "tq-a", "class": "standard"}) == 1
+    telemetry.set_tenant_queues([], [])
+    assert telemetry.REGISTRY.get_sample_value(waiting, {"tenant": "tq-a", "class": "batch"}) == 0
+    assert telemetry.REGISTRY.get_sample_value(running, {"tenant": "tq-a", "class": "standard"}) == 0
+
+
+def test_the_tenant_cap_is_a_setting_and_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        telemetry.configure("", max_tenant_labels=0)
 
 
 def test_percentile_matches_numpy() -> None:

@@ -10,6 +10,8 @@ admin token; anything else gets 401.
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 from litestar import Response, get
 from litestar.openapi import ResponseSpec
@@ -21,6 +23,8 @@ from sluice.gateway.cluster.drain import Drain
 from sluice.gateway.edge.errors import error_responses
 from sluice.gateway.edge.openapi import METRICS_SECURITY
 from sluice.gateway.services import Injected, Services
+
+CHECK_TIMEOUT_S = 3.0  # under a probe's usual timeout, so /ready answers 503 rather than not at all
 
 
 class Health(msgspec.Struct):
@@ -52,20 +56,27 @@ async def health(drain: Injected[Drain]) -> Response[Health]:
     responses={503: ResponseSpec(Readiness, description="Not ready: `checks` says what is missing")},
 )
 async def ready(services: Injected[Services]) -> Response[Readiness]:
-    checks: dict[str, bool] = {"accepting": not services.drain.draining}
-    try:
-        async with services.session_factory() as session:
-            await session.execute(text("SELECT 1"))
-        checks["database"] = True
-    except Exception:
-        checks["database"] = False
-    checks.update(await services.shared.ready())
-    try:
-        checks.update(await services.backend.ready())
-    except Exception:
-        checks["backend"] = False
+    checks = await readiness_checks(services)
     ok = all(checks.values())
     return Response(Readiness(ready=ok, checks=checks), status_code=200 if ok else 503)
+
+
+async def readiness_checks(services: Services) -> dict[str, bool]:
+    """What `/ready` answers, each check bounded by CHECK_TIMEOUT_S (a hung dependency fails it)."""
+    checks: dict[str, bool] = {"accepting": not services.drain.draining}
+
+    async def database() -> dict[str, bool]:
+        async with services.session_factory() as session:
+            await session.execute(text("SELECT 1"))
+        return {"database": True}
+
+    for name, check in (("database", database), ("shared", services.shared.ready),
+                        ("backend", services.backend.ready)):
+        try:
+            checks.update(await asyncio.wait_for(check(), CHECK_TIMEOUT_S))
+        except Exception:
+            checks[name] = False
+    return checks
 
 
 @get(
@@ -77,6 +88,9 @@ async def ready(services: Injected[Services]) -> Response[Readiness]:
     security=METRICS_SECURITY,
     responses=error_responses(400, 401),
 )
-async def metrics() -> Response[bytes]:
+async def metrics(services: Injected[Services]) -> Response[bytes]:
+    # The readiness checks as gauges, for the "Kafka / Redis / database unreachable" alerts: a
+    # scrape (every 15-60 s) costs one check of each.
+    telemetry.set_readiness(await readiness_checks(services))
     body, content_type = telemetry.metrics_payload()
     return Response(body, media_type=content_type)

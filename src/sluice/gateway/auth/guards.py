@@ -12,6 +12,7 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
+from sluice import tracing
 from sluice.gateway.auth.service import KEY_PREFIX, TenantContext, bearer_token, hash_secret
 from sluice.gateway.edge.errors import OpenAIError
 from sluice.gateway.services import services
@@ -38,7 +39,8 @@ async def tenant_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRo
             type="permission_error",
             code="wrong_credentials",
         )
-    connection.state.tenant = await auth.authenticate(token)
+    with tracing.span("authenticate"):
+        connection.state.tenant = await auth.authenticate(token)
 
 
 def source_address(connection: ASGIConnection[Any, Any, Any, Any]) -> str:

@@ -101,8 +101,15 @@ class BatchComponents:
 
     async def _sweep_orphans(self, service: Any) -> None:
         """Replicas outlive each other: a batch left `validating` by a replica that died is failed
-        by a live one, not only at the next start."""
+        by a live one, not only at the next start. The same round measures the open batches'
+        completion windows for the metrics (batches/window.py)."""
+        from sluice.gateway.batches import window
+
         while True:
+            try:
+                window.BATCH_WINDOW.publish(await window.measure(service.sessions))
+            except Exception as exc:  # the database is down: the last numbers stay, the next round retries
+                log.warning("measuring the open batches failed (%r)", exc)
             await asyncio.sleep(ORPHAN_SWEEP_S)
             try:
                 await service.fail_orphaned()

@@ -51,6 +51,11 @@ class WorkerRow:
     heartbeat_age_s: float | None
     state: str  # serving | draining | drained
     inflight: int
+    # Prompt tokens it found in its prefix cache / all it was sent (None: none finished yet), the
+    # tokens that saved, and the blocks the gateway's routing index holds for it (docs/routing.md).
+    cache_hit_percent: int | None = None
+    prefill_saved: int = 0
+    cache_index_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +130,9 @@ def worker_rows(snapshot: dict[str, Any], window: LiveWindow) -> list[WorkerRow]
             heartbeat_age_s=w.get("last_heartbeat_age_s"),
             state=("drained" if inflight == 0 else "draining") if draining else "serving",
             inflight=inflight,
+            cache_hit_percent=(None if w.get("cache_hit_rate") is None else round(100 * float(w["cache_hit_rate"]))),
+            prefill_saved=int(w.get("cached_prompt_tokens", 0)),
+            cache_index_blocks=int(w.get("cache_index_blocks", 0)),
         ))
     return sorted(rows, key=lambda r: r.worker_id)
 

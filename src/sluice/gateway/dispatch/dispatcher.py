@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 import msgspec
 from redis.exceptions import RedisError
 
-from sluice import telemetry
+from sluice import telemetry, tracing
 from sluice.gateway.cluster.shared import SharedState
 from sluice.gateway.dispatch.fair import ClassPolicy, FairScheduler, Pending
 from sluice.gateway.dispatch.jobs import DeltaSink as DeltaSink
@@ -64,8 +64,9 @@ from sluice.gateway.dispatch.jobs import Job, ended_sink
 from sluice.gateway.dispatch.links.base import EngineLink, WorkerLink
 from sluice.gateway.dispatch.links.tcp import WorkerPort
 from sluice.gateway.dispatch.links.upstream import UpstreamLink
+from sluice.gateway.dispatch.routing import PromptBlocks, Router
 from sluice.gateway.dispatch.slots import LocalSlots, RedisSlots, WorkerSlots
-from sluice.protocol import FinishReason, Priority, RequestDelta, ServedModelInfo, WorkerCapacity
+from sluice.protocol import FinishReason, KvEvents, Priority, RequestDelta, ServedModelInfo, WorkerCapacity
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,11 @@ class Dispatcher:
             self.slots.on_release = lambda: self._wake.set()
         self._slot_error = False  # Redis unreachable at the last take (logged once per outage)
         self.workers: dict[str, WorkerLink] = {}
+        # Where each job goes among the workers with room (dispatch/routing.py, docs/routing.md).
+        self.router = Router(settings.routing)
+        # Prompt tokens each worker was sent and found in its prefix cache, by worker id (the
+        # console's hit rate; kept across reconnects, like the metrics).
+        self.prefill_totals: dict[str, list[int]] = {}
         # The [[upstreams]] links, attached to `workers` while their server answers (links/upstream.py).
         self.upstreams: list[UpstreamLink] = []
         self.draining: set[str] = set()  # worker ids that get no new jobs (see the module docstring)
@@ -268,14 +274,23 @@ class Dispatcher:
     # ---- dispatch ------------------------------------------------------------------------------
 
     def _candidates(self, job: Job) -> list[WorkerLink]:
-        """The workers that may serve `job` (under their own cap), least loaded first."""
+        """The workers that may serve `job` (under their own cap), in routing's order (best first)."""
         model = job.request.model
         # A resumed job goes to worker processes only: an upstream would start it over.
         resumed = bool(job.request.resume_token_ids)
         serving = [w for w in self.workers.values()
                    if model in w.models and w.worker_id not in self.draining and w.accepting
                    and (w.resumes or not resumed)]
-        return sorted(serving, key=lambda w: w.load)
+        job.ranking = self.router.rank(serving, self._prompt_blocks(job))
+        return [decision.worker for decision in job.ranking]
+
+    @staticmethod
+    def _prompt_blocks(job: Job) -> PromptBlocks:
+        """The job's prompt block hashes (made again when a resume changed its request)."""
+        blocks = job.prompt_blocks
+        if blocks is None or blocks.request is not job.request:
+            blocks = job.prompt_blocks = PromptBlocks(job.request)
+        return blocks
 
     def _pick_worker(self, job: Job) -> WorkerLink | None:
         assert isinstance(self.slots, LocalSlots)  # the shared round takes its slots in _dispatch_shared
@@ -288,11 +303,25 @@ class Dispatcher:
         if state.dispatch_time is None:  # a resumed job keeps its first: records measure from it
             state.dispatch_time = time.time()
         state.attempts += 1
+        decision = next((d for d in job.ranking if d.worker is worker), None)
+        state.route = decision.reason if decision is not None else ""
+        state.route_cached_tokens = decision.cached_tokens if decision is not None else 0
+        job.ranking = []
+        telemetry.count_route(state.route or "none")
+        self.router.note_sent(worker, self._prompt_blocks(job))
         request = job.request
         if not self.settings.scheduler.priority_enabled and request.priority != Priority.STANDARD:
             # Priority off: the engine must not reorder by class either.
             request = msgspec.structs.replace(request, priority=Priority.STANDARD)
         worker.inflight[job.request_id] = job
+        if request.traceparent is not None and tracing.enabled():
+            sent = time.time()
+            tracing.record_span("queue.wait", request.traceparent, state.queued_at or sent, sent,
+                                {"sluice.class": request.priority.label})
+            worker.send(request)
+            tracing.record_span("dispatch", request.traceparent, sent, time.time(),
+                                {"sluice.worker": worker.worker_id, "sluice.attempt": state.attempts})
+            return
         worker.send(request)
 
     def _next(self, now: float, refused: set[tuple[str, Priority]],
@@ -393,10 +422,20 @@ class Dispatcher:
                     log.warning("worker %s missed heartbeats for %.1fs; dropping it",
                                 worker.worker_id, now - worker.last_seen)
                     self._lose_worker(worker, "stopped sending heartbeats")
-            for p in Priority:
-                telemetry.set_queue_depth(p.label, self.scheduler.depth(p))
-                telemetry.set_running(p.label, sum(
-                    1 for w in self.workers.values() for j in w.inflight.values() if j.request.priority == p))
+            for worker in self.workers.values():
+                telemetry.set_cache_index_blocks(worker.worker_id, len(worker.cache))
+            self._publish_queues()
+
+    def _publish_queues(self) -> None:
+        """Waiting and running requests per class, and per tenant and class, to the metrics."""
+        waiting = [(item.payload.state.tenant_name, item.priority.label) for item in self.scheduler.items()]
+        running = [(job.state.tenant_name, job.request.priority.label)
+                   for worker in self.workers.values() for job in worker.inflight.values()]
+        for p in Priority:
+            telemetry.set_queue_depth(p.label, sum(1 for _, label in waiting if label == p.label))
+            telemetry.set_running(p.label, sum(1 for _, label in running if label == p.label))
+        telemetry.set_tenant_queues(waiting, running)
+        telemetry.WORKERS_CONNECTED.set(len(self.workers))
 
     # ---- worker connections --------------------------------------------------------------------
 
@@ -421,6 +460,13 @@ class Dispatcher:
         telemetry.observe_worker(capacity)
         telemetry.count_engine_events(before, capacity)
         self._wake.set()
+
+    def kv_events(self, worker: EngineLink, events: KvEvents) -> None:
+        """One engine step's prefix-cache changes at `worker`, into its index (a malformed batch is
+        logged and ignored there)."""
+        worker.last_seen = time.monotonic()
+        if self.workers.get(worker.worker_id) is worker:
+            worker.cache.apply(events)
 
     def wake(self) -> None:
         """Room may have come back at some worker: run a dispatch round."""
@@ -454,6 +500,10 @@ class Dispatcher:
             job.sink(delta)
             return
         del worker.inflight[delta.request_id]
+        if delta.num_prompt_tokens:
+            totals = self.prefill_totals.setdefault(worker.worker_id, [0, 0])
+            totals[0] += delta.num_prompt_tokens
+            totals[1] += delta.num_cached_tokens
         self._finish(job, delta)
 
     def _lose_worker(self, worker: WorkerLink, reason: str) -> None:
@@ -508,4 +558,11 @@ class Dispatcher:
     # ---- views ---------------------------------------------------------------------------------
 
     def workers_view(self) -> list[dict[str, Any]]:
-        return [w.view(w.worker_id in self.draining) for w in self.workers.values()]
+        views = []
+        for worker in self.workers.values():
+            view = worker.view(worker.worker_id in self.draining)
+            prompt, cached = self.prefill_totals.get(worker.worker_id, (0, 0))
+            view.update(prompt_tokens=prompt, cached_prompt_tokens=cached,
+                        cache_hit_rate=round(cached / prompt, 4) if prompt else None)
+            views.append(view)
+        return views

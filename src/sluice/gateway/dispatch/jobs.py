@@ -11,10 +11,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.gateway.generation.state import RequestState
 from sluice.protocol import GenerateRequest, RequestDelta
+
+if TYPE_CHECKING:
+    from sluice.gateway.dispatch.routing import Decision, PromptBlocks
 
 DeltaSink = Callable[[RequestDelta], None]
 
@@ -34,6 +37,8 @@ class Job:
     ref: Any = None  # where it sits in Kafka (a RecordRef), handed back when finished
     started: bool = False  # the worker produced something for it (it left the waiting queue)
     slot: str = ""  # its worker slot in the shared store while it holds one (dispatch/slots.py)
+    prompt_blocks: PromptBlocks | None = None  # its prompt's block hashes, once routing needed them
+    ranking: list[Decision] = field(default_factory=list)  # routing's last ranking of its candidates
 
     @property
     def request(self) -> GenerateRequest:

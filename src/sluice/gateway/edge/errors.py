@@ -19,6 +19,7 @@ from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 from redis.exceptions import RedisError
 
+from sluice import telemetry
 from sluice.gateway.edge.body_decode import NESTED_TOO_DEEPLY, BodyFault
 from sluice.gateway.edge.methods import allowed_methods
 
@@ -143,6 +144,7 @@ def _rate_headers(request: Request[Any, Any, Any]) -> dict[str, str]:
 
 
 def _respond(request: Request[Any, Any, Any], error: OpenAIError) -> Response[Any]:
+    telemetry.count_error_response(error.status)  # every error answer passes here (the 5xx alert)
     headers = {**_rate_headers(request), **error.headers}
     return Response(
         content=error.body(), status_code=error.status, headers=headers, media_type="application/json"

@@ -17,7 +17,7 @@ import asyncio
 import logging
 from typing import Any
 
-from sluice import telemetry
+from sluice import telemetry, tracing
 from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.edge.body_decode import SizeLimits, prompt_chars, size_fault
 from sluice.gateway.edge.errors import OpenAIError, service_unavailable
@@ -46,11 +46,12 @@ class GenerationService:
         request_timeout_s: float = 600.0,
         max_prompt_chars: int = 1_048_576,
         max_messages: int = 2048,
+        max_n: int = 8,
     ) -> None:
         if not request_timeout_s > 0:
             raise ValueError(f"gateway.request_timeout_s must be positive, got {request_timeout_s}")
         self.backend = backend
-        self.limits = SizeLimits(max_messages=max_messages, max_prompt_chars=max_prompt_chars)
+        self.limits = SizeLimits(max_messages=max_messages, max_prompt_chars=max_prompt_chars, max_n=max_n)
         self.preparer = RequestPreparer(tokenizers, backend.could_serve, self.limits)
         self.tokenize_pool = FairTokenizePool()
         self.tokenizers = tokenizers
@@ -95,9 +96,10 @@ class GenerationService:
         """Quota admission, then submission; the reservation is refunded when submission fails."""
         request = state.request
         try:
-            state.reservation = await self.quotas.admit(
-                tenant, len(request.prompt_token_ids), request.sampling.max_tokens, request.priority
-            )
+            with tracing.span("admission"):
+                state.reservation = await self.quotas.admit(
+                    tenant, len(request.prompt_token_ids), request.sampling.max_tokens, request.priority
+                )
         except QuotaExceeded as exc:
             telemetry.count_rejection(tenant.name, exc.code or "rate_limit_exceeded", request.priority.label)
             raise

@@ -11,10 +11,15 @@ request reads it here, and exactly one place changes each part of it:
   its sink. Worker failover resumes from `output_token_ids`, fair share charges what it returns,
   usage and records read the counts, and a stream's pump logs the ids not yet logged with its
   next event (`num_logged_tokens`), which is where a replica takeover resumes;
-- where it waited and ran (`queued_at`, `worker`, `dispatch_time`, `attempts`): set by the
-  dispatcher when it queues and sends it;
+- where it waited and ran (`queued_at`, `worker`, `dispatch_time`, `attempts`, `route`): set by
+  the dispatcher when it queues and sends it;
 - its quota hold (`reservation`): set at admission, settled once at the end;
 - how it ended (`finish_reason`, `error`): set from the final delta, or by a timeout or abort.
+
+An answer with n choices (`n` > 1) is n requests, each with its own state (its own output,
+failover and quota hold) under its own id, sharing one envelope (`Envelope.choices` = n);
+generation/choices.py launches them and merges their answers. A request with tools carries its
+answer's tool-call format in `request.tool_format`, so every answer builder parses the same way.
 
 `RequestTable` holds the states of the client requests this process runs (accepted here or taken
 over), by request id: what a drain waits for, and where a stream's follower finds its pump.
@@ -48,6 +53,7 @@ class Envelope(msgspec.Struct, frozen=True, kw_only=True):
     service_tier: str
     endpoint: Endpoint
     include_usage: bool = False  # a stream's last chunk carries the usage (stream_options.include_usage)
+    choices: int = 1  # n: the answer's choices, each its own request (generation/choices.py)
 
 
 @dataclass(slots=True, eq=False)
@@ -76,6 +82,8 @@ class RequestState:
     worker: str = ""
     dispatch_time: float | None = None  # its first dispatch (a resumed job keeps it)
     attempts: int = 0
+    route: str = ""  # why routing chose its (last) worker (gateway/dispatch/routing.py)
+    route_cached_tokens: int = 0  # of its prompt, the tokens routing expected that worker to hold
     # ---- its end
     finish_reason: str | None = None
     error: str | None = None
@@ -174,7 +182,7 @@ class RequestState:
             prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_output_tokens,
             cached_tokens=self.cached_tokens, finish_reason=self.finish_reason or "abort",
             engine_first_scheduled=self.engine_first_scheduled, engine_first_token=self.engine_first_token,
-            batch_id=request.batch_id,
+            batch_id=request.batch_id, route=self.route, route_cached_tokens=self.route_cached_tokens,
         )
 
 

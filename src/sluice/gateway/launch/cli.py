@@ -136,6 +136,7 @@ def worker_setup(args: argparse.Namespace) -> tuple[EngineConfig, WorkerOptions]
         # From settings (environment included), never from argv: `ps` shows the command line.
         secret=gateway.worker_secret,
         tls_ca=gateway.worker_tls_ca,
+        tracing=settings.tracing,
     )
     if not options.secret:
         raise CLIError("no worker secret: set SLUICE_GATEWAY_WORKER_SECRET (or [gateway] worker_secret) "

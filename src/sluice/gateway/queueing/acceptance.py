@@ -33,6 +33,7 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
+from sluice import tracing
 from sluice.gateway.cluster.shared import SharedState, open_shared
 from sluice.gateway.dispatch.dispatcher import Dispatcher
 from sluice.gateway.dispatch.jobs import Job
@@ -101,7 +102,8 @@ class KafkaBackend:
         if self.running:
             return
         self._models = [ServedModel(name=m.name, path=m.path,
-                                    max_model_len=_model_max_len(m.path, self.settings.engine))
+                                    max_model_len=_model_max_len(m.path, self.settings.engine),
+                                    tool_parser=m.tool_parser)
                         for m in self.settings.models]
         self.dispatcher.expected_models = {
             m.name: ServedModelInfo(name=m.name, max_model_len=m.max_model_len, tokenizer=tokenizer_identity(m.path))
@@ -172,7 +174,8 @@ class KafkaBackend:
         # read the record before append() returns: it only holds or finishes it.
         submission = self._open_stream(state)
         try:
-            await self._log.append(state.request)
+            with tracing.span("kafka.append", kind="producer"):
+                await self._log.append(state.request)
         except QueueUnavailable as exc:
             self.dispatcher.cancel(state.request_id)  # not accepted: its job ends at its worker too
             raise BackendUnavailable(str(exc)) from exc

@@ -208,6 +208,9 @@ class RequestLog:
         # spends its CPU on this one; the client hears nothing until the ack either way.
         await asyncio.sleep(0)
         value, key = encode_request(request), request.tenant_id.encode()
+        headers = self._headers
+        if request.traceparent is not None:  # W3C trace context for tools that read Kafka headers
+            headers = [*(headers or ()), ("traceparent", request.traceparent.encode())]
         try:
             # Bounded: with the broker gone, aiokafka would otherwise retry for a long time. A
             # timeout scope, not wait_for: wait_for runs each call in a task of its own, two
@@ -216,7 +219,7 @@ class RequestLog:
                 await self._topic_exists(topic)
             before = self._live_connections()
             async with asyncio.timeout(self._timeout):
-                await producer.send_and_wait(topic, value, key=key, headers=self._headers)
+                await producer.send_and_wait(topic, value, key=key, headers=headers)
             # The producer reconnected while writing (aiokafka retries a broken send on a new
             # connection, silently): the broker that acknowledged may be a restarted one that lost
             # the topic and kept nothing. Look again; write again into a recreated topic.
@@ -225,7 +228,7 @@ class RequestLog:
                     recreated = await self._topic_exists(topic)
                 if recreated:
                     async with asyncio.timeout(self._timeout):
-                        await producer.send_and_wait(topic, value, key=key, headers=self._headers)
+                        await producer.send_and_wait(topic, value, key=key, headers=headers)
         except TimeoutError:
             raise QueueUnavailable(
                 f"the request queue (Kafka at {self._settings.bootstrap_servers}) did not acknowledge "

@@ -72,7 +72,8 @@ class LocalEngineBackend:
         if self._stopping or self.dispatcher is None or host is None or not host.alive:
             return
         InProcessLink(host, model, self.dispatcher, on_lost=lambda _: self._link(model),
-                      on_host_gone=lambda reason: self._host_gone(model, reason)).connect()
+                      on_host_gone=lambda reason: self._host_gone(model, reason),
+                      max_index_blocks=self._settings.routing.max_index_blocks).connect()
 
     def _host_gone(self, model: str, reason: str) -> None:
         """`model`'s engine host stopped for good: its queued jobs fail now, not at their deadline."""

@@ -20,9 +20,11 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol
 
+from sluice.gateway.dispatch.cache_index import CacheIndex
 from sluice.gateway.dispatch.slots import has_room
 from sluice.protocol import (
     GenerateRequest,
+    KvEvents,
     Priority,
     RequestDelta,
     WorkerCapacity,
@@ -42,12 +44,18 @@ class WorkerLink(Protocol):
     # Whether a job it held can go on elsewhere from the tokens already delivered (an engine
     # recomputes them; an upstream cannot, and may send no token ids).
     resumes: bool
+    cache: CacheIndex  # what its prefix cache holds, as this gateway knows it (dispatch/routing.py)
 
     @property
     def est_waiting(self) -> int: ...
 
     @property
     def load(self) -> float: ...
+
+    @property
+    def kv_use(self) -> float:
+        """The share of its KV blocks held by requests (0.0 when unknown)."""
+        ...
 
     @property
     def accepting(self) -> bool:
@@ -78,6 +86,8 @@ class LinkHost(Protocol):
 
     def report(self, worker: EngineLink, capacity: WorkerCapacity) -> None: ...
 
+    def kv_events(self, worker: EngineLink, events: KvEvents) -> None: ...
+
     def lose(self, worker: WorkerLink, reason: str) -> None: ...
 
     def lose_job(self, worker: WorkerLink, request_id: str, reason: str) -> None: ...
@@ -96,7 +106,7 @@ class EngineLink(ABC):
     kind = "worker"  # as /admin/workers shows it
 
     def __init__(self, worker_id: str, models: frozenset[str], capacity: WorkerCapacity, device: str,
-                 pid: int) -> None:
+                 pid: int, *, max_index_blocks: int = 1_000_000) -> None:
         self.worker_id = worker_id
         self.models = models
         self.capacity = capacity
@@ -106,6 +116,8 @@ class EngineLink(ABC):
         self.inflight: dict[str, Job] = {}
         self.last_seen = time.monotonic()
         self.connected_at = time.time()
+        # Fed by its engine's KV events; a new link (a reconnect, a restart) starts empty.
+        self.cache = CacheIndex(max_index_blocks)
 
     @property
     def est_waiting(self) -> int:
@@ -119,6 +131,11 @@ class EngineLink(ABC):
     @property
     def load(self) -> float:
         return (self.capacity.num_running + self.est_waiting) / max(1, self.capacity.max_num_seqs)
+
+    @property
+    def kv_use(self) -> float:
+        cap = self.capacity
+        return 1.0 - cap.free_kv_blocks / cap.total_kv_blocks if cap.total_kv_blocks else 0.0
 
     @property
     def accepting(self) -> bool:
@@ -153,5 +170,5 @@ class EngineLink(ABC):
             "num_draft_tokens": cap.num_draft_tokens,
             "num_accepted_draft_tokens": cap.num_accepted_draft_tokens,
             "last_heartbeat_age_s": round(time.monotonic() - self.last_seen, 3),
-            "draining": draining, "kind": self.kind,
+            "draining": draining, "kind": self.kind, "cache_index_blocks": len(self.cache),
         }

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 
 from sluice.gateway.dispatch.links.base import EngineLink, LinkHost
-from sluice.protocol import GenerateRequest, RequestDelta, WorkerCapacity
+from sluice.protocol import GenerateRequest, KvEvents, RequestDelta, WorkerCapacity
 from sluice.workers.engine_host import EngineHost
 
 
@@ -31,9 +31,9 @@ class InProcessLink(EngineLink):
 
     def __init__(self, engine_host: EngineHost, model: str, dispatcher: LinkHost,
                  on_lost: Callable[[InProcessLink], None] | None = None,
-                 on_host_gone: Callable[[str], None] | None = None) -> None:
+                 on_host_gone: Callable[[str], None] | None = None, *, max_index_blocks: int = 1_000_000) -> None:
         super().__init__(engine_host.worker_id, frozenset({model}), engine_host.capacity(),
-                         str(engine_host.engine.config.device), os.getpid())
+                         str(engine_host.engine.config.device), os.getpid(), max_index_blocks=max_index_blocks)
         self.engine_host = engine_host
         self._dispatcher = dispatcher
         self._loop = asyncio.get_running_loop()
@@ -67,6 +67,9 @@ class InProcessLink(EngineLink):
 
     def on_capacity(self, capacity: WorkerCapacity) -> None:
         self._post(self._dispatcher.report, self, capacity)
+
+    def on_kv_events(self, events: KvEvents) -> None:
+        self._post(self._dispatcher.kv_events, self, events)
 
     def on_closed(self, reason: str) -> None:
         self._on_lost = None  # the host is gone: nothing to reconnect to

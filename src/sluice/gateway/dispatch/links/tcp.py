@@ -10,7 +10,9 @@ the heartbeat timeout, and its retry then succeeds). The port speaks TLS when a 
 configured.
 
 Once registered, the connection's frames go to the dispatcher: `RequestDelta`s to `deliver`,
-`WorkerCapacity` reports to `report`; its end (EOF, an error) loses the worker (`lose`).
+`WorkerCapacity` reports to `report`, `KvEvents` (its challenge asks for them) to `kv_events`; a
+frame of an unknown kind or a malformed one is logged and skipped; the connection's end (EOF, an
+error) loses the worker (`lose`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from sluice.protocol import (
     AbortRequest,
     FrameDecoder,
     GenerateRequest,
+    KvEvents,
     Message,
     RequestDelta,
     WorkerCapacity,
@@ -58,9 +61,9 @@ REGISTER_MAX_FRAME_BYTES = 64 * 1024  # an unauthenticated peer's frames are sma
 class WorkerConn(EngineLink):
     """A worker process connected to the worker port: requests and aborts go out as frames."""
 
-    def __init__(self, register: WorkerRegister, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, register: WorkerRegister, writer: asyncio.StreamWriter, max_index_blocks: int) -> None:
         super().__init__(register.worker_id, frozenset(m.name for m in register.models), register.capacity,
-                         register.device, register.pid)
+                         register.device, register.pid, max_index_blocks=max_index_blocks)
         self.writer = writer
 
     def _send(self, request: GenerateRequest) -> None:
@@ -154,7 +157,7 @@ class WorkerPort:
         reason = "closed the connection"
         try:
             nonce = secrets.token_bytes(32)
-            writer.write(encode_frame(WorkerChallenge(nonce)))
+            writer.write(encode_frame(WorkerChallenge(nonce, kv_events=True)))
             try:
                 register, rest = await asyncio.wait_for(self._read_register(reader, decoder), REGISTER_TIMEOUT_S)
                 self._check_register(register, nonce)
@@ -163,6 +166,7 @@ class WorkerPort:
                 return
             worker = self._register(register, writer)
             decoder.max_frame_bytes = MAX_FRAME_BYTES
+            decoder.skip_undecodable = True  # an unknown kind from a newer worker is logged, skipped
             for message in rest:
                 self._on_message(worker, message)
             while True:
@@ -236,7 +240,7 @@ class WorkerPort:
             writer.write(encode_frame(WorkerRejected(reason)))
 
     def _register(self, message: WorkerRegister, writer: asyncio.StreamWriter) -> WorkerConn:
-        worker = WorkerConn(message, writer)
+        worker = WorkerConn(message, writer, self._settings.routing.max_index_blocks)
         self._host.attach(worker)
         telemetry.observe_worker(message.capacity)
         log.info("worker %s registered (models %s, device %s, pid %d)",
@@ -249,3 +253,5 @@ class WorkerPort:
             self._host.deliver(worker, message)
         elif isinstance(message, WorkerCapacity):
             self._host.report(worker, message)
+        elif isinstance(message, KvEvents):
+            self._host.kv_events(worker, message)

@@ -1,0 +1,144 @@
+"""Routing: which of the workers that may serve a request it goes to (docs/routing.md).
+
+The fair scheduler (dispatch/fair.py) decides which request goes next; routing decides where. The
+dispatcher hands `Router.rank` the candidate workers (serving the model, not draining) and sends
+the job to the first in the ranking with room (dispatch/slots.py's room rule); the chosen
+`Decision` says why, in the request's record (`route`).
+
+Policies (`routing.policy`):
+- `least_loaded`: fewest running and waiting requests per slot (`WorkerLink.load`);
+- `round_robin`: each candidate in turn;
+- `cache_aware`: the lowest predicted cost. A worker's cost is the prompt tokens it would have to
+  prefill (those not in its prefix cache: the gateway hashes the prompt with the engine's function,
+  sluice/prefix_hash.py, and looks the hashes up in the worker's index, dispatch/cache_index.py)
+  plus its pressure, `load + KV use`, times `load_cost_tokens`. A guard spreads a hot prefix: a
+  worker whose load exceeds the least loaded one's by more than `spread_margin` is ranked after
+  every worker within the margin, so a cached prefix never drives its worker into overload (the
+  "death spiral" of cache-only routing); once the prefix is cached on both, load decides.
+
+`Router.rank(candidates, request)` is the one seam: another predictor (e.g. a predicted TTFT) can
+replace `_cost` and keep the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sluice.prefix_hash import prefix_block_hashes
+from sluice.protocol import GenerateRequest
+from sluice.settings import RoutingSettings
+
+if TYPE_CHECKING:
+    from sluice.gateway.dispatch.links.base import WorkerLink
+
+# Why a request went where it went (the record's `route`).
+REASON_LEAST_LOADED = "least_loaded"
+REASON_ROUND_ROBIN = "round_robin"
+REASON_CACHE = "cache"  # cache_aware: the cheapest worker holds part of the prompt
+REASON_LOAD = "load"  # cache_aware: no cached prefix made a difference; the least pressure won
+REASON_SPREAD = "spread"  # cache_aware: the worker holding the prefix was loaded past the margin
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One candidate as routing sees it: why it ranks where it does, and the prompt tokens it holds
+    (cache_aware only; 0 under the policies that do not look)."""
+
+    worker: WorkerLink
+    reason: str
+    cached_tokens: int = 0
+    cost: float = 0.0
+
+
+@dataclass(slots=True)
+class PromptBlocks:
+    """A request's prompt block hashes per block size, computed once per request (a queued job is
+    looked at in every dispatch round)."""
+
+    request: GenerateRequest
+    by_block_size: dict[int, list[bytes]] = field(default_factory=dict)
+
+    def hashes(self, block_size: int) -> list[bytes]:
+        hashes = self.by_block_size.get(block_size)
+        if hashes is None:
+            request = self.request
+            # A resumed request is recomputed from prompt + resumed tokens: those are its prefix.
+            tokens = request.prompt_token_ids + request.resume_token_ids
+            hashes = prefix_block_hashes(request.cache_salt, tokens, block_size)
+            self.by_block_size[block_size] = hashes
+        return hashes
+
+
+class Router:
+    """Ranks candidate workers by `routing.policy` (module docstring)."""
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        self.settings = settings
+        self._turn = itertools.count()
+
+    def rank(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks) -> list[Decision]:
+        """Every candidate, best first, each with why it ranks there."""
+        policy = self.settings.policy
+        if not candidates:
+            return []
+        if policy == "round_robin":
+            start = next(self._turn) % len(candidates)
+            ordered = sorted(candidates, key=lambda w: w.worker_id)
+            ordered = ordered[start:] + ordered[:start]
+            return [Decision(w, REASON_ROUND_ROBIN) for w in ordered]
+        if policy == "least_loaded":  # no prompt hashing: today's cost exactly
+            return [Decision(w, REASON_LEAST_LOADED) for w in sorted(candidates, key=lambda w: w.load)]
+        return self._rank_by_cost(candidates, blocks)
+
+    def route(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks) -> Decision | None:
+        """The best candidate (room aside), or None when there is none."""
+        ranked = self.rank(candidates, blocks)
+        return ranked[0] if ranked else None
+
+    def _rank_by_cost(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks) -> list[Decision]:
+        num_tokens = len(blocks.request.prompt_token_ids) + len(blocks.request.resume_token_ids)
+        least_load = min(w.load for w in candidates)
+        margin = self.settings.spread_margin
+        scored: list[tuple[bool, float, float, Decision]] = []
+        for worker in candidates:
+            cached = _cached_tokens(worker, blocks)
+            cost = self._cost(worker, num_tokens, cached)
+            overloaded = worker.load > least_load + margin
+            scored.append((overloaded, cost, worker.load, Decision(worker, REASON_LOAD, cached, cost)))
+        scored.sort(key=lambda s: (s[0], s[1], s[2]))
+        best_cached = max(d.cached_tokens for *_, d in scored)
+        ranked: list[Decision] = []
+        for _, _, _, decision in scored:
+            cached = decision.cached_tokens
+            if cached and cached == best_cached:
+                reason = REASON_CACHE
+            elif any(over and d.cached_tokens > cached for over, *_, d in scored):
+                reason = REASON_SPREAD  # a worker holding more of it is loaded past the margin
+            else:
+                reason = REASON_LOAD
+            ranked.append(Decision(decision.worker, reason, cached, decision.cost))
+        return ranked
+
+    def _cost(self, worker: WorkerLink, num_tokens: int, cached_tokens: int) -> float:
+        """Predicted cost in prefill tokens: what is not cached, plus the worker's pressure."""
+        return (num_tokens - cached_tokens) + self.settings.load_cost_tokens * (worker.load + worker.kv_use)
+
+    def note_sent(self, worker: WorkerLink, blocks: PromptBlocks) -> None:
+        """The prompt went to `worker`: its index counts the blocks as coming (an engine's events
+        confirm or evict them; an upstream's index has nothing else). Under cache_aware only: the
+        other policies never hash a prompt."""
+        if self.settings.policy != "cache_aware":
+            return
+        cache = worker.cache
+        block_size = cache.block_size or self.settings.upstream_block_size
+        cache.note_sent(block_size, blocks.hashes(block_size))
+
+
+def _cached_tokens(worker: WorkerLink, blocks: PromptBlocks) -> int:
+    cache = worker.cache
+    if not cache.block_size or not len(cache):
+        return 0
+    return cache.matched_blocks(blocks.hashes(cache.block_size)) * cache.block_size

@@ -1,0 +1,191 @@
+"""`sluice bench structured`: what constrained decoding costs the engine (issue #31).
+
+One engine (the real model by default), 64 concurrent chat requests asking for JSON, in three arms:
+0%, 50% and 100% of them constrained by a nested JSON Schema (lists of objects, enums, optional
+fields). Greedy decoding, so the arms generate the same number of tokens per request: the 100% arm
+runs first in each round, and every unconstrained request then gets `max_tokens` = the length its
+constrained twin produced (with `ignore_eos`); the ratio of output tok/s is then the cost of the
+grammar alone. Rounds interleave the arms (their order rotates) and the medians are reported, with
+tokens per CPU-second (the machine may be shared) and the runner's per-step mask figures: mask fill
+time (beside the forward pass), the wait for masks after it, and the apply time. Cold and warm
+compile times of the schema, and the worst step gap of unconstrained streams while a cold compile
+of a large schema runs, complete the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from sluice.errors import CLIError
+from sluice.protocol import SamplingParams, StructuredOutput
+from sluice_lab.experiments.grammar_libs import NESTED_SCHEMA
+
+SUBJECTS = ["a hardware store order", "a bakery delivery", "a bicycle repair", "an office supply restock",
+            "a garden centre purchase", "a plumbing job", "a school book order", "a cafe's weekly supplies"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory (e.g. SmolLM2)")
+    parser.add_argument("--json", dest="json_out", type=Path, default=Path("structured.json"))
+    parser.add_argument("--num-requests", type=int, default=64, help="concurrent requests per arm")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three arms")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+
+
+def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    schema_hint = "customer, priority (low/normal/high), items (name, kind, quantity, note), tags, total"
+    return [list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Write {SUBJECTS[i % len(SUBJECTS)]} (number {i}) as JSON with "
+                                     f"{schema_hint}."}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)) for i in range(n)]
+
+
+def _arm(engine: Any, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
+    runner = engine.runner
+    before = copy.copy(runner.grammar_stats)
+    fill_before = runner._masks.fill_s
+    steps_before = engine.scheduler.stats.num_steps
+    start, cpu_start = time.perf_counter(), time.process_time()
+    results = engine.generate(prompts, params)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    stats = runner.grammar_stats
+    steps = engine.scheduler.stats.num_steps - steps_before
+    masked_steps = stats.steps - before.steps
+    produced = sum(len(r.token_ids) for r in results)
+    return {
+        "output_tokens": produced, "seconds": round(elapsed, 3), "output_tokens_per_s": produced / elapsed,
+        "cpu_seconds": round(cpu, 3), "output_tokens_per_cpu_s": produced / cpu if cpu else None,
+        "steps": steps, "ms_per_step": 1e3 * elapsed / steps if steps else None,
+        "masked_steps": masked_steps, "masked_rows": stats.rows - before.rows,
+        "mask_fill_ms_per_masked_step": (1e3 * (runner._masks.fill_s - fill_before) / masked_steps
+                                         if masked_steps else None),
+        "mask_wait_ms_per_masked_step": 1e3 * (stats.wait_s - before.wait_s) / masked_steps if masked_steps else None,
+        "mask_apply_ms_per_masked_step": (1e3 * (stats.apply_s - before.apply_s) / masked_steps
+                                          if masked_steps else None),
+        "finish_reasons": sorted({str(r.finish_reason) for r in results}),
+        "_lengths": [len(r.token_ids) for r in results], "_texts": [r.text for r in results],
+    }
+
+
+def _compile_times(engine: Any) -> dict[str, float]:
+    compiler = engine.grammar_compiler
+    schema = dict(NESTED_SCHEMA, title=f"cold-{time.time_ns()}")  # a spec no cache has seen
+    spec = StructuredOutput(kind="json", spec=json.dumps(schema))
+    start = time.perf_counter()
+    compiler.submit(spec).result()
+    cold = time.perf_counter() - start
+    start = time.perf_counter()
+    compiler.matcher(compiler.submit(spec).result())
+    warm = time.perf_counter() - start
+    return {"cold_compile_ms": round(cold * 1e3, 3), "warm_compile_ms": round(warm * 1e3, 4)}
+
+
+def _stall_during_cold_compile(engine: Any, prompts: list[list[int]]) -> dict[str, float]:
+    """Step gaps of unconstrained streams with and without a cold compile of a large schema running."""
+    inner = {k: v for k, v in NESTED_SCHEMA.items() if k != "$defs"}
+    big = {"$defs": NESTED_SCHEMA["$defs"], "type": "object",
+           "properties": {f"field_{i}": copy.deepcopy(inner) for i in range(40)},
+           "required": [f"field_{i}" for i in range(40)], "additionalProperties": False}
+    plain = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+    def worst_gap(with_compile: bool) -> tuple[float, float]:
+        for i, prompt in enumerate(prompts[:8]):
+            engine.add_request(f"stall-{with_compile}-{i}-{time.time_ns()}", prompt, plain)
+        future = None
+        compile_s = 0.0
+        if with_compile:
+            started = time.perf_counter()
+            future = engine.grammar_compiler.submit(
+                StructuredOutput(kind="json", spec=json.dumps(dict(big, title=str(time.time_ns())))))
+        gaps, last = [], time.perf_counter()
+        while engine.has_work:
+            engine.step()
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+        if future is not None:
+            future.result()
+            compile_s = time.perf_counter() - started
+        return max(gaps[1:]), compile_s
+
+    quiet, _ = worst_gap(False)
+    busy, compile_s = worst_gap(True)
+    return {"worst_step_gap_ms_without_compile": round(quiet * 1e3, 2),
+            "worst_step_gap_ms_during_cold_compile": round(busy * 1e3, 2),
+            "large_schema_cold_compile_ms": round(compile_s * 1e3, 1)}
+
+
+def run_structured(args: argparse.Namespace) -> int:
+    import jsonschema
+    import torch
+
+    from sluice.workers.cli import engine_config
+    from sluice.workers.engine import LLMEngine
+
+    if args.num_requests < 2 or args.rounds < 1 or args.max_tokens < 8:
+        raise CLIError("--num-requests must be at least 2, --rounds positive, --max-tokens at least 8")
+    if not Path(args.model).is_dir():
+        raise CLIError(f"model directory {args.model} does not exist")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    engine = LLMEngine(engine_config(args, args.model))
+    prompts = _prompts(engine.tokenizer, args.num_requests)
+    spec = StructuredOutput(kind="json", spec=json.dumps(NESTED_SCHEMA))
+    constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=spec)
+    compile_times = _compile_times(engine)
+    stall = _stall_during_cold_compile(engine, prompts)
+    engine.generate(prompts[:2], constrained)  # warm-up (and the schema's compile) outside the timing
+
+    arms: dict[str, list[dict[str, Any]]] = {"0%": [], "50%": [], "100%": []}
+    invalid = 0
+    for r in range(args.rounds):
+        full = _arm(engine, prompts, [constrained] * len(prompts))
+        for text in full["_texts"]:
+            try:
+                jsonschema.validate(json.loads(text), NESTED_SCHEMA)
+            except (ValueError, jsonschema.ValidationError):
+                invalid += 1  # cut by max_tokens: reported
+        twins = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in full["_lengths"]]
+        half = [constrained if i % 2 == 0 else twins[i] for i in range(len(prompts))]
+        order = [("0%", twins), ("50%", half)] if r % 2 == 0 else [("50%", half), ("0%", twins)]
+        arms["100%"].append(full)
+        for name, params in order:
+            arms[name].append(_arm(engine, prompts, params))
+
+    def median(name: str, key: str) -> float | None:
+        values = [a[key] for a in arms[name] if a[key] is not None]
+        return round(statistics.median(values), 4) if values else None
+
+    keys = ("output_tokens_per_s", "output_tokens_per_cpu_s", "ms_per_step", "mask_fill_ms_per_masked_step",
+            "mask_wait_ms_per_masked_step", "mask_apply_ms_per_masked_step")
+    summary = {name: {key: median(name, key) for key in keys} | {"output_tokens": runs[0]["output_tokens"]}
+               for name, runs in arms.items()}
+    base = summary["0%"]["output_tokens_per_s"]
+    report = {
+        "what": "structured outputs: output tok/s at 0/50/100% constrained by a nested JSON Schema",
+        "config": {"model": args.model, "num_requests": args.num_requests, "max_tokens": args.max_tokens,
+                   "rounds": args.rounds, "threads": torch.get_num_threads(),
+                   "policy": engine.config.policy,
+                   "speculative_tokens": engine.config.resolved_num_speculative_tokens,
+                   "load_average_at_start": os.getloadavg()[0]},
+        "compile": compile_times,
+        "arms": summary,
+        "ratio_100_vs_0": round(summary["100%"]["output_tokens_per_s"] / base, 4) if base else None,
+        "ratio_50_vs_0": round(summary["50%"]["output_tokens_per_s"] / base, 4) if base else None,
+        "constrained_outputs_not_schema_valid": invalid,
+        "stall": stall,
+        "runs": {name: [{k: v for k, v in run.items() if not k.startswith("_")} for run in runs]
+                 for name, runs in arms.items()},
+    }
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps({k: report[k] for k in ("compile", "arms", "ratio_100_vs_0", "ratio_50_vs_0",
+                                             "constrained_outputs_not_schema_valid", "stall")}, indent=2))
+    return 0

@@ -1,0 +1,128 @@
+"""Routing's ranking of candidate workers: policies, predicted cost and the hot-prefix guard (torch-free).
+
+The candidates here are plain records with the fields routing reads (load, KV use, cache index);
+the real links are exercised by tests/integration/dispatch/test_routing_workers.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from sluice.gateway.dispatch.cache_index import CacheIndex
+from sluice.gateway.dispatch.routing import (
+    REASON_CACHE,
+    REASON_LEAST_LOADED,
+    REASON_LOAD,
+    REASON_ROUND_ROBIN,
+    REASON_SPREAD,
+    PromptBlocks,
+    Router,
+)
+from sluice.prefix_hash import prefix_block_hashes
+from sluice.protocol import GenerateRequest, KvEvents, Priority, SamplingParams
+from sluice.settings import RoutingSettings
+
+pytestmark = pytest.mark.unit
+
+PROMPT = tuple(range(1, 1601))  # 100 blocks of 16
+
+
+@dataclass
+class Candidate:
+    worker_id: str
+    load: float = 0.0
+    kv_use: float = 0.0
+    cache: CacheIndex = field(default_factory=lambda: CacheIndex(10_000))
+
+
+def request(salt: str = "tenant-a", prompt: tuple[int, ...] = PROMPT) -> GenerateRequest:
+    return GenerateRequest(request_id="r", tenant_id=salt, model="m", priority=Priority.STANDARD,
+                           prompt_token_ids=prompt, sampling=SamplingParams(), cache_salt=salt,
+                           arrival_time=time.time())
+
+
+def holding(worker: Candidate, salt: str, tokens: tuple[int, ...], block_size: int = 16) -> Candidate:
+    worker.cache.apply(KvEvents(block_size=block_size, stored=tuple(prefix_block_hashes(salt, tokens, block_size))))
+    return worker
+
+
+def router(policy: str = "cache_aware", **kw: object) -> Router:
+    return Router(RoutingSettings(policy=policy, **kw))  # type: ignore[arg-type]
+
+
+def test_cache_aware_sends_a_request_to_the_worker_holding_its_prefix() -> None:
+    idle, warm = Candidate("idle"), holding(Candidate("warm", load=0.25), "tenant-a", PROMPT[:1201])
+    decision = router().route([idle, warm], PromptBlocks(request()))
+    assert decision is not None
+    assert decision.worker is warm and decision.reason == REASON_CACHE
+    assert decision.cached_tokens == 1200
+
+
+def test_another_tenants_identical_prompt_is_not_a_hit() -> None:
+    idle, warm = Candidate("idle"), holding(Candidate("warm", load=0.25), "tenant-b", PROMPT)
+    decision = router().route([idle, warm], PromptBlocks(request("tenant-a")))
+    assert decision is not None
+    assert decision.worker is idle and decision.reason == REASON_LOAD and decision.cached_tokens == 0
+
+
+def test_a_hot_prefix_spreads_once_its_worker_is_loaded_past_the_margin() -> None:
+    idle = Candidate("idle", load=0.1)
+    hot = holding(Candidate("hot", load=0.7), "tenant-a", PROMPT)
+    ranked = router(spread_margin=0.5).rank([hot, idle], PromptBlocks(request()))
+    assert [d.worker for d in ranked] == [idle, hot]
+    assert ranked[0].reason == REASON_SPREAD
+    # Within the margin the cache wins.
+    hot.load = 0.5
+    assert router(spread_margin=0.5).route([hot, idle], PromptBlocks(request())).worker is hot  # type: ignore[union-attr]
+
+
+def test_cost_weighs_uncached_tokens_against_load() -> None:
+    # 400 cached tokens do not pay for a full worker (load 1.0 = 2048 tokens) when the margin allows it.
+    partial = holding(Candidate("partial", load=0.4), "tenant-a", PROMPT[:400])
+    idle = Candidate("idle")
+    decision = router(spread_margin=1.0, load_cost_tokens=2048).route([partial, idle], PromptBlocks(request()))
+    assert decision is not None and decision.worker is idle
+
+
+def test_least_loaded_and_round_robin() -> None:
+    a, b = Candidate("a", load=0.5), Candidate("b", load=0.1)
+    blocks = PromptBlocks(request())
+    ranked = router("least_loaded").rank([a, b], blocks)
+    assert [d.worker for d in ranked] == [b, a] and ranked[0].reason == REASON_LEAST_LOADED
+    router("least_loaded").note_sent(b, blocks)
+    assert not blocks.by_block_size and len(b.cache) == 0  # least_loaded never hashes a prompt
+    rr = router("round_robin")
+    firsts = [rr.route([a, b], PromptBlocks(request())).worker.worker_id for _ in range(4)]  # type: ignore[union-attr]
+    assert firsts == ["a", "b", "a", "b"]
+    assert rr.route([a, b], PromptBlocks(request())).reason == REASON_ROUND_ROBIN  # type: ignore[union-attr]
+
+
+def test_a_sent_prompt_counts_as_cached_until_the_events_say_otherwise() -> None:
+    r = router()
+    a, b = Candidate("a"), Candidate("b")
+    blocks = PromptBlocks(request())
+    first = r.route([a, b], blocks)
+    assert first is not None
+    r.note_sent(first.worker, blocks)
+    again = r.route([a, b], PromptBlocks(request()))
+    assert again is not None and again.worker is first.worker and again.reason == REASON_CACHE
+
+
+def test_the_gateway_hashes_as_the_engine_does() -> None:
+    """The engine's block manager and the gateway share one function (sluice/prefix_hash.py)."""
+    from sluice.workers.block_manager import BlockManager
+    from sluice.workers.request import Request
+
+    manager = BlockManager(num_blocks=64, block_size=16)
+    manager.record_events = True
+    engine_request = Request("e", list(PROMPT[:100]), SamplingParams(), cache_salt="tenant-a",
+                             arrival_time=time.time())
+    assert manager.allocate(engine_request, 100)
+    engine_request.num_computed_tokens = 100
+    manager.cache_computed_blocks(engine_request)
+    stored, evicted, cleared = manager.take_events()
+    assert stored == prefix_block_hashes("tenant-a", PROMPT[:100], 16, 6) and not evicted and not cleared
+    assert manager.take_events() == ([], [], False)  # handed over once
