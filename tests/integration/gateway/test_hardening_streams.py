@@ -124,9 +124,9 @@ def test_an_idempotency_key_replays_only_its_own_request(gateway: Any, other_rep
     """Item 13: a key reused with another body or on the other endpoint is a 422, on any replica."""
     _, key = gateway.tenant()
     idem = {"idempotency-key": "order-42"}
-    with gateway.client(key) as client:
-        with client.stream("POST", "/v1/chat/completions", json=BODY, headers=idem) as response:
-            first = [line for line in response.iter_lines() if line.startswith("data: ")]
+    with gateway.client(key) as client, client.stream("POST", "/v1/chat/completions", json=BODY,
+                                                     headers=idem) as response:
+        first = [line for line in response.iter_lines() if line.startswith("data: ")]
     with httpx.Client(base_url=other_replica, timeout=30, headers={"authorization": f"Bearer {key}"}) as client:
         other_body = client.post("/v1/chat/completions", json={**BODY, "max_tokens": 9}, headers=idem)
         assert other_body.status_code == 422, other_body.text
