@@ -192,7 +192,8 @@ def create_app(
             version="0.1.0",
             path="/schema",
             components=COMPONENTS,
-            render_plugins=[SwaggerRenderPlugin(), ContractJsonPlugin()],
+            # The Swagger UI's scripts come from a CDN onto this origin: only when asked for.
+            render_plugins=[*([SwaggerRenderPlugin()] if settings.gateway.swagger_ui else []), ContractJsonPlugin()],
         ),
         debug=False,
     )
