@@ -138,3 +138,27 @@ def test_an_idempotency_key_replays_only_its_own_request(gateway: Any, other_rep
             assert response.status_code == 200
             again = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert again == first  # the same request: the first response replayed
+
+
+def test_disabling_a_tenant_stops_its_running_streams(gateway: Any, shared_mode: str) -> None:
+    """Item 14: a disabled tenant's running stream ends at once with a `tenant_disabled` error event
+    (decided: stop, not finish), and its key stops working."""
+    if shared_mode == "redis":
+        pytest.skip("once per module is enough: the stop is in the replica that disables")
+    tenant, key = gateway.tenant()
+    body = {**BODY, "max_tokens": 3000, "ignore_eos": True}
+    data: list[str] = []
+    with gateway.client(key) as client, client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data.append(line[6:])
+            if len(data) == 3:
+                with gateway.admin() as admin:
+                    assert admin.patch(f"/admin/tenants/{tenant['id']}", json={"enabled": False}).status_code == 200
+    last = json.loads(data[-1])
+    assert last["error"]["code"] == "tenant_disabled", data[-2:]
+    assert len(data) < 3000  # stopped, not finished
+    with gateway.client(key) as client:
+        assert client.get("/v1/models").status_code in (401, 403)
