@@ -182,3 +182,22 @@ async def test_a_pump_cancelled_before_its_first_step_still_cleans_up(how: str) 
     assert page is not None and page.ended
     assert page.frames[1:] == [INTERRUPTED if how == "stop" else ABANDONED]
     assert page.frames[0].startswith(b'data: {"id":"r1","object":"chat.completion.chunk"')
+
+
+async def test_the_in_process_log_is_bounded_by_bytes_and_forgets_keys_with_responses() -> None:
+    """Issue #36 item 17: past `max_bytes` the oldest ended responses go, their keys with them; a
+    live response is never dropped (max_events bounds it)."""
+    log = LocalStreamLog(max_bytes=1000)
+    await log.create("live", "t", "k-live")
+    log.append("live", b"x" * 300)
+    for i in range(3):
+        await log.create(f"r{i}", "t", f"k{i}")
+        log.append(f"r{i}", b"y" * 400)
+        log.end(f"r{i}")
+    assert log.bytes <= 1000
+    assert await log.read("r0", -1, wait_s=0) is None and await log.by_key("t", "k0") is None
+    assert (await log.read("r2", -1, wait_s=0)).frames == [b"y" * 400]
+    assert await log.by_key("t", "k2") == Keyed("r2")
+    assert (await log.read("live", -1, wait_s=0)).frames == [b"x" * 300]
+    log.append("live", b"z" * 2000)  # over the bound with live bytes alone: only ended ones go
+    assert await log.read("live", -1, wait_s=0) is not None and await log.by_key("t", "k-live") == Keyed("live")

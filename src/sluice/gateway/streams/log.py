@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RETENTION_S = 300.0
 DEFAULT_MAX_EVENTS = 65_536  # per response: more than any completion of a 64k-token context has
 MAX_RESPONSES = 20_000  # in-process: the oldest response is forgotten beyond this many
+MAX_BYTES = 256 * 2**20  # in-process: ended responses are forgotten, oldest first, beyond this many event bytes
 READ_BATCH = 1024  # events per XRANGE / XREAD
 EXPIRE_EVERY_S = 5.0  # a live stream's keys have their TTL renewed this often (it is >= 1 s)
 MIRROR_LINGER_S = 30.0  # Redis mode: the in-process mirror of an ended response lives this long
@@ -173,6 +174,7 @@ class _Entry:
     # events) are not walked by every full collection.
     frames: list[bytes] | tuple[bytes, ...] = field(default_factory=list)
     first: int = 0  # seq of frames[0]: the front is trimmed beyond max_events
+    size: int = 0  # bytes of the frames kept (the log's byte bound counts them)
     ended: bool = False
     expires: float = float("inf")  # monotonic; set at the end
     # Followers waiting for the next change. Plain futures rather than an Event per change plus an
@@ -233,12 +235,18 @@ class LocalStreamLog:
         retention_s: float = DEFAULT_RETENTION_S,
         max_events: int = DEFAULT_MAX_EVENTS,
         max_responses: int = MAX_RESPONSES,
+        max_bytes: int = MAX_BYTES,
     ) -> None:
         if not retention_s > 0:
             raise ValueError(f"gateway.stream_retention_s must be positive, got {retention_s}")
         self.retention_s = retention_s
         self.max_events = max_events
         self.max_responses = max_responses
+        # Bounded by bytes, not only by responses: 20,000 responses of long outputs were hundreds
+        # of MB (issue #36). Past the bound the oldest ended responses are forgotten (a live one
+        # is bounded by max_events), their Idempotency-Keys with them.
+        self.max_bytes = max_bytes
+        self.bytes = 0  # frame bytes of every kept response
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._keys: dict[tuple[str, str], tuple[Keyed, float]] = {}  # (tenant, key) -> (filed, expiry)
         self._swept = 0.0
@@ -254,16 +262,34 @@ class LocalStreamLog:
             return
         self._swept = now
         for rid in [r for r, e in self._entries.items() if e.expires <= now]:
-            del self._entries[rid]
+            self._forget(rid)
         for k in [k for k, (_, exp) in self._keys.items() if exp <= now]:
             del self._keys[k]
         while len(self._entries) >= self.max_responses:
-            self._entries.popitem(last=False)
+            self._forget(next(iter(self._entries)))
+
+    def _forget(self, response_id: str) -> None:
+        """Drops a response, its bytes from the count and its Idempotency-Key (when it still names it)."""
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return
+        self.bytes -= entry.size
+        if entry.key is not None:
+            known = self._keys.get((entry.tenant, entry.key))
+            if known is not None and known[0].response_id == response_id:
+                del self._keys[(entry.tenant, entry.key)]
+
+    def _shed(self) -> None:
+        """Past `max_bytes`: the oldest ended responses go until the log is back under it."""
+        for rid in [r for r, e in self._entries.items() if e.ended]:
+            if self.bytes <= self.max_bytes:
+                return
+            self._forget(rid)
 
     def _entry(self, response_id: str) -> _Entry | None:
         entry = self._entries.get(response_id)
         if entry is not None and entry.expires <= time.monotonic():
-            del self._entries[response_id]
+            self._forget(response_id)
             return None
         return entry
 
@@ -281,7 +307,9 @@ class LocalStreamLog:
         return None
 
     async def drop(self, response_id: str, tenant: str, idempotency_key: str | None) -> None:
-        self._entries.pop(response_id, None)
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry.size
         if idempotency_key is None:
             return
         known = self._keys.get((tenant, idempotency_key))
@@ -299,10 +327,17 @@ class LocalStreamLog:
         frames = entry.frames
         assert isinstance(frames, list)  # a tuple only once ended
         frames.append(frame)
+        entry.size += len(frame)
+        self.bytes += len(frame)
         if len(frames) > self.max_events:
             trim = len(frames) - self.max_events
+            trimmed = sum(len(f) for f in frames[:trim])
+            entry.size -= trimmed
+            self.bytes -= trimmed
             del frames[:trim]
             entry.first += trim
+        if self.bytes > self.max_bytes:
+            self._shed()
         entry.wake()
 
     def end(self, response_id: str) -> None:
