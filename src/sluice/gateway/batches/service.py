@@ -496,15 +496,21 @@ class BatchService:
             self._missing[batch_id] = missing - 1
             self._recheck_later(batch_id)
             return
-        await self._check(batch_id)
+        try:
+            await self._check(batch_id)
+        except BaseException:
+            self._recheck_later(batch_id)  # this call's check failed: the deferred one still comes
+            raise
 
-    async def _check(self, batch_id: str) -> None:
+    async def _check(self, batch_id: str) -> int:
+        """Counts (and finalizes when complete); returns how many results are missing."""
         with contextlib.suppress(_LostRace):
             missing = await self._finalize(batch_id)
             if missing:
                 self._missing[batch_id] = missing
-                return
+                return missing
         self._missing.pop(batch_id, None)
+        return 0
 
     def close(self) -> None:
         """Drops the deferred checks (the gateway stops; the next start's sweeps find what is due)."""
@@ -517,12 +523,17 @@ class BatchService:
             return
         loop = asyncio.get_running_loop()
 
+        before = self._missing.get(batch_id)
+
         async def check() -> None:
             try:
-                await self._check(batch_id)
+                missing = await self._check(batch_id)
             except Exception as exc:  # the database failed (locked, down): again later, not never
                 log.warning("batch %s: finalize check failed (%r); retrying", batch_id, exc)
                 self._recheck_later(batch_id)
+                return
+            if missing and (before is None or missing < before):
+                self._recheck_later(batch_id)  # results still arriving (some maybe uncommitted at the count)
 
         def due() -> None:
             self._rechecks.pop(batch_id, None)
