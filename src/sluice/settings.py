@@ -80,6 +80,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     (sharing the prompt's KV through the prefix cache) and is admitted against the quotas as one."""
     max_body_bytes: int = 8 * 2**20
     """Largest request body in bytes; a larger one gets 413."""
+    swagger_ui: bool = False
+    """Serve the Swagger UI at `/schema`. Its scripts load from a public CDN and run on the
+    gateway's origin (the console's), so it is opt-in; `/schema/openapi.json` is always served."""
     max_file_storage_bytes: int = 2**30
     """Bytes of files (Batch API uploads and outputs together) a tenant may keep; an upload that
     would pass it gets 400 `file_storage_exceeded`."""

@@ -86,6 +86,7 @@ def build_services(settings: Settings, backend: GenerationBackend, *,
                                    max_n=gw.max_n, objectives=settings.objectives)
     streams = StreamHub(shared.stream_log, generation.flights, generation.spawn, grace_s=gw.disconnect_grace_s)
     admin = AdminService(session_factory, auth, usage.flush)
+    admin.on_tenant_disabled.append(streams.stop_tenant)  # its running streams stop (README, docs/streams.md)
     batch_service = None
     if batches is not None:
         batch_service = batches.build(settings, session_factory, generation, backend, shared, quotas, usage, admin)
@@ -192,7 +193,8 @@ def create_app(
             version="0.1.0",
             path="/schema",
             components=COMPONENTS,
-            render_plugins=[SwaggerRenderPlugin(), ContractJsonPlugin()],
+            # The Swagger UI's scripts come from a CDN onto this origin: only when asked for.
+            render_plugins=[*([SwaggerRenderPlugin()] if settings.gateway.swagger_ui else []), ContractJsonPlugin()],
         ),
         debug=False,
     )

@@ -27,7 +27,8 @@ from .test_serve import Serve, serve_environment, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-NORMAL, BAD_ID, TOO_MANY, NOT_TEXT, LONG_LINE = 7, 101, 111, 112, 113
+NORMAL, BAD_ID, TOO_MANY, NOT_TEXT, LONG_LINE, SLOW, FAILS = 7, 101, 111, 112, 113, 60, 500
+SECRET = "UPSTREAM-SECRET-DETAIL internal-host-10.1.2.3"
 REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "")
 
 
@@ -58,6 +59,14 @@ class _Misbehaving(BaseHTTPRequestHandler):
         request = json.loads(self.rfile.read(int(self.headers["content-length"])))
         prompt_tokens = len(request["prompt"])
         scenario = request["max_tokens"]
+        if scenario == FAILS:
+            body = json.dumps({"error": {"message": SECRET}}).encode()
+            self.send_response(500)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.end_headers()  # HTTP/1.0: the body ends when the connection closes
@@ -70,10 +79,17 @@ class _Misbehaving(BaseHTTPRequestHandler):
             out.write(_chunk("", [], "length", {"prompt_tokens": prompt_tokens, "completion_tokens": 10**9}))
         elif scenario == NOT_TEXT:
             out.write(_chunk(123, [7]) + _chunk({"x": 1}, [7], "stop"))
-        elif scenario == LONG_LINE:
-            out.write(b"data: " + b"x" * (3 * 2**20))
-            out.flush()
-            time.sleep(2)
+        elif scenario == SLOW:  # a token every 0.1 s: still running when its batch is cancelled
+            try:
+                for _ in range(SLOW):
+                    out.write(_chunk("s", [8]))
+                    out.flush()
+                    time.sleep(0.1)
+            except OSError:
+                return  # the gateway closed the stream (the line was aborted)
+            out.write(_chunk("", [], "length", {"prompt_tokens": prompt_tokens, "completion_tokens": SLOW}))
+        elif scenario == LONG_LINE:  # one well-formed chunk on a 3 MB line: more than sluice buffers
+            out.write(_chunk("x" * (3 * 2**20), [5], "stop"))
         else:
             for _ in range(scenario):
                 out.write(_chunk("a", [5]))
@@ -167,3 +183,64 @@ def test_an_endless_sse_line_is_refused(front: tuple[Serve, str]) -> None:
                        headers={"authorization": f"Bearer {key}"}, timeout=30)
     assert whole.status_code == 500 and whole.json()["error"]["code"] == "generation_failed", whole.text
     assert httpx.get(serve.base + "/health", timeout=10).status_code == 200
+
+
+def _batch(front: tuple[Serve, str], max_tokens: int, lines: int) -> str:
+    serve, key = front
+    headers = {"authorization": f"Bearer {key}"}
+    content = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": "demo", "prompt": f"line {i}", "max_tokens": max_tokens}}) + "\n"
+                      for i in range(lines)).encode()
+    uploaded = httpx.post(serve.base + "/v1/files", headers=headers, files={"file": ("in.jsonl", content)},
+                          data={"purpose": "batch"}, timeout=30)
+    assert uploaded.status_code == 200, uploaded.text
+    created = httpx.post(serve.base + "/v1/batches", headers=headers, timeout=30, json={
+        "input_file_id": uploaded.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert created.status_code == 200, created.text
+    return str(created.json()["id"])
+
+
+def _wait_batch(front: tuple[Serve, str], batch_id: str, until: tuple[str, ...]) -> dict[str, Any]:
+    serve, key = front
+    for _ in range(1200):
+        batch = httpx.get(f"{serve.base}/v1/batches/{batch_id}", headers={"authorization": f"Bearer {key}"},
+                          timeout=30).json()
+        if batch["status"] in until:
+            return dict(batch)
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} still {batch['status']}")
+
+
+def _error_lines(front: tuple[Serve, str], batch: dict[str, Any]) -> list[dict[str, Any]]:
+    serve, key = front
+    content = httpx.get(f"{serve.base}/v1/files/{batch['error_file_id']}/content",
+                        headers={"authorization": f"Bearer {key}"}, timeout=30)
+    return [json.loads(line) for line in content.text.splitlines()]
+
+
+def test_batch_error_lines_keep_the_upstream_reason_in_the_log(front: tuple[Serve, str]) -> None:
+    """Item 11: the upstream's name and error text stay out of batch lines, as out of answers."""
+    batch = _wait_batch(front, _batch(front, FAILS, 2), ("completed", "failed"))
+    lines = _error_lines(front, batch)
+    assert len(lines) == 2 and all(line["error"]["code"] == "generation_failed" for line in lines)
+    text = json.dumps(lines)
+    assert "SECRET" not in text and "10.1.2.3" not in text and "fake" not in text, text
+
+
+def test_lines_cancelled_mid_run_report_what_they_were_billed(front: tuple[Serve, str]) -> None:
+    """Item 16: a line stopped by a cancel after it produced tokens carries its usage."""
+    batch_id = _batch(front, SLOW, 4)
+    serve, key = front
+    _wait_batch(front, batch_id, ("in_progress",))
+    time.sleep(2.0)  # the lines are running at the upstream (a token every 0.1 s, 6 s each)
+    cancelled = httpx.post(f"{serve.base}/v1/batches/{batch_id}/cancel",
+                           headers={"authorization": f"Bearer {key}"}, timeout=30)
+    assert cancelled.status_code == 200, cancelled.text
+    batch = _wait_batch(front, batch_id, ("cancelled",))
+    lines = _error_lines(front, batch)
+    ran = [line for line in lines if line["error"]["code"] == "batch_cancelled" and "usage" in line]
+    assert ran, lines
+    for line in ran:
+        usage = line["usage"]
+        assert 0 < usage["completion_tokens"] < SLOW and usage["total_tokens"] == (
+            usage["prompt_tokens"] + usage["completion_tokens"])

@@ -21,7 +21,7 @@ from sluice.errors import ConfigError
 from sluice.gateway.app import create_app
 from sluice.gateway.auth.attempts import MAX_FAILURES
 from sluice.gateway.queueing.local import LocalEngineBackend
-from sluice.settings import AdminSettings, DatabaseSettings, Settings, load_settings
+from sluice.settings import AdminSettings, DatabaseSettings, GatewaySettings, Settings, load_settings
 
 pytestmark = pytest.mark.integration
 
@@ -124,3 +124,16 @@ def test_a_weak_admin_token_is_refused(tmp_path: Path) -> None:
         load_settings(tmp_path, environ={"SLUICE_ADMIN_TOKEN": "a"})
     assert "at least 16 characters" in str(caught.value)
     assert load_settings(tmp_path, environ={"SLUICE_ADMIN_TOKEN": "x" * 16}).admin.token == "x" * 16
+
+
+@pytest.mark.parametrize("swagger_ui", [False, True])
+async def test_the_swagger_ui_is_opt_in(demo_model_dir: Path, tmp_path: Path, swagger_ui: bool) -> None:
+    """Item 8: scripts from a public CDN run on the console's origin only when the operator asks."""
+    settings = Settings(admin=AdminSettings(token="slc-admin-" + secrets.token_urlsafe(24)),
+                        gateway=GatewaySettings(swagger_ui=swagger_ui),
+                        database=DatabaseSettings(url=f"sqlite+aiosqlite:///{tmp_path / 'sluice.db'}"))
+    backend = LocalEngineBackend({"demo": demo_model_dir}, {"max_num_seqs": 2, "kv_cache_bytes": 8 * 2**20})
+    async with AsyncTestClient(create_app(settings, backend), base_url="http://sluice.test") as client:
+        page = await client.get("/schema/swagger")
+        assert ("<script" in page.text) is swagger_ui, page.status_code
+        assert (await client.get("/schema/openapi.json")).status_code == 200

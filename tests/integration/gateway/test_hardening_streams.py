@@ -118,3 +118,47 @@ def test_a_last_event_id_with_odd_digits_is_a_400(gateway: Any, seq: str) -> Non
                             headers={"idempotency-key": "k-" + response_id, "last-event-id": header})
         assert again.status_code == 400, again.text
         assert json.loads(again.text)["error"]["message"].startswith("Last-Event-ID")
+
+
+def test_an_idempotency_key_replays_only_its_own_request(gateway: Any, other_replica: str) -> None:
+    """Item 13: a key reused with another body or on the other endpoint is a 422, on any replica."""
+    _, key = gateway.tenant()
+    idem = {"idempotency-key": "order-42"}
+    with gateway.client(key) as client, client.stream("POST", "/v1/chat/completions", json=BODY,
+                                                     headers=idem) as response:
+        first = [line for line in response.iter_lines() if line.startswith("data: ")]
+    with httpx.Client(base_url=other_replica, timeout=30, headers={"authorization": f"Bearer {key}"}) as client:
+        other_body = client.post("/v1/chat/completions", json={**BODY, "max_tokens": 9}, headers=idem)
+        assert other_body.status_code == 422, other_body.text
+        assert other_body.json()["error"]["code"] == "idempotency_key_reused"
+        other_endpoint = client.post("/v1/completions", json={"model": "demo", "prompt": "Tell me about rivers.",
+                                                              "max_tokens": 8, "stream": True}, headers=idem)
+        assert other_endpoint.status_code == 422, other_endpoint.text
+        with client.stream("POST", "/v1/chat/completions", json=BODY, headers=idem) as response:
+            assert response.status_code == 200
+            again = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert again == first  # the same request: the first response replayed
+
+
+def test_disabling_a_tenant_stops_its_running_streams(gateway: Any, shared_mode: str) -> None:
+    """Item 14: a disabled tenant's running stream ends at once with a `tenant_disabled` error event
+    (decided: stop, not finish), and its key stops working."""
+    if shared_mode == "redis":
+        pytest.skip("once per module is enough: the stop is in the replica that disables")
+    tenant, key = gateway.tenant()
+    body = {**BODY, "max_tokens": 3000, "ignore_eos": True}
+    data: list[str] = []
+    with gateway.client(key) as client, client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data.append(line[6:])
+            if len(data) == 3:
+                with gateway.admin() as admin:
+                    assert admin.patch(f"/admin/tenants/{tenant['id']}", json={"enabled": False}).status_code == 200
+    last = json.loads(data[-1])
+    assert last["error"]["code"] == "tenant_disabled", data[-2:]
+    assert len(data) < 3000  # stopped, not finished
+    with gateway.client(key) as client:
+        assert client.get("/v1/models").status_code in (401, 403)

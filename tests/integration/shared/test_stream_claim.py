@@ -201,8 +201,8 @@ async def test_a_record_is_held_while_its_stream_is_not_filed_yet_and_claimed_on
         envelope = Envelope(id="chatcmpl-late", created=1, model="demo", service_tier="default", endpoint="chat",
                             include_usage=True)
         assert await accepted.create("chatcmpl-late", "t", "key-late", envelope=envelope) is None
-        assert await accepted.create("chatcmpl-other", "t", "key-late") == "chatcmpl-late"  # one key, one response
-        assert await accepted.by_key("t", "key-late") == "chatcmpl-late"
+        assert (await accepted.create("chatcmpl-other", "t", "key-late")).response_id == "chatcmpl-late"  # one key
+        assert (await accepted.by_key("t", "key-late")).response_id == "chatcmpl-late"
         await acceptor.stop()  # lost before its first event
         await holder.check()
         await asyncio.sleep(0.1)

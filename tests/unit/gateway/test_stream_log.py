@@ -26,7 +26,7 @@ from sluice.gateway.streams.hub import (
     disconnect_grace,
     parse_last_event_id,
 )
-from sluice.gateway.streams.log import LocalStreamLog, LogTrimmed
+from sluice.gateway.streams.log import Keyed, LocalStreamLog, LogTrimmed
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -106,9 +106,9 @@ async def test_an_ended_response_is_kept_out_of_the_collectors_sight() -> None:
 async def test_keys_are_per_tenant_and_expire_with_the_response() -> None:
     log = LocalStreamLog(retention_s=0.05)
     assert await log.create("r1", "a", "k") is None
-    assert await log.create("r2", "a", "k") == "r1"  # same tenant, same key: the first response
+    assert await log.create("r2", "a", "k") == Keyed("r1")  # same tenant, same key: the first response
     assert await log.create("r3", "b", "k") is None  # another tenant's key is its own
-    assert await log.by_key("a", "k") == "r1"
+    assert await log.by_key("a", "k") == Keyed("r1")
     log.end("r1")
     await asyncio.sleep(0.1)
     assert await log.owner("r1") is None and await log.by_key("a", "k") is None
@@ -182,3 +182,22 @@ async def test_a_pump_cancelled_before_its_first_step_still_cleans_up(how: str) 
     assert page is not None and page.ended
     assert page.frames[1:] == [INTERRUPTED if how == "stop" else ABANDONED]
     assert page.frames[0].startswith(b'data: {"id":"r1","object":"chat.completion.chunk"')
+
+
+async def test_the_in_process_log_is_bounded_by_bytes_and_forgets_keys_with_responses() -> None:
+    """Issue #36 item 17: past `max_bytes` the oldest ended responses go, their keys with them; a
+    live response is never dropped (max_events bounds it)."""
+    log = LocalStreamLog(max_bytes=1000)
+    await log.create("live", "t", "k-live")
+    log.append("live", b"x" * 300)
+    for i in range(3):
+        await log.create(f"r{i}", "t", f"k{i}")
+        log.append(f"r{i}", b"y" * 400)
+        log.end(f"r{i}")
+    assert log.bytes <= 1000
+    assert await log.read("r0", -1, wait_s=0) is None and await log.by_key("t", "k0") is None
+    assert (await log.read("r2", -1, wait_s=0)).frames == [b"y" * 400]
+    assert await log.by_key("t", "k2") == Keyed("r2")
+    assert (await log.read("live", -1, wait_s=0)).frames == [b"x" * 300]
+    log.append("live", b"z" * 2000)  # over the bound with live bytes alone: only ended ones go
+    assert await log.read("live", -1, wait_s=0) is not None and await log.by_key("t", "k-live") == Keyed("live")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath, FromQuery, JSONBody
 
@@ -38,6 +40,7 @@ from sluice.gateway.streams.hub import (
     parse_last_event_id,
     wants_ids,
 )
+from sluice.gateway.streams.log import Keyed
 from sluice.gateway.streams.response import SSEResponse
 from sluice.objectives import Objective
 
@@ -51,6 +54,7 @@ _GENERATION_ERRORS = error_responses(
     403,
     404,
     413,
+    422,
     429,
     503,
     notes={
@@ -160,11 +164,13 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
         raise OpenAIError(
             400, "Last-Event-ID on a POST needs the Idempotency-Key it was sent with.", code="missing_idempotency_key"
         )
-    existing = None if key is None else await streams.log.by_key(tenant.id, key)
-    if existing is not None:
-        if last_id is not None and last_id != existing:
+    fingerprint = request_fingerprint(state)
+    filed = None if key is None else await streams.log.by_key(tenant.id, key)
+    if filed is not None:
+        if last_id is not None and last_id != filed.response_id:
             raise OpenAIError(400, "Last-Event-ID names another response than this Idempotency-Key's.")
-        return await _attach(streams, services.quotas, tenant, existing, after, with_ids=with_ids)
+        _same_request(filed, fingerprint)
+        return await _attach(streams, services.quotas, tenant, filed.response_id, after, with_ids=with_ids)
     if last_id is not None:  # a resume whose original is gone: starting over would repeat events
         raise not_found(last_id)
     services.drain.refuse_new()  # attaching (above) is still served while draining
@@ -173,13 +179,15 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
     # that was not accepted, so a client whose POST broke before that starts afresh with it, and
     # a filed key's response always has a record some replica holds (and can take over).
     try:
-        existing = await streams.log.create(response_id, tenant.id, key, grace_s=grace_s, envelope=state.envelope)
+        filed = await streams.log.create(response_id, tenant.id, key, grace_s=grace_s, envelope=state.envelope,
+                                         fingerprint=fingerprint)
     except BaseException:
         flight.finish(aborted=True)
         raise
-    if existing is not None:  # a concurrent POST with this key was filed first: follow that one
+    if filed is not None:  # a concurrent POST with this key was filed first: follow that one
         flight.finish(aborted=True)
-        return await _attach(streams, services.quotas, tenant, existing, after, metered=False,  # counted: launched
+        _same_request(filed, fingerprint)
+        return await _attach(streams, services.quotas, tenant, filed.response_id, after, metered=False,  # counted: launched
                              with_ids=with_ids)
     try:  # the first delta before the first byte: an expiry until then is an HTTP error
         await _unless_disconnected(request, flight.first_delta())
@@ -194,6 +202,26 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
     events = streams.follow(response_id, -1, with_ids=with_ids)
     return SSEResponse(events, {**services.quotas.headers(tenant), **_class_header(state),
                                 **_objective_answer(state), **_SSE_HEADERS})
+
+
+def request_fingerprint(state: RequestState) -> str:
+    """What makes two POSTs the same request: endpoint, model, prompt ids and sampling (not the
+    JSON's spelling). An Idempotency-Key replays only the request it was first sent with."""
+    request = state.request
+    parts = (state.envelope.endpoint, request.model, request.prompt_token_ids, request.sampling,
+             state.envelope.include_usage)
+    return hashlib.sha256(msgspec.msgpack.encode(parts)).hexdigest()[:32]
+
+
+def _same_request(filed: Keyed, fingerprint: str) -> None:
+    """422 for an Idempotency-Key reused with another body or endpoint (as payment APIs answer);
+    a key filed without a fingerprint (before an upgrade) is taken as the same request."""
+    if filed.fingerprint and filed.fingerprint != fingerprint:
+        raise OpenAIError(
+            422, "This Idempotency-Key was used with another request (body or endpoint); a key replays only "
+            "the request it was first sent with. Use a new key for a new request.",
+            param="Idempotency-Key", code="idempotency_key_reused",
+        )
 
 
 async def _attach(streams: StreamHub, quotas: QuotaService, tenant: TenantContext, response_id: str,

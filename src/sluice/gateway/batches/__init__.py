@@ -118,6 +118,8 @@ class BatchComponents:
                 log.warning("checking for orphaned batches failed (%r)", exc)
 
     async def stop(self) -> None:
+        if self.service is not None:
+            self.service.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

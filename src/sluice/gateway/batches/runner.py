@@ -37,7 +37,7 @@ from sluice.gateway.batches.views import line_number
 from sluice.gateway.cluster.invalidation import Change
 from sluice.gateway.db.base import utcnow
 from sluice.gateway.dispatch.jobs import DeltaSink
-from sluice.gateway.generation.answers import whole_answer
+from sluice.gateway.generation.answers import failure_message, whole_answer
 from sluice.gateway.generation.prepare import CLASS_TO_TIER
 from sluice.gateway.generation.state import Endpoint, RequestState
 from sluice.gateway.queueing.batch_lines import Defer
@@ -215,10 +215,20 @@ class BatchRunner:
     def _result_line(self, state: RequestState, line: _Line) -> tuple[bool, dict[str, Any]]:
         request = state.request
         if state.finish_reason == FinishReason.ABORT:
-            return False, _error_line(request, line.abort_code, _ABORT_MESSAGES[line.abort_code])
+            aborted = _error_line(request, line.abort_code, _ABORT_MESSAGES[line.abort_code])
+            if state.ran:  # stopped mid-run: what it was billed is reported with it (issue #36)
+                aborted["usage"] = _usage(state.num_prompt_tokens, state.num_output_tokens)
+            return False, aborted
         if state.finish_reason == FinishReason.ERROR or state.finish_reason is None:
-            return False, _error_line(request, "generation_failed",
-                                      f"Generation failed: {state.error or 'backend error'}")
+            # A worker's or upstream's reason (it may name the upstream and quote its own error
+            # text) is for the operator's log only, as streamed and whole answers keep it
+            # (docs/upstreams.md); the gateway's own reason (no worker had the line) is shown.
+            message = (failure_message(state) if state.worker else
+                       f"Generation failed: {state.error or 'backend error'}")
+            failed = _error_line(request, "generation_failed", message)
+            if state.ran:
+                failed["usage"] = _usage(state.num_prompt_tokens, state.num_output_tokens)
+            return False, failed
         body = msgspec.to_builtins(whole_answer(state, "".join(line.texts)))
         return True, {
             "id": request.request_id,
@@ -253,6 +263,10 @@ class BatchRunner:
         except IntegrityError:
             return False
         return True
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _error_line(request: GenerateRequest, code: str, message: str) -> dict[str, Any]:

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 RUNNABLE = ("validating", "in_progress")
 FINAL = ("completed", "failed", "cancelled", "expired")
+RECHECK_S = 1.0  # a batch whose finalize check was skipped is checked again this long after
 COMPLETION_WINDOWS = {"24h": dt.timedelta(hours=24)}
 ENQUEUE_CONCURRENCY = 64
 MAX_METADATA_KEYS = 16
@@ -83,6 +84,8 @@ class BatchService:
         # The app's shared state: its replica id, lease (the ledger) and bus.
         self.shared: SharedState = shared if shared is not None else backend.shared
         self._tasks: set[asyncio.Task[None]] = set()
+        self._missing: dict[str, int] = {}  # batch -> results missing at least, by its last check
+        self._rechecks: dict[str, asyncio.TimerHandle] = {}  # batch -> its deferred check
         self.shared.bus.subscribe(self._on_change)
 
     # ---- files ---------------------------------------------------------------------------------
@@ -480,18 +483,75 @@ class BatchService:
     # ---- results -------------------------------------------------------------------------------
 
     async def maybe_finalize(self, batch_id: str) -> None:
-        """When every line has its result: write the output/error files and end the batch."""
-        with contextlib.suppress(_LostRace):
-            await self._finalize(batch_id)
+        """When every line has its result: write the output/error files and end the batch.
 
-    async def _finalize(self, batch_id: str) -> None:
+        Called once per stored result. Checking means counting the batch's results, so a check per
+        call made cancelling a 50,000-line batch quadratic (issue #36: 524 s). A check that finds
+        results missing remembers how many; each later call here takes one off, and the count runs
+        again only when none should be missing. Results stored by other replicas make the estimate
+        high, never low, so a skipped call also arms one deferred check of the batch
+        (`RECHECK_S` later): the batch ends at its last result, or at most that long after it."""
+        missing = self._missing.get(batch_id)
+        if missing is not None and missing > 1:
+            self._missing[batch_id] = missing - 1
+            self._recheck_later(batch_id)
+            return
+        try:
+            await self._check(batch_id)
+        except BaseException:
+            self._recheck_later(batch_id)  # this call's check failed: the deferred one still comes
+            raise
+
+    async def _check(self, batch_id: str) -> int:
+        """Counts (and finalizes when complete); returns how many results are missing."""
+        with contextlib.suppress(_LostRace):
+            missing = await self._finalize(batch_id)
+            if missing:
+                self._missing[batch_id] = missing
+                return missing
+        self._missing.pop(batch_id, None)
+        return 0
+
+    def close(self) -> None:
+        """Drops the deferred checks (the gateway stops; the next start's sweeps find what is due)."""
+        for handle in self._rechecks.values():
+            handle.cancel()
+        self._rechecks.clear()
+
+    def _recheck_later(self, batch_id: str) -> None:
+        if batch_id in self._rechecks:
+            return
+        loop = asyncio.get_running_loop()
+
+        before = self._missing.get(batch_id)
+
+        async def check() -> None:
+            try:
+                missing = await self._check(batch_id)
+            except Exception as exc:  # the database failed (locked, down): again later, not never
+                log.warning("batch %s: finalize check failed (%r); retrying", batch_id, exc)
+                self._recheck_later(batch_id)
+                return
+            if missing and (before is None or missing < before):
+                self._recheck_later(batch_id)  # results still arriving (some maybe uncommitted at the count)
+
+        def due() -> None:
+            self._rechecks.pop(batch_id, None)
+            task = loop.create_task(check())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._rechecks[batch_id] = loop.call_later(RECHECK_S, due)
+
+    async def _finalize(self, batch_id: str) -> int:
+        """Ends the batch when every line has its result; returns how many are still missing."""
         async with self.sessions() as session, session.begin():
             row = await session.get(Batch, batch_id)
             if row is None or row.status not in (*RUNNABLE, "cancelling", "finalizing"):
-                return
+                return 0
             done = await session.scalar(select(func.count()).where(BatchResult.batch_id == batch_id))
             if (done or 0) < row.total:
-                return
+                return row.total - (done or 0)
             target = "cancelled" if row.status == "cancelling" or row.cancelling_at else "completed"
             if target == "cancelled" and stopped_by_tenant_disabled(row):
                 target = "failed"
@@ -537,6 +597,7 @@ class BatchService:
             if result.rowcount != 1:  # type: ignore[attr-defined]
                 raise _LostRace
         log.info("batch %s %s: %d ok, %d failed", batch_id, target, len(ok), len(bad))
+        return 0
 
     async def lost_lines(self, settled: Callable[[], Awaitable[HeldLines | None]]) -> list[GenerateRequest]:
         """Lines of running (or cancelling) batches with no result that the gateway does not hold

@@ -75,6 +75,7 @@ ERROR_MEANINGS: dict[int, str] = {
     409: "The name is already taken",
     410: "Gone: the stream events asked for are no longer kept (past the log's bound)",
     413: "The request body is larger than the gateway accepts",
+    422: "An Idempotency-Key reused with another request (body or endpoint) than it was first sent with",
     429: "Over a rate limit (`retry-after` says when to retry) or over a budget that no retry helps "
     "(`x-should-retry: false`): the daily token budget, or one request larger than the tokens-per-minute "
     "limit",
@@ -122,6 +123,7 @@ _TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_exceeded",
     503: "service_unavailable",
 }

@@ -46,6 +46,7 @@ ABANDONED = _ending("The stream was stopped: its client went away and none attac
 INTERRUPTED = _ending("The stream was stopped: the gateway replica generating it shut down before it ended.",
                       "stream_interrupted")
 LOST = _ending("The stream's log expired or was lost before it ended.", "stream_lost")
+TENANT_DISABLED = _ending("The stream was stopped: its tenant was disabled.", "tenant_disabled")
 
 
 def parse_last_event_id(value: str | None, response_id: str | None) -> tuple[str | None, int]:
@@ -290,6 +291,17 @@ class StreamHub:
             pump.ending = INTERRUPTED
             pump.cancel()
         await asyncio.gather(*(p.task for p in pumps if p.task is not None), return_exceptions=True)
+
+    async def stop_tenant(self, tenant_id: str) -> None:
+        """The tenant was disabled (or deleted): its streams pumped here stop now, at the next
+        step, their logs ending with a `tenant_disabled` error event; what they generated until
+        then is billed as any aborted stream."""
+        pumps = [f.pump for f in self.flights if f.pump is not None and f.state.request.tenant_id == tenant_id]
+        for pump in pumps:
+            pump.ending = TENANT_DISABLED
+            pump.cancel()
+        if pumps:
+            log.info("tenant %s disabled: %d stream(s) stopped", tenant_id, len(pumps))
 
     async def check_owner(self, response_id: str, tenant: str, after: int) -> None:
         """404 unless `tenant` created it and it is kept; 410 when the events after `after` are trimmed."""

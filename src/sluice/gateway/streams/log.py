@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RETENTION_S = 300.0
 DEFAULT_MAX_EVENTS = 65_536  # per response: more than any completion of a 64k-token context has
 MAX_RESPONSES = 20_000  # in-process: the oldest response is forgotten beyond this many
+MAX_BYTES = 256 * 2**20  # in-process: ended responses are forgotten, oldest first, beyond this many event bytes
 READ_BATCH = 1024  # events per XRANGE / XREAD
 EXPIRE_EVERY_S = 5.0  # a live stream's keys have their TTL renewed this often (it is >= 1 s)
 MIRROR_LINGER_S = 30.0  # Redis mode: the in-process mirror of an ended response lives this long
@@ -93,6 +94,24 @@ class Page:
     ended: bool
 
 
+@dataclass(frozen=True, slots=True)
+class Keyed:
+    """What an Idempotency-Key was filed with: its response, and the fingerprint of the request
+    that created it ("" when filed without one), so a reuse with another request is told apart."""
+
+    response_id: str
+    fingerprint: str = ""
+
+    def encode(self) -> str:
+        return f"{self.response_id}|{self.fingerprint}"
+
+    @classmethod
+    def decode(cls, value: bytes | str) -> Keyed:
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        response_id, _, fingerprint = text.partition("|")
+        return cls(response_id, fingerprint)
+
+
 class StreamLog(Protocol):
     async def start(self) -> None: ...
 
@@ -101,11 +120,12 @@ class StreamLog(Protocol):
     keeps_marks: bool  # whether `append`'s marks are kept (a takeover reads them)
 
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
-                     grace_s: float | None = None, envelope: Envelope | None = None) -> str | None:
-        """Files a new response of `tenant` (its key and its owner in one atomic step). With a key
-        already filed by this tenant (within the retention), files nothing and returns that key's
-        response id; else None. `grace_s` (its disconnect grace) and `envelope` are kept for a
-        replica that takes it over."""
+                     grace_s: float | None = None, envelope: Envelope | None = None,
+                     fingerprint: str = "") -> Keyed | None:
+        """Files a new response of `tenant` (its key, with the `fingerprint` of the request it was
+        sent with, and its owner in one atomic step). With a key already filed by this tenant
+        (within the retention), files nothing and returns what that key was filed with; else None.
+        `grace_s` (its disconnect grace) and `envelope` are kept for a replica that takes it over."""
         ...
 
     async def drop(self, response_id: str, tenant: str, idempotency_key: str | None) -> None:
@@ -126,8 +146,8 @@ class StreamLog(Protocol):
         """The tenant that created it; None when unknown or expired."""
         ...
 
-    async def by_key(self, tenant: str, idempotency_key: str) -> str | None:
-        """The response id this tenant's key was filed with (within the retention), else None."""
+    async def by_key(self, tenant: str, idempotency_key: str) -> Keyed | None:
+        """What this tenant's key was filed with (within the retention), else None."""
         ...
 
     async def read(self, response_id: str, after: int, *, wait_s: float) -> Page | None:
@@ -154,6 +174,7 @@ class _Entry:
     # events) are not walked by every full collection.
     frames: list[bytes] | tuple[bytes, ...] = field(default_factory=list)
     first: int = 0  # seq of frames[0]: the front is trimmed beyond max_events
+    size: int = 0  # bytes of the frames kept (the log's byte bound counts them)
     ended: bool = False
     expires: float = float("inf")  # monotonic; set at the end
     # Followers waiting for the next change. Plain futures rather than an Event per change plus an
@@ -214,14 +235,20 @@ class LocalStreamLog:
         retention_s: float = DEFAULT_RETENTION_S,
         max_events: int = DEFAULT_MAX_EVENTS,
         max_responses: int = MAX_RESPONSES,
+        max_bytes: int = MAX_BYTES,
     ) -> None:
         if not retention_s > 0:
             raise ValueError(f"gateway.stream_retention_s must be positive, got {retention_s}")
         self.retention_s = retention_s
         self.max_events = max_events
         self.max_responses = max_responses
+        # Bounded by bytes, not only by responses: 20,000 responses of long outputs were hundreds
+        # of MB (issue #36). Past the bound the oldest ended responses are forgotten (a live one
+        # is bounded by max_events), their Idempotency-Keys with them.
+        self.max_bytes = max_bytes
+        self.bytes = 0  # frame bytes of every kept response
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._keys: dict[tuple[str, str], tuple[str, float]] = {}  # (tenant, key) -> (id, expiry)
+        self._keys: dict[tuple[str, str], tuple[Keyed, float]] = {}  # (tenant, key) -> (filed, expiry)
         self._swept = 0.0
 
     async def start(self) -> None:
@@ -235,34 +262,58 @@ class LocalStreamLog:
             return
         self._swept = now
         for rid in [r for r, e in self._entries.items() if e.expires <= now]:
-            del self._entries[rid]
+            self._forget(rid)
         for k in [k for k, (_, exp) in self._keys.items() if exp <= now]:
             del self._keys[k]
         while len(self._entries) >= self.max_responses:
-            self._entries.popitem(last=False)
+            self._forget(next(iter(self._entries)))
+
+    def _forget(self, response_id: str) -> None:
+        """Drops a response, its bytes from the count and its Idempotency-Key (when it still names it)."""
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return
+        self.bytes -= entry.size
+        if entry.key is not None:
+            known = self._keys.get((entry.tenant, entry.key))
+            if known is not None and known[0].response_id == response_id:
+                del self._keys[(entry.tenant, entry.key)]
+
+    def _shed(self) -> None:
+        """Past `max_bytes`: the oldest ended responses go until the log is back under it."""
+        for rid in [r for r, e in self._entries.items() if e.ended]:
+            if self.bytes <= self.max_bytes:
+                return
+            self._forget(rid)
 
     def _entry(self, response_id: str) -> _Entry | None:
         entry = self._entries.get(response_id)
         if entry is not None and entry.expires <= time.monotonic():
-            del self._entries[response_id]
+            self._forget(response_id)
             return None
         return entry
 
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
-                     grace_s: float | None = None, envelope: Envelope | None = None) -> str | None:
+                     grace_s: float | None = None, envelope: Envelope | None = None,
+                     fingerprint: str = "") -> Keyed | None:
         now = time.monotonic()
         self._sweep(now)
         if idempotency_key is not None:
             known = self._keys.get((tenant, idempotency_key))
             if known is not None and known[1] > now:
                 return known[0]
-            self._keys[(tenant, idempotency_key)] = (response_id, float("inf"))
+            self._keys[(tenant, idempotency_key)] = (Keyed(response_id, fingerprint), float("inf"))
         self._entries[response_id] = _Entry(tenant, idempotency_key)
         return None
 
     async def drop(self, response_id: str, tenant: str, idempotency_key: str | None) -> None:
-        self._entries.pop(response_id, None)
-        if idempotency_key is not None and self._keys.get((tenant, idempotency_key), ("",))[0] == response_id:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry.size
+        if idempotency_key is None:
+            return
+        known = self._keys.get((tenant, idempotency_key))
+        if known is not None and known[0].response_id == response_id:
             del self._keys[(tenant, idempotency_key)]
 
     def adopt(self, response_id: str, tenant: str, first: int) -> None:
@@ -276,10 +327,17 @@ class LocalStreamLog:
         frames = entry.frames
         assert isinstance(frames, list)  # a tuple only once ended
         frames.append(frame)
+        entry.size += len(frame)
+        self.bytes += len(frame)
         if len(frames) > self.max_events:
             trim = len(frames) - self.max_events
+            trimmed = sum(len(f) for f in frames[:trim])
+            entry.size -= trimmed
+            self.bytes -= trimmed
             del frames[:trim]
             entry.first += trim
+        if self.bytes > self.max_bytes:
+            self._shed()
         entry.wake()
 
     def end(self, response_id: str) -> None:
@@ -290,14 +348,16 @@ class LocalStreamLog:
         entry.frames = tuple(entry.frames)
         entry.expires = time.monotonic() + self.retention_s
         if entry.key is not None:
-            self._keys[(entry.tenant, entry.key)] = (response_id, entry.expires)
+            known = self._keys.get((entry.tenant, entry.key))
+            if known is not None and known[0].response_id == response_id:
+                self._keys[(entry.tenant, entry.key)] = (known[0], entry.expires)
         entry.wake()
 
     async def owner(self, response_id: str) -> str | None:
         entry = self._entry(response_id)
         return None if entry is None else entry.tenant
 
-    async def by_key(self, tenant: str, idempotency_key: str) -> str | None:
+    async def by_key(self, tenant: str, idempotency_key: str) -> Keyed | None:
         known = self._keys.get((tenant, idempotency_key))
         return known[0] if known is not None and known[1] > time.monotonic() else None
 
@@ -342,8 +402,9 @@ def unpack_tokens(data: bytes) -> list[int]:
 
 
 # KEYS: the response's owner hash P:sm:ID, then its Idempotency-Key's name (when it has one);
-# ARGV: response id, TTL (s), the owner's fields and values. Returns the response id the key was
-# already filed with (nothing filed then), else nil.
+# ARGV: what the key is filed with (`Keyed.encode`: response id | request fingerprint), TTL (s),
+# the owner's fields and values. Returns what the key was already filed with (nothing filed then),
+# else nil.
 _CREATE = r"""
 if KEYS[2] then
   local known = redis.call('GET', KEYS[2])
@@ -422,7 +483,8 @@ class RedisStreamLog:
             self._flusher = None
 
     async def create(self, response_id: str, tenant: str, idempotency_key: str | None, *,
-                     grace_s: float | None = None, envelope: Envelope | None = None) -> str | None:
+                     grace_s: float | None = None, envelope: Envelope | None = None,
+                     fingerprint: str = "") -> Keyed | None:
         name = None if idempotency_key is None else self._key_name(tenant, idempotency_key)
         fields: list[str | bytes] = ["tenant", tenant, "gen", self.replica]
         if name is not None:
@@ -434,9 +496,9 @@ class RedisStreamLog:
         # One script: a replica killed between filing the key and the owner must not leave a key
         # whose response has no owner (an attach to it would be a 404).
         keys = [self._k("sm", response_id)] + ([name] if name is not None else [])
-        known = await self._create(keys=keys, args=[response_id, self._ttl, *fields])
+        known = await self._create(keys=keys, args=[Keyed(response_id, fingerprint).encode(), self._ttl, *fields])
         if known is not None:
-            return known.decode() if isinstance(known, bytes) else str(known)
+            return Keyed.decode(known)
         if name is not None:
             self._keys[response_id] = name
         await self._mirror.create(response_id, tenant, None)
@@ -572,9 +634,9 @@ class RedisStreamLog:
         tenant = await self._redis.hget(self._k("sm", response_id), "tenant")
         return None if tenant is None else tenant.decode()
 
-    async def by_key(self, tenant: str, idempotency_key: str) -> str | None:
+    async def by_key(self, tenant: str, idempotency_key: str) -> Keyed | None:
         known = await self._redis.get(self._key_name(tenant, idempotency_key))
-        return None if known is None else known.decode()
+        return None if known is None else Keyed.decode(known)
 
     def _page(self, after: int, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> Page:
         frames: list[bytes] = []

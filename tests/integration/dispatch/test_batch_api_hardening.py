@@ -1,5 +1,6 @@
-"""Issue #36, Files API (item 3): a per-tenant storage cap, uploads counted against requests/min
-(refused before the body is read), and a listing that does not load the files' content.
+"""Issue #36, Files and Batch API: a per-tenant storage cap, uploads counted against requests/min
+(refused before the body is read), and a listing that does not load the files' content (item 3);
+cancelling a large batch without counting its results once per line (item 5).
 
 The gateway app with the Kafka backend and the Batch API (the session broker; no worker: nothing
 here generates), over HTTP through Litestar's test client, on SQLite and PostgreSQL.
@@ -7,6 +8,7 @@ here generates), over HTTP through Litestar's test client, on SQLite and Postgre
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,7 +29,7 @@ from .conftest import WORKER_SECRET, make_settings
 pytestmark = pytest.mark.integration
 
 ADMIN_TOKEN = "slc-admin-files-hardening-" + "f" * 24
-STORAGE = 4000
+STORAGE = 100_000
 
 
 def _file(lines: int, tag: str) -> bytes:
@@ -64,13 +66,13 @@ async def _upload(http: Any, headers: dict[str, str], content: bytes, name: str 
 
 async def test_a_tenant_has_a_storage_limit(client: Any) -> None:
     http, keys = client
-    first = await _upload(http, keys["keeper"], _file(20, "a"))  # ~2,300 bytes
+    first = await _upload(http, keys["keeper"], _file(400, "a"))  # ~66,000 bytes of the 100,000 limit
     assert first.status_code == 200, first.text
-    second = await _upload(http, keys["keeper"], _file(20, "b"))
+    second = await _upload(http, keys["keeper"], _file(400, "b"))
     assert second.status_code == 400, second.text
     assert second.json()["error"]["code"] == "file_storage_exceeded" and second.json()["error"]["param"] == "file"
     assert (await http.delete(f"/v1/files/{first.json()['id']}", headers=keys["keeper"])).status_code == 200
-    assert (await _upload(http, keys["keeper"], _file(20, "b"))).status_code == 200
+    assert (await _upload(http, keys["keeper"], _file(400, "b"))).status_code == 200
 
 
 async def test_uploads_count_against_requests_per_minute(client: Any) -> None:
@@ -103,3 +105,44 @@ async def test_a_listing_does_not_read_the_files_content(client: Any) -> None:
     assert reads and not any("content" in s for s in reads), reads
     content = await http.get(f"/v1/files/{uploaded.json()['id']}/content", headers=keys["keeper"])
     assert content.content == _file(3, "l")
+
+
+async def test_cancelling_a_large_batch_counts_its_results_a_few_times(client: Any) -> None:
+    """Item 5: cancelling a batch of N queued lines stores N results, but the check whether the
+    batch is complete (a count of its results) runs a few times, not once per line (quadratic)."""
+    http, keys = client
+    lines = 400
+    uploaded = await _upload(http, keys["keeper"], _file(lines, "c"))
+    assert uploaded.status_code == 200, uploaded.text
+    created = await http.post("/v1/batches", headers=keys["keeper"], json={
+        "input_file_id": uploaded.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert created.status_code == 200, created.text
+    batch_id = created.json()["id"]
+    counts: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "count(" in statement.lower() and "batch_result" in statement and "GROUP BY" not in statement:
+            counts.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", seen)
+    try:
+        cancelled = await http.post(f"/v1/batches/{batch_id}/cancel", headers=keys["keeper"])
+        assert cancelled.status_code == 200, cancelled.text
+        for _ in range(2400):  # 240 s: the failure mode on a loaded machine, not a measured limit
+            batch = (await http.get(f"/v1/batches/{batch_id}", headers=keys["keeper"])).json()
+            if batch["status"] == "cancelled":
+                break
+            if batch["request_counts"]["failed"] >= lines - 1:  # see below
+                await asyncio.sleep(3.0)
+                batch = (await http.get(f"/v1/batches/{batch_id}", headers=keys["keeper"])).json()
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        event.remove(Engine, "before_cursor_execute", seen)
+    # Known, separate from this item (h36 note): on SQLite without a worker, one line of a batch
+    # cancelled while its lines are being queued sometimes gets no result (399 of 400), and the
+    # batch stays `cancelling`; the count below is what this test is about.
+    assert batch["request_counts"]["failed"] >= lines - 1, (batch["request_counts"], batch["status"])
+    if batch["request_counts"]["failed"] == lines:
+        assert batch["status"] == "cancelled", (batch["request_counts"], batch["status"])
+    assert len(counts) < lines / 4, len(counts)  # once per line: one count per stored result
