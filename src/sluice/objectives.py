@@ -22,10 +22,14 @@ sizes its prefill chunks to keep the ITL targets of the streams it is decoding
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from sluice.protocol import Priority
+
+if TYPE_CHECKING:
+    from sluice.settings import ObjectiveSettings
 
 MAX_TARGET_S = 3600.0
 HEADER = "x-sluice-objective"
@@ -99,3 +103,12 @@ def resolve(class_objective: Objective, priority: Priority, tenant: Objective,
 
 
 __all__ = ["HEADER", "MAX_TARGET_S", "Objective", "check_target", "format_header", "parse_header", "resolve"]
+
+
+def class_objective(settings: ObjectiveSettings, priority: Priority) -> Objective:
+    """The configured targets of a class (`[objectives]`)."""
+    if priority is Priority.INTERACTIVE:
+        return Objective(ttft_s=settings.interactive_ttft_s, itl_s=settings.interactive_itl_s)
+    if priority is Priority.STANDARD:
+        return Objective(ttft_s=settings.standard_ttft_s, itl_s=settings.standard_itl_s)
+    return Objective(ttft_s=settings.batch_ttft_s, itl_s=settings.batch_itl_s)

@@ -26,8 +26,7 @@ from typing import Any, Literal
 import msgspec
 
 from sluice.errors import ConfigError
-from sluice.objectives import Objective, check_target
-from sluice.protocol import Priority
+from sluice.objectives import check_target
 
 ClassName = Literal["interactive", "standard", "batch"]
 
@@ -304,8 +303,6 @@ def check_shared_url(url: str) -> None:
         raise ValueError(f"url: the database after the host must be a number; {expected}")
 
 
-
-
 class ObjectiveSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Latency objectives per class (docs/objectives.md); a tenant's own targets replace the
     interactive and standard ones for its requests. TOML has no null: a class keeps a target it has
@@ -325,10 +322,6 @@ class ObjectiveSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     """Batch class: time to first token target, seconds; unset = none (throughput only)."""
     batch_itl_s: float | None = None
     """Batch class: inter-token latency target, seconds; unset = none (throughput only)."""
-
-    def for_class(self, priority: Priority) -> Objective:
-        label = priority.label
-        return Objective(ttft_s=getattr(self, f"{label}_ttft_s"), itl_s=getattr(self, f"{label}_itl_s"))
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sluice.errors import ConfigError
-from sluice.objectives import Objective, format_header, parse_header, resolve
+from sluice.objectives import Objective, class_objective, format_header, parse_header, resolve
 from sluice.protocol import Priority
 from sluice.settings import ObjectiveSettings, load_settings
 
@@ -16,27 +16,27 @@ CLASSES = ObjectiveSettings()
 
 
 def test_class_defaults_are_the_articles_targets_and_batch_has_none() -> None:
-    assert CLASSES.for_class(Priority.INTERACTIVE) == Objective(ttft_s=3.0, itl_s=0.3)
-    standard = CLASSES.for_class(Priority.STANDARD)
+    assert class_objective(CLASSES, Priority.INTERACTIVE) == Objective(ttft_s=3.0, itl_s=0.3)
+    standard = class_objective(CLASSES, Priority.STANDARD)
     assert standard.ttft_s is not None and standard.ttft_s > 3.0 and standard.itl_s is not None and standard.itl_s > 0.3
-    assert CLASSES.for_class(Priority.BATCH) == Objective()
+    assert class_objective(CLASSES, Priority.BATCH) == Objective()
 
 
 def test_tenant_replaces_the_class_targets_but_never_makes_batch_latency_sensitive() -> None:
     tenant = Objective(itl_s=0.5)
-    assert resolve(CLASSES.for_class(Priority.INTERACTIVE), Priority.INTERACTIVE, tenant, None) == Objective(
+    assert resolve(class_objective(CLASSES, Priority.INTERACTIVE), Priority.INTERACTIVE, tenant, None) == Objective(
         ttft_s=3.0, itl_s=0.5)
-    assert resolve(CLASSES.for_class(Priority.BATCH), Priority.BATCH, tenant, None) == Objective()
+    assert resolve(class_objective(CLASSES, Priority.BATCH), Priority.BATCH, tenant, None) == Objective()
 
 
 def test_the_header_only_tightens() -> None:
-    base = CLASSES.for_class(Priority.INTERACTIVE)
+    base = class_objective(CLASSES, Priority.INTERACTIVE)
     assert resolve(base, Priority.INTERACTIVE, Objective(), parse_header("ttft=1.5, itl=0.1")) == Objective(
         ttft_s=1.5, itl_s=0.1)
     assert resolve(base, Priority.INTERACTIVE, Objective(), parse_header("ttft=60,itl=9")) == base  # looser: kept
     assert resolve(base, Priority.INTERACTIVE, Objective(), parse_header("itl=0.2")) == Objective(ttft_s=3.0, itl_s=0.2)
     # A class without a target gets none from a header.
-    batch = CLASSES.for_class(Priority.BATCH)
+    batch = class_objective(CLASSES, Priority.BATCH)
     assert resolve(batch, Priority.BATCH, Objective(), parse_header("itl=0.1")) == Objective()
 
 
@@ -65,5 +65,5 @@ def test_bad_objective_settings_are_one_line_config_errors(tmp_path: Path, key: 
 def test_objective_settings_from_a_file(tmp_path: Path) -> None:
     (tmp_path / "sluice.toml").write_text("[objectives]\ninteractive_itl_s = 0.2\nbatch_ttft_s = 600\n")
     settings = load_settings(tmp_path, {})
-    assert settings.objectives.for_class(Priority.INTERACTIVE) == Objective(ttft_s=3.0, itl_s=0.2)
-    assert settings.objectives.for_class(Priority.BATCH) == Objective(ttft_s=600.0)
+    assert class_objective(settings.objectives, Priority.INTERACTIVE) == Objective(ttft_s=3.0, itl_s=0.2)
+    assert class_objective(settings.objectives, Priority.BATCH) == Objective(ttft_s=600.0)

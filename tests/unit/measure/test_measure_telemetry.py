@@ -81,7 +81,8 @@ def test_emit_writes_jsonl_and_logger_and_observes_the_same_ttft(tmp_path, caplo
     before_count = _sample_value("sluice:time_to_first_token_seconds_count", labels)
     record = _record("req-emit", model="model-emit")
     try:
-        with caplog.at_level(logging.INFO, logger=telemetry.RECORDS_LOGGER):
+        # with a record file the logger gets the record at DEBUG (off the terminal on `make run`)
+        with caplog.at_level(logging.DEBUG, logger=telemetry.RECORDS_LOGGER):
             telemetry.emit_record(record, [101.0, 101.1, 101.3, 101.6, 102.0])
     finally:
         telemetry.configure("")

@@ -187,8 +187,8 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
     if filed is not None:  # a concurrent POST with this key was filed first: follow that one
         flight.finish(aborted=True)
         _same_request(filed, fingerprint)
-        return await _attach(streams, services.quotas, tenant, filed.response_id, after, metered=False,  # counted: launched
-                             with_ids=with_ids)
+        return await _attach(streams, services.quotas, tenant, filed.response_id, after,
+                             metered=False, with_ids=with_ids)  # counted: launched
     try:  # the first delta before the first byte: an expiry until then is an HTTP error
         await _unless_disconnected(request, flight.first_delta())
     except BaseException:

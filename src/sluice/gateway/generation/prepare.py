@@ -25,7 +25,7 @@ from sluice.gateway.generation.tools import call_constraint, fallback_messages, 
 from sluice.gateway.queueing.backend import LinkLimits
 from sluice.grammar import GrammarError
 from sluice.grammar import check as grammar_check
-from sluice.objectives import Objective, resolve
+from sluice.objectives import Objective, class_objective, resolve
 from sluice.protocol import GenerateRequest, Priority, SamplingParams, StructuredOutput
 from sluice.settings import ObjectiveSettings
 
@@ -324,7 +324,7 @@ class RequestPreparer:
         stream = bool(body.stream)
         if body.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
-        objective = resolve(self.objectives.for_class(priority), priority, tenant.objective, header)
+        objective = resolve(class_objective(self.objectives, priority), priority, tenant.objective, header)
         choices = body.n or 1
         if choices > 1 and stream:
             raise bad_request("n above 1 is not supported with stream yet: stream one request per choice, or "
