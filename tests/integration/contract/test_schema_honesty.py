@@ -32,15 +32,20 @@ RUNTIME_CODES = {"context_length_exceeded", "max_output_tokens_exceeded", "max_p
 
 def _runtime_refusal(label: str, response: object) -> bool:
     """A 400 for a rule the document states but JSON Schema does not validate: the prompt's tokens
-    against the context, the tenant's caps, and an upload's content (`contentMediaType:
-    application/jsonl` and the UTF-8 text it documents are annotations: schemathesis sends any bytes)."""
+    against the context, the tenant's caps, and content the document gives a media type
+    (`contentMediaType` is an annotation, schemathesis sends any text): an upload's UTF-8 JSONL,
+    a tool call's `arguments` JSON."""
     try:
         error = json.loads(response.content)["error"]  # type: ignore[attr-defined]
     except (ValueError, KeyError, TypeError, AttributeError):
         return False
     if not isinstance(error, dict):
         return False
-    return error.get("code") in RUNTIME_CODES or (label == "POST /v1/files" and error.get("code") == "invalid_file")
+    if error.get("code") in RUNTIME_CODES:
+        return True
+    if label == "POST /v1/files" and error.get("code") == "invalid_file":
+        return True
+    return str(error.get("param") or "").endswith(".tool_calls") and "not valid JSON" in str(error.get("message"))
 
 
 def test_schema_valid_input_is_accepted(served: Served) -> None:

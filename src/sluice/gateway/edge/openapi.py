@@ -80,6 +80,17 @@ def body_types(app: Any) -> set[type[msgspec.Struct]]:
 # add_generation_prompt false (its default is true).
 _NULL = {"type": "null"}
 COMPONENT_RULES: dict[str, dict[str, Any]] = {
+    # Chat turns (prepare.template_messages): only an assistant turn carries tool calls, and a
+    # `tool` turn names the call it answers.
+    "ChatMessage": {
+        "allOf": [
+            {"if": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+             "then": {"properties": {"role": {"const": "assistant"}}}},
+            {"if": {"required": ["role"], "properties": {"role": {"const": "tool"}}},
+             "then": {"required": ["tool_call_id"],
+                      "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
+        ]
+    },
     "TokenizeRequest": {
         "oneOf": [
             {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": _NULL}},

@@ -66,7 +66,8 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 class ToolCallFunction(msgspec.Struct, kw_only=True):
     name: str
-    arguments: str  # JSON text, as the model wrote it (OpenAI's shape)
+    # JSON text, as the model wrote it (OpenAI's shape); a request's must parse (else a 400)
+    arguments: Annotated[str, Meta(extra_json_schema={"contentMediaType": "application/json"})]
 
 
 class ToolCall(msgspec.Struct, kw_only=True):

@@ -384,7 +384,9 @@ class UpstreamLink:
                 raise UpstreamError(f"upstream {self.spec.name!r} reported an error{_error_detail(data)}")
             if isinstance(event.get("usage"), dict):
                 usage = event["usage"]
-            choices = event.get("choices") or ()
+            choices = event.get("choices")
+            if choices is None:
+                choices = []  # a chunk without choices (an empty list, the usage chunk, is the usual form)
             if not isinstance(choices, list):
                 raise MalformedChunk("choices is not a list")
             for raw in choices:
