@@ -113,7 +113,9 @@ class Scheduler:
         """Prompt tokens still to prefill, waiting and running, by class (index = Priority value):
         the queue a new request finds, for the gateway's TTFT prediction (prefix hits ignored)."""
         backlog = [0] * len(Priority)
-        for request in self._requests.values():
+        # A copy: a link attached from another thread asks for a capacity report while the engine
+        # thread may add or retire requests (list() of a dict's values is one step under the GIL).
+        for request in list(self._requests.values()):
             left = request.num_tokens - request.num_computed_tokens
             if left > 1:  # a decode step's one token is not prefill
                 backlog[request.priority] += left
