@@ -182,7 +182,8 @@ def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
             continue
         turns = [t for a in mine for t in a.turns if t.error is None and t.finish is not None]
         ttfts = [t.first_token - t.arrival for t in turns if t.first_token is not None]
-        span = sum(max(t.finish for t in a.turns if t.finish) - min(t.arrival for t in a.turns) for a in mine if a.turns)
+        span = sum(max(t.finish for t in a.turns if t.finish) - min(t.arrival for t in a.turns)
+                   for a in mine if a.turns)
         output = sum(t.output_tokens for t in turns)
         prompt = sum(t.prompt_tokens for t in turns)
         saved = sum(t.cached_tokens for t in turns)
@@ -206,7 +207,8 @@ def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
             "requests": len(turns), "errors": sum(1 for a in mine for t in a.turns if t.error),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "hot_ttft_p50_s": percentile([t.first_token - t.arrival for t in turns if t.hot and t.first_token], 50),
-            "prompt_tokens": prompt, "prefill_tokens_saved": saved, "cache_hit_rate": saved / prompt if prompt else None,
+            "prompt_tokens": prompt, "prefill_tokens_saved": saved,
+            "cache_hit_rate": saved / prompt if prompt else None,
             "output_tokens": output, "output_tokens_per_s": output / span if span else None,
             "jain_served_over_offered": jain(normal),
             "worker_share": {w: round(n / total_work, 4) for w, n in sorted(work.items())},
@@ -233,9 +235,10 @@ async def run_routing(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
     args.token_range = (min(1000, vocab // 4), vocab)  # ordinary tokens, away from the special ones
-    contexts = {f"tenant-{i:02d}" if i else "hot": tuple(rng.randrange(*args.token_range)
-                                                         for _ in range(rng.randint(args.context_min, args.context_max)))
-                for i in range(args.tenants + 1)}
+    contexts = {}
+    for i in range(args.tenants + 1):
+        length = rng.randint(args.context_min, args.context_max)
+        contexts[f"tenant-{i:02d}" if i else "hot"] = tuple(rng.randrange(*args.token_range) for _ in range(length))
     settings = Settings(gateway=GatewaySettings(worker_port=0, worker_secret=SECRET),
                         dispatch=DispatchSettings(max_worker_waiting=2, heartbeat_interval_s=0.5,
                                                   heartbeat_timeout_s=30.0, local_workers=0),

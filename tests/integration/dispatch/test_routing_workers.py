@@ -103,14 +103,14 @@ async def test_requests_follow_their_cached_prefix_and_tenants_stay_apart(
     ids = start_two(start_worker, demo_model_dir, f"127.0.0.1:{backend.worker_port}", "follow")
     await wait_for(lambda: all(w in backend.dispatcher.workers for w in ids), 180, "both workers")
 
-    first = await submit(backend, request(SYSTEM + (7, 8, 9)))
+    first = await submit(backend, request((*SYSTEM, 7, 8, 9)))
     await drain(first)
     home = first.state.worker
     other = next(w for w in ids if w != home)
     # The engine's KV events reached the index (not only what the gateway sent).
     await wait_for(lambda: backend.dispatcher.workers[home].cache.num_events > 0, 30, "KV events")
-    assert holds(backend, home, SYSTEM + (7,), "salt-t1") == 10
-    assert holds(backend, other, SYSTEM + (7,), "salt-t1") == 0
+    assert holds(backend, home, (*SYSTEM, 7), "salt-t1") == 10
+    assert holds(backend, other, (*SYSTEM, 7), "salt-t1") == 0
 
     # Later turns of t1, extending the prompt, go home and hit the engine's cache there.
     for extra in ((1, 2, 3), (4, 5, 6, 7, 8)):
@@ -121,7 +121,7 @@ async def test_requests_follow_their_cached_prefix_and_tenants_stay_apart(
         assert turn.state.cached_tokens >= 160  # the engine found them where routing predicted
 
     # The same prompt from another tenant (another salt) is not routed as if it were cached.
-    stranger = await submit(backend, request(SYSTEM + (1, 2, 3), tenant="t2"))
+    stranger = await submit(backend, request((*SYSTEM, 1, 2, 3), tenant="t2"))
     await drain(stranger)
     assert stranger.state.route_cached_tokens == 0 and stranger.state.route != "cache"
     assert stranger.state.cached_tokens == 0
@@ -137,7 +137,7 @@ async def test_a_hot_prefix_spreads_once_its_worker_is_loaded(
     await wait_for(lambda: all(w in backend.dispatcher.workers for w in ids), 180, "both workers")
     # load_cost_tokens = 0: the cache alone would pile everything on one worker; the guard
     # (spread_margin 0.5: two more requests per 4 slots than the least loaded) must spread them.
-    hot = [await submit(backend, request(SYSTEM + (i,), max_tokens=64)) for i in range(8)]
+    hot = [await submit(backend, request((*SYSTEM, i), max_tokens=64)) for i in range(8)]
     for followed in hot:
         out = await drain(followed)
         assert out[-1].finish_reason == FinishReason.LENGTH
@@ -152,15 +152,15 @@ async def test_a_restarted_worker_is_treated_as_empty(
     port = backend.worker_port
     process = start_worker(demo_model_dir, port, "restart-a", "--max-num-seqs", "4")
     await wait_for(lambda: "restart-a" in backend.dispatcher.workers, 180, "the worker")
-    await drain(await submit(backend, request(SYSTEM + (1,))))
-    await wait_for(lambda: holds(backend, "restart-a", SYSTEM + (1,), "salt-t1") == 10, 30, "the prefix indexed")
+    await drain(await submit(backend, request((*SYSTEM, 1))))
+    await wait_for(lambda: holds(backend, "restart-a", (*SYSTEM, 1), "salt-t1") == 10, 30, "the prefix indexed")
 
     kill_group(process)
     await wait_for(lambda: "restart-a" not in backend.dispatcher.workers, 30, "the worker to be dropped")
     start_worker(demo_model_dir, port, "restart-a", "--max-num-seqs", "4")
     await wait_for(lambda: "restart-a" in backend.dispatcher.workers, 180, "the restarted worker")
     assert len(backend.dispatcher.workers["restart-a"].cache) == 0
-    again = await submit(backend, request(SYSTEM + (2,)))
+    again = await submit(backend, request((*SYSTEM, 2)))
     await drain(again)
     assert again.state.route_cached_tokens == 0 and again.state.cached_tokens == 0
 
@@ -174,10 +174,10 @@ async def test_two_replicas_route_the_next_turn_to_the_same_worker(
         await wait_for(lambda: all(w in r.dispatcher.workers for r in replicas for w in ids), 180,
                        "both workers on both replicas")
         a, b = replicas
-        turn1 = await submit(a, request(SYSTEM + (11, 12)))
+        turn1 = await submit(a, request((*SYSTEM, 11, 12)))
         out1 = await drain(turn1)
         home = turn1.state.worker
-        conversation = SYSTEM + (11, 12) + tokens(out1) + (13, 14, 15)
+        conversation = (*SYSTEM, 11, 12, *tokens(out1), 13, 14, 15)
         # Each replica indexes the same worker's events on its own link.
         await wait_for(lambda: all(holds(r, home, conversation, "salt-t1") >= 10 for r in replicas), 30,
                        "both replicas to index the first turn")
@@ -186,7 +186,8 @@ async def test_two_replicas_route_the_next_turn_to_the_same_worker(
                        30, "both workers idle on both replicas")
         turn2 = await submit(b, request(conversation))
         await drain(turn2)
-        views = {v["worker_id"]: (v["load"], v["free_kv_blocks"], v["total_kv_blocks"]) for v in b.dispatcher.workers_view()}
+        views = {v["worker_id"]: (v["load"], v["free_kv_blocks"], v["total_kv_blocks"])
+                 for v in b.dispatcher.workers_view()}
         assert turn2.state.worker == home and turn2.state.route == "cache", (
             turn2.state.route, turn2.state.route_cached_tokens, views)
         assert turn2.state.cached_tokens >= 160
