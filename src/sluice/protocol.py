@@ -210,6 +210,13 @@ class RequestDelta(msgspec.Struct, frozen=True, kw_only=True, tag="delta"):
     token_times: tuple[float, ...] = ()
 
 
+# The step-cost model's features and their scales (a coefficient is seconds per feature / scale):
+# the units of `WorkerCapacity.step_cost`, shared by the engine's model (workers/step_budget.py)
+# and the gateway's TTFT prediction (gateway/dispatch/ttft.py).
+STEP_COST_FEATURES = ("fixed", "prefill_tokens", "decode_rows", "context_tokens", "verify_rows", "prefill_pairs")
+STEP_COST_SCALES = (1.0, 1_000.0, 100.0, 100_000.0, 100.0, 1_000_000.0)
+
+
 class WorkerCapacity(msgspec.Struct, frozen=True, kw_only=True, tag="capacity"):
     """A worker's load, sent on registration, on every change and as a heartbeat."""
 
@@ -231,6 +238,10 @@ class WorkerCapacity(msgspec.Struct, frozen=True, kw_only=True, tag="capacity"):
     step_cost: tuple[float, ...] = ()
     # Its recent relative prediction error of step time: (median, p95); None before any.
     step_cost_error: tuple[float, float] | None = None
+    # Prompt tokens still to prefill, waiting and running, by class (index = Priority value);
+    # empty from an older worker. With `step_cost`, the gateway's TTFT prediction (dispatch/ttft.py).
+    prefill_backlog: tuple[int, ...] = ()
+    max_num_batched_tokens: int = 0  # the engine's token budget per step (0: not reported)
 
 
 class KvEvents(msgspec.Struct, frozen=True, kw_only=True, tag="kv_events"):

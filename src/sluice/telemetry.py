@@ -108,6 +108,9 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     ttft_target_s: float | None = None
     itl_target_s: float | None = None
     slo_met: bool | None = None
+    # The TTFT the gateway predicted at admission (gateway/dispatch/ttft.py), to set beside ttft_s;
+    # None: no target, or no worker's TTFT could be predicted.
+    predicted_ttft_s: float | None = None
 
 
 def _gap_summary(token_times: Sequence[float]) -> tuple[float | None, ...]:
@@ -130,7 +133,7 @@ def make_record(*, request_id: str, tenant: str, model: str, priority_class: str
                 engine_first_scheduled: float | None = None, engine_first_token: float | None = None,
                 engine_arrival: float | None = None, batch_id: str | None = None, route: str = "",
                 route_cached_tokens: int = 0, ttft_target_s: float | None = None,
-                itl_target_s: float | None = None) -> RequestRecord:
+                itl_target_s: float | None = None, predicted_ttft_s: float | None = None) -> RequestRecord:
     """Build a record from raw timestamps.
 
     `token_times` are the times each completion token became available (engine-side in the
@@ -160,6 +163,7 @@ def make_record(*, request_id: str, tenant: str, model: str, priority_class: str
         route=route, route_cached_tokens=route_cached_tokens,
         ttft_target_s=ttft_target_s, itl_target_s=itl_target_s,
         slo_met=_slo_met(str(finish_reason), ttft, itl_p95, ttft_target_s, itl_target_s),
+        predicted_ttft_s=predicted_ttft_s,
     )
 
 

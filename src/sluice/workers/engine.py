@@ -155,6 +155,8 @@ class LLMEngine:
             sent_at=time.time(),
             step_cost=cost.coefficients if cost.ready else (),
             step_cost_error=cost.prediction_error(),
+            prefill_backlog=self.scheduler.prefill_backlog(),
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
 
     # ---- KV events -----------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from bisect import bisect_left, insort
 from collections.abc import Callable
 from itertools import pairwise
 
+from sluice.protocol import Priority
 from sluice.workers.block_manager import BlockManager
 from sluice.workers.config import SchedulerConfig
 from sluice.workers.request import Request, RequestStatus
@@ -107,6 +108,18 @@ class Scheduler:
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
+
+    def prefill_backlog(self) -> tuple[int, ...]:
+        """Prompt tokens still to prefill, waiting and running, by class (index = Priority value):
+        the queue a new request finds, for the gateway's TTFT prediction (prefix hits ignored)."""
+        backlog = [0] * len(Priority)
+        # A copy: a link attached from another thread asks for a capacity report while the engine
+        # thread may add or retire requests (list() of a dict's values is one step under the GIL).
+        for request in list(self._requests.values()):
+            left = request.num_tokens - request.num_computed_tokens
+            if left > 1:  # a decode step's one token is not prefill
+                backlog[request.priority] += left
+        return tuple(backlog)
 
     # ---- requests in and out -------------------------------------------------------------------
 

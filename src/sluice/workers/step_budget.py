@@ -23,12 +23,14 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from sluice.protocol import STEP_COST_FEATURES, STEP_COST_SCALES
 from sluice.workers.scheduler_output import SchedulerOutput
 
 # Feature scales: each feature divided by its scale is of order 1 in a typical step, so the fit's
 # normal equations are well conditioned and the ridge weight means the same for every coefficient.
-FEATURES = ("fixed", "prefill_tokens", "decode_rows", "context_tokens", "verify_rows", "prefill_pairs")
-_SCALES = (1.0, 1_000.0, 100.0, 100_000.0, 100.0, 1_000_000.0)
+# (In the protocol: a worker's coefficients are read by the gateway in the same units.)
+FEATURES = STEP_COST_FEATURES
+_SCALES = STEP_COST_SCALES
 WINDOW = 512  # steps the fit looks at (minutes of a busy engine)
 REFIT_EVERY = 16  # steps between fits (a fit costs ~1 ms of Python)
 MIN_STEPS = 16  # steps observed before the model is trusted (before: the fixed budget)

@@ -64,6 +64,10 @@ def test_the_console_form_edits_a_tenant_s_targets() -> None:
     form = {"weight": "1", "priority_ceiling": "standard", "default_class": "standard"}
     patch = tenant_patch({**form, "ttft_target_s": "2.5", "itl_target_s": ""})
     assert patch.ttft_target_s == 2.5 and patch.itl_target_s is None
+    assert tenant_patch({**form, "on_predicted_miss": "shed"}).on_predicted_miss == "shed"
+    with pytest.raises(OpenAIError) as exc:
+        tenant_patch({**form, "on_predicted_miss": "drop"})
+    assert exc.value.param == "on_predicted_miss"
     with pytest.raises(OpenAIError) as exc:
         tenant_patch({**form, "itl_target_s": "quick"})
     assert exc.value.param == "itl_target_s"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from sluice.gateway.dispatch.cache_index import CacheIndex
@@ -18,9 +19,11 @@ from sluice.gateway.dispatch.routing import (
     REASON_LOAD,
     REASON_ROUND_ROBIN,
     REASON_SPREAD,
+    REASON_TTFT,
     PromptBlocks,
     Router,
 )
+from sluice.gateway.dispatch.ttft import WorkerLoad
 from sluice.prefix_hash import prefix_block_hashes
 from sluice.protocol import GenerateRequest, KvEvents, Priority, SamplingParams
 from sluice.settings import RoutingSettings
@@ -36,6 +39,7 @@ class Candidate:
     load: float = 0.0
     kv_use: float = 0.0
     cache: CacheIndex = field(default_factory=lambda: CacheIndex(10_000))
+    ttft_load: WorkerLoad | None = None  # not predictable unless a test gives one
 
 
 def request(salt: str = "tenant-a", prompt: tuple[int, ...] = PROMPT) -> GenerateRequest:
@@ -126,3 +130,52 @@ def test_the_gateway_hashes_as_the_engine_does() -> None:
     stored, evicted, cleared = manager.take_events()
     assert stored == prefix_block_hashes("tenant-a", PROMPT[:100], 16, 6) and not evicted and not cleared
     assert manager.take_events() == ([], [], False)  # handed over once
+
+
+# ---- predicted TTFT (dispatch/ttft.py) ----------------------------------------------------------
+
+# 10 ms per step and 0.1 s per 1000 prefill tokens, steps of 2048 tokens.
+COST = (0.010, 0.1, 0.0, 0.0, 0.0, 0.0)
+
+
+def backlogged(tokens: int) -> WorkerLoad:
+    return WorkerLoad(step_cost=COST, prefill_backlog=(0, tokens, 0), decode_rows=0, step_tokens=2048)
+
+
+def with_target(target_s: float | None) -> GenerateRequest:
+    return msgspec.structs.replace(request(), ttft_target_s=target_s)
+
+
+def test_a_worker_predicted_to_meet_the_ttft_target_goes_before_the_cache_hit() -> None:
+    # The warm worker holds the prompt but has 20k tokens to prefill first: ~1.1 s; the idle one ~0.17 s.
+    warm = holding(Candidate("warm", ttft_load=backlogged(20_000)), "tenant-a", PROMPT)
+    idle = Candidate("idle", load=0.25, ttft_load=backlogged(0))
+    ranked = router().rank([warm, idle], PromptBlocks(with_target(0.5)))
+    assert [d.worker for d in ranked] == [idle, warm]
+    assert ranked[0].reason == REASON_TTFT
+    assert ranked[0].predicted_ttft_s == pytest.approx(0.17)
+    assert ranked[1].predicted_ttft_s is not None and ranked[1].predicted_ttft_s > 0.5
+    # A looser target both meet: the cache-aware order stands.
+    ranked = router().rank([warm, idle], PromptBlocks(with_target(5.0)))
+    assert [d.worker for d in ranked] == [warm, idle] and ranked[0].reason == REASON_CACHE
+    # No target: no prediction at all.
+    ranked = router().rank([warm, idle], PromptBlocks(with_target(None)))
+    assert ranked[0].worker is warm and ranked[0].predicted_ttft_s is None
+
+
+def test_ttft_preference_applies_under_least_loaded_too_and_unknown_workers_count_as_in_time() -> None:
+    busy = Candidate("busy", load=0.1, ttft_load=backlogged(50_000))
+    unknown = Candidate("upstream", load=0.9)  # no step cost reported
+    ranked = router("least_loaded").rank([busy, unknown], PromptBlocks(with_target(1.0)))
+    assert [d.worker for d in ranked] == [unknown, busy] and ranked[0].reason == REASON_TTFT
+    assert ranked[0].predicted_ttft_s is None
+
+
+def test_best_prediction_is_the_lowest_and_none_when_a_worker_is_unknown() -> None:
+    near, far = Candidate("near", ttft_load=backlogged(0)), Candidate("far", ttft_load=backlogged(20_000))
+    blocks = PromptBlocks(with_target(0.5))
+    assert router().best_prediction([near, far], blocks) == pytest.approx(0.17)
+    # The gateway's queue ahead of it (spread over the workers) counts.
+    assert router().best_prediction([near, far], blocks, queued_ahead=2048) == pytest.approx(0.3848)
+    assert router().best_prediction([near, Candidate("upstream")], blocks) is None
+    assert router().best_prediction([], blocks) is None

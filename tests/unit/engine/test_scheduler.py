@@ -638,3 +638,16 @@ def test_random_workload_keeps_invariants_and_finishes(policy: str, seed: int, s
         assert s.stats.num_preemptions > 0 and s.stats.num_priority_preemptions > 0
     if speculative:
         assert 0 < s.stats.num_accepted_draft_tokens < s.stats.num_draft_tokens
+
+
+def test_prefill_backlog_counts_tokens_still_to_prefill_by_class() -> None:
+    """What a worker reports for the gateway's TTFT prediction (gateway/dispatch/ttft.py)."""
+    s = make(budget=64, chunk=32)
+    s.add_request(req("i", 100, priority=Priority.INTERACTIVE))
+    s.add_request(req("b", 40, priority=Priority.BATCH))
+    assert s.prefill_backlog() == (100, 0, 40)
+    step(s)  # interactive first: one chunk of 32, then 32 of the batch prompt (budget 64)
+    assert s.prefill_backlog() == (68, 0, 8)
+    while s.prefill_backlog() != (0, 0, 0):
+        step(s)
+    assert s.has_work  # decoding: no prefill left to report

@@ -21,6 +21,9 @@ Grace = Annotated[float, msgspec.Meta(ge=0, le=3600)] | None
 # A latency target of this tenant's interactive and standard requests (sluice/objectives.py);
 # null = the class's target from [objectives].
 Target = Annotated[float, msgspec.Meta(gt=0, le=3600)] | None
+# A request predicted to miss its TTFT target at every worker: queued anyway (its prediction in the
+# x-sluice-predicted-ttft-ms header) or refused at once with a 429 (docs/objectives.md).
+OnPredictedMiss = Literal["queue", "shed"]
 
 
 class Quotas(msgspec.Struct, kw_only=True):
@@ -60,6 +63,7 @@ class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     disconnect_grace_s: Grace = None
     ttft_target_s: Target = None
     itl_target_s: Target = None
+    on_predicted_miss: OnPredictedMiss = "queue"
     quotas: Quotas = msgspec.field(default_factory=Quotas)
 
 
@@ -74,6 +78,7 @@ class TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     disconnect_grace_s: Grace | msgspec.UnsetType = msgspec.UNSET
     ttft_target_s: Target | msgspec.UnsetType = msgspec.UNSET
     itl_target_s: Target | msgspec.UnsetType = msgspec.UNSET
+    on_predicted_miss: OnPredictedMiss | msgspec.UnsetType = msgspec.UNSET
     quotas: QuotasPatch | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -90,6 +95,7 @@ class TenantOut(msgspec.Struct, kw_only=True):
     disconnect_grace_s: float | None  # null: the gateway's gateway.disconnect_grace_s
     ttft_target_s: float | None  # null: the class's target ([objectives])
     itl_target_s: float | None  # null: the class's target ([objectives])
+    on_predicted_miss: OnPredictedMiss
     quotas: Quotas
 
 

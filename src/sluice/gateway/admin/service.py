@@ -63,6 +63,7 @@ def tenant_out(tenant: Tenant, quota: Quota | None) -> TenantOut:
         disconnect_grace_s=tenant.disconnect_grace_s,
         ttft_target_s=tenant.ttft_target_s,
         itl_target_s=tenant.itl_target_s,
+        on_predicted_miss=tenant.on_predicted_miss,  # type: ignore[arg-type]
         quotas=Quotas(**(quota.limits() if quota is not None else {})),
     )
 
@@ -123,6 +124,7 @@ class AdminService:
             disconnect_grace_s=body.disconnect_grace_s,
             ttft_target_s=body.ttft_target_s,
             itl_target_s=body.itl_target_s,
+            on_predicted_miss=body.on_predicted_miss,
         )
         quota = Quota(tenant_id=tenant.id, **{f: getattr(body.quotas, f) for f in QUOTA_FIELDS})
         try:
@@ -144,6 +146,7 @@ class AdminService:
                         "disconnect_grace_s": body.disconnect_grace_s,
                         "ttft_target_s": body.ttft_target_s,
                         "itl_target_s": body.itl_target_s,
+                        "on_predicted_miss": body.on_predicted_miss,
                         "quotas": quota.limits(),
                     },
                 )

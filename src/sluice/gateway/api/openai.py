@@ -28,6 +28,7 @@ from sluice.gateway.edge.schemas import (
 )
 from sluice.gateway.generation.answers import complete, settled_refusal
 from sluice.gateway.generation.choices import complete_all, fork, launch_all
+from sluice.gateway.generation.service import PREDICTED_TTFT_HEADER, predicted_ttft_ms
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.quotas.service import QuotaService
 from sluice.gateway.services import Injected, Services
@@ -123,8 +124,12 @@ def _objective_header(request: Request[Any, Any, Any]) -> Objective | None:
 
 
 def _objective_answer(state: RequestState) -> dict[str, str]:
+    """The targets served against, and the TTFT predicted at admission when there was one."""
     generate = state.request
-    return {objectives.HEADER: objectives.format_header(generate.ttft_target_s, generate.itl_target_s)}
+    headers = {objectives.HEADER: objectives.format_header(generate.ttft_target_s, generate.itl_target_s)}
+    if state.predicted_ttft_s is not None:
+        headers[PREDICTED_TTFT_HEADER] = predicted_ttft_ms(state.predicted_ttft_s)
+    return headers
 
 
 async def _answer(request: Request[Any, Any, Any], services: Services, tenant: TenantContext,

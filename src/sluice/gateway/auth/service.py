@@ -91,6 +91,7 @@ class TenantContext:
     key_id: str = ""
     disconnect_grace_s: float | None = None  # None: the gateway's setting
     objective: Objective = field(default_factory=Objective)  # the tenant's own targets; None fields: the class's
+    shed_predicted_miss: bool = False  # refuse (429) a request no worker is predicted to serve in time
 
 
     def allows_model(self, model: str) -> bool:
@@ -110,6 +111,7 @@ def tenant_context(tenant: Tenant, quota: Quota | None, key_id: str = "") -> Ten
         key_id=key_id,
         disconnect_grace_s=tenant.disconnect_grace_s,
         objective=Objective(ttft_s=tenant.ttft_target_s, itl_s=tenant.itl_target_s),
+        shed_predicted_miss=tenant.on_predicted_miss == "shed",
     )
 
 

@@ -67,6 +67,8 @@ def tenant_patch(form: Mapping[str, Any]) -> TenantPatch:
         # Latency targets (sluice/objectives.py): empty = the class's target.
         "ttft_target_s": _text(form, "ttft_target_s") or None,
         "itl_target_s": _text(form, "itl_target_s") or None,
+        # queue | shed (docs/objectives.md); absent from an older form: unchanged.
+        **({"on_predicted_miss": _text(form, "on_predicted_miss")} if "on_predicted_miss" in form else {}),
     }, TenantPatch)
 
 

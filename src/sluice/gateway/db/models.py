@@ -49,6 +49,8 @@ class Tenant(Base):
     # NULL = the class's target from [objectives].
     ttft_target_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
     itl_target_s: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
+    # queue | shed: what a request predicted to miss its TTFT target at every worker gets (docs/objectives.md).
+    on_predicted_miss: Mapped[str] = mapped_column(String(8), default="queue", server_default="queue")
 
 
 class ApiKey(Base):

@@ -66,7 +66,15 @@ from sluice.gateway.dispatch.links.tcp import WorkerPort
 from sluice.gateway.dispatch.links.upstream import UpstreamLink
 from sluice.gateway.dispatch.routing import PromptBlocks, Router
 from sluice.gateway.dispatch.slots import LocalSlots, RedisSlots, WorkerSlots
-from sluice.protocol import FinishReason, KvEvents, Priority, RequestDelta, ServedModelInfo, WorkerCapacity
+from sluice.protocol import (
+    FinishReason,
+    GenerateRequest,
+    KvEvents,
+    Priority,
+    RequestDelta,
+    ServedModelInfo,
+    WorkerCapacity,
+)
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -278,16 +286,31 @@ class Dispatcher:
 
     # ---- dispatch ------------------------------------------------------------------------------
 
+    def _serving(self, request: GenerateRequest) -> list[WorkerLink]:
+        """The workers that may serve `request` now (under their own cap)."""
+        model = request.model
+        # A resumed job goes to worker processes only: an upstream would start it over.
+        resumed = bool(request.resume_token_ids)
+        return [w for w in self.workers.values()
+                if model in w.models and w.worker_id not in self.draining and w.accepting
+                and (w.resumes or not resumed)]
+
     def _candidates(self, job: Job) -> list[WorkerLink]:
         """The workers that may serve `job` (under their own cap), in routing's order (best first)."""
-        model = job.request.model
-        # A resumed job goes to worker processes only: an upstream would start it over.
-        resumed = bool(job.request.resume_token_ids)
-        serving = [w for w in self.workers.values()
-                   if model in w.models and w.worker_id not in self.draining and w.accepting
-                   and (w.resumes or not resumed)]
-        job.ranking = self.router.rank(serving, self._prompt_blocks(job))
+        job.ranking = self.router.rank(self._serving(job.request), self._prompt_blocks(job))
         return [decision.worker for decision in job.ranking]
+
+    def predicted_ttft(self, request: GenerateRequest) -> float | None:
+        """Seconds to the first token of `request` (not queued yet) at the best worker serving its
+        model, by this replica's view (dispatch/ttft.py); None when no worker is predictable.
+        Ahead of it: each worker's own backlog, and the prompts queued here of its class and more
+        urgent ones, taken as spread evenly over the workers (another replica's queue is not seen)."""
+        serving = self._serving(request)
+        if not serving:
+            return None
+        queued = sum(item.prompt_tokens for item in self.scheduler.items()
+                     if item.priority <= request.priority and item.payload.request.model == request.model)
+        return self.router.best_prediction(serving, PromptBlocks(request), queued_ahead=queued // len(serving))
 
     @staticmethod
     def _prompt_blocks(job: Job) -> PromptBlocks:

@@ -16,17 +16,26 @@ Policies (`routing.policy`):
   every worker within the margin, so a cached prefix never drives its worker into overload (the
   "death spiral" of cache-only routing); once the prefix is cached on both, load decides.
 
-`Router.rank(candidates, request)` is the one seam: another predictor (e.g. a predicted TTFT) can
-replace `_cost` and keep the rest.
+Predicted TTFT (every policy): a request with a TTFT target goes to a worker predicted to meet it
+(dispatch/ttft.py: the worker's reported step cost and prefill backlog, and, under cache_aware,
+the prompt tokens it holds). The policy's ranking is kept among the workers predicted to meet it
+and among the rest; a worker that cannot be predicted (an upstream, a cold cost model) ranks with
+those that meet it (nothing says it would miss). When that moved another worker to the front, the
+record's route is `ttft`.
+
+`Router.rank(candidates, request)` is the one seam: another predictor can replace `_cost` and keep
+the rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from sluice.gateway.dispatch.ttft import predict_ttft
 from sluice.prefix_hash import prefix_block_hashes
 from sluice.protocol import GenerateRequest
 from sluice.settings import RoutingSettings
@@ -40,6 +49,7 @@ REASON_ROUND_ROBIN = "round_robin"
 REASON_CACHE = "cache"  # cache_aware: the cheapest worker holds part of the prompt
 REASON_LOAD = "load"  # cache_aware: no cached prefix made a difference; the least pressure won
 REASON_SPREAD = "spread"  # cache_aware: the worker holding the prefix was loaded past the margin
+REASON_TTFT = "ttft"  # the policy's first choice was predicted to miss the TTFT target; this one not
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +61,7 @@ class Decision:
     reason: str
     cached_tokens: int = 0
     cost: float = 0.0
+    predicted_ttft_s: float | None = None  # None: not predicted (no target, or not predictable)
 
 
 @dataclass(slots=True)
@@ -79,8 +90,14 @@ class Router:
         self.settings = settings
         self._turn = itertools.count()
 
-    def rank(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks) -> list[Decision]:
-        """Every candidate, best first, each with why it ranks there."""
+    def rank(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks, *, queued_ahead: int = 0) -> list[Decision]:
+        """Every candidate, best first, each with why it ranks there. `queued_ahead`: prompt tokens
+        the gateway holds that go before this request (its TTFT prediction, dispatch/ttft.py)."""
+        ranked = self._rank_by_policy(candidates, blocks)
+        target = blocks.request.ttft_target_s
+        return ranked if target is None else self._prefer_in_time(ranked, blocks, target, queued_ahead)
+
+    def _rank_by_policy(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks) -> list[Decision]:
         policy = self.settings.policy
         if not candidates:
             return []
@@ -92,6 +109,46 @@ class Router:
         if policy == "least_loaded":  # no prompt hashing: today's cost exactly
             return [Decision(w, REASON_LEAST_LOADED) for w in sorted(candidates, key=lambda w: w.load)]
         return self._rank_by_cost(candidates, blocks)
+
+    @staticmethod
+    def _prefer_in_time(ranked: list[Decision], blocks: PromptBlocks, target_s: float,
+                        queued_ahead: int) -> list[Decision]:
+        """The policy's order, those predicted to meet `target_s` first (module docstring)."""
+        request = blocks.request
+        num_tokens = len(request.prompt_token_ids) + len(request.resume_token_ids)
+        predicted: list[Decision] = []
+        for decision in ranked:
+            load = decision.worker.ttft_load
+            if load is not None:
+                seconds = predict_ttft(load, priority=request.priority, prompt_tokens=num_tokens,
+                                       cached_tokens=decision.cached_tokens, queued_ahead=queued_ahead)
+                decision = dataclasses.replace(decision, predicted_ttft_s=seconds)
+            predicted.append(decision)
+
+        def misses(d: Decision) -> bool:
+            return d.predicted_ttft_s is not None and d.predicted_ttft_s > target_s
+
+        reordered = sorted(predicted, key=misses)  # stable: the policy's order within each group
+        if reordered and reordered[0] is not predicted[0]:
+            reordered[0] = dataclasses.replace(reordered[0], reason=REASON_TTFT)
+        return reordered
+
+    def best_prediction(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks, *,
+                        queued_ahead: int = 0) -> float | None:
+        """The lowest predicted TTFT of the request over `candidates` (None: none predictable):
+        what admission compares with its target (gateway/generation/service.py)."""
+        request = blocks.request
+        num_tokens = len(request.prompt_token_ids) + len(request.resume_token_ids)
+        best: float | None = None
+        for worker in candidates:
+            load = worker.ttft_load
+            if load is None:
+                return None  # a worker nothing is known about may serve it in time
+            cached = _cached_tokens(worker, blocks) if self.settings.policy == "cache_aware" else 0
+            seconds = predict_ttft(load, priority=request.priority, prompt_tokens=num_tokens,
+                                   cached_tokens=cached, queued_ahead=queued_ahead)
+            best = seconds if best is None else min(best, seconds)
+        return best
 
     def route(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks) -> Decision | None:
         """The best candidate (room aside), or None when there is none."""

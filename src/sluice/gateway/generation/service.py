@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 from sluice import telemetry, tracing
@@ -34,6 +35,29 @@ from sluice.objectives import Objective
 from sluice.settings import ObjectiveSettings
 
 log = logging.getLogger(__name__)
+
+
+class PredictedMiss(OpenAIError):
+    """429: no worker is predicted to give the first token within the request's TTFT target, and
+    its tenant sheds such requests (`on_predicted_miss = "shed"`); its quota hold is released."""
+
+    def __init__(self, predicted_s: float, target_s: float) -> None:
+        super().__init__(
+            429,
+            f"No worker is predicted to start this answer within its time-to-first-token target of "
+            f"{target_s:g}s (the best predicts {predicted_s:.2f}s); it was refused rather than queued. "
+            "Retry later, or with a looser X-Sluice-Objective.",
+            type="requests", code="ttft_target_unattainable",
+            headers={"retry-after": str(max(1, math.ceil(predicted_s - target_s))),
+                     PREDICTED_TTFT_HEADER: predicted_ttft_ms(predicted_s)},
+        )
+
+
+PREDICTED_TTFT_HEADER = "x-sluice-predicted-ttft-ms"
+
+
+def predicted_ttft_ms(seconds: float) -> str:
+    return str(round(seconds * 1000))
 
 
 
@@ -111,6 +135,7 @@ class GenerationService:
             telemetry.count_rejection(tenant.name, exc.code or "rate_limit_exceeded", request.priority.label)
             raise
         try:
+            self._predict(tenant, state)
             submission = await self.backend.submit(state)
         except BackendUnavailable as exc:
             self.quotas.release(state.reservation)
@@ -119,11 +144,29 @@ class GenerationService:
             # The reason names internal addresses (the Kafka broker); it is for the operator's log.
             log.warning("request %s not accepted: %s", request.request_id, exc)
             raise service_unavailable() from None
+        except PredictedMiss as exc:
+            self.quotas.release(state.reservation)
+            await self.quotas.settled(state.reservation)  # the next request finds the slot free
+            telemetry.count_rejection(tenant.name, exc.code or "ttft_target_unattainable", request.priority.label)
+            raise
         except BaseException:
             self.quotas.release(state.reservation)
             raise
         telemetry.count_admission(tenant.name, request.priority.label)
         return self.fly(state, tenant, submission)
+
+    def _predict(self, tenant: TenantContext, state: RequestState) -> None:
+        """A request with a TTFT target: its predicted TTFT at the best worker, kept in its state
+        (the response header, the record); `PredictedMiss` when it misses and the tenant sheds.
+        Here, before the append: a refused request never reaches Kafka, and every replica is
+        linked to every worker, so each predicts from the same reports (dispatch/ttft.py)."""
+        target = state.request.ttft_target_s
+        if target is None:
+            return
+        predicted = self.backend.predicted_ttft(state.request)
+        state.predicted_ttft_s = predicted
+        if predicted is not None and predicted > target and tenant.shed_predicted_miss:
+            raise PredictedMiss(predicted, target)
 
     def fly(self, state: RequestState, tenant: TenantContext, submission: Submission) -> Flight:
         """The flight of a request admitted and submitted (here, or resumed by a takeover), with its

@@ -84,6 +84,8 @@ class RequestState:
     attempts: int = 0
     route: str = ""  # why routing chose its (last) worker (gateway/dispatch/routing.py)
     route_cached_tokens: int = 0  # of its prompt, the tokens routing expected that worker to hold
+    # Set at admission (generation/service.py): its TTFT predicted at the best worker (None: not predicted).
+    predicted_ttft_s: float | None = None
     # ---- its end
     finish_reason: str | None = None
     error: str | None = None
@@ -186,6 +188,7 @@ class RequestState:
             engine_first_scheduled=self.engine_first_scheduled, engine_first_token=self.engine_first_token,
             batch_id=request.batch_id, route=self.route, route_cached_tokens=self.route_cached_tokens,
             ttft_target_s=request.ttft_target_s, itl_target_s=request.itl_target_s,
+            predicted_ttft_s=self.predicted_ttft_s,
         )
 
 

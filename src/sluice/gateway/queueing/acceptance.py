@@ -161,6 +161,9 @@ class KafkaBackend:
     def could_serve(self, model: str) -> bool:
         return self.dispatcher.could_serve(model)
 
+    def predicted_ttft(self, request: GenerateRequest) -> float | None:
+        return self.dispatcher.predicted_ttft(request)
+
     def link_limits(self, model: str) -> LinkLimits:
         upstream = any(model in spec.models for spec in self.settings.upstreams)
         return LinkLimits(max_model_len=self.dispatcher.upstream_context(model), logprobs=not upstream)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from sluice.protocol import RequestDelta
+from sluice.protocol import GenerateRequest, RequestDelta
 
 if TYPE_CHECKING:
     from sluice.gateway.generation.state import RequestState
@@ -81,6 +81,11 @@ class GenerationBackend(Protocol):
 
     def link_limits(self, model: str) -> LinkLimits:
         """What every link that may serve this model accepts (requests are checked against it)."""
+        ...
+
+    def predicted_ttft(self, request: GenerateRequest) -> float | None:
+        """Seconds to its first token at the best worker, by this replica's view of the workers
+        (gateway/dispatch/ttft.py); None when none can be predicted."""
         ...
 
     async def ready(self) -> dict[str, bool]: ...

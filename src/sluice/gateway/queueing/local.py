@@ -17,6 +17,7 @@ from sluice.gateway.dispatch.jobs import Job
 from sluice.gateway.dispatch.links.inprocess import InProcessLink
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.queueing.backend import BackendUnavailable, LinkLimits, QueuedSubmission, ServedModel, Submission
+from sluice.protocol import GenerateRequest
 from sluice.settings import Settings
 from sluice.workers.engine_host import EngineHost
 
@@ -100,6 +101,9 @@ class LocalEngineBackend:
 
     def could_serve(self, model: str) -> bool:
         return model in self._hosts
+
+    def predicted_ttft(self, request: GenerateRequest) -> float | None:
+        return None if self.dispatcher is None else self.dispatcher.predicted_ttft(request)
 
     def link_limits(self, model: str) -> LinkLimits:
         return LinkLimits()  # engines in this process: sluice's own checks are theirs

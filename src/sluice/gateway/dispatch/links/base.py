@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sluice.gateway.dispatch.cache_index import CacheIndex
 from sluice.gateway.dispatch.slots import has_room
+from sluice.gateway.dispatch.ttft import WorkerLoad
 from sluice.protocol import (
     GenerateRequest,
     KvEvents,
@@ -60,6 +61,12 @@ class WorkerLink(Protocol):
     @property
     def accepting(self) -> bool:
         """Under its own cap (an engine: always; an upstream: its max_concurrency)."""
+        ...
+
+    @property
+    def ttft_load(self) -> WorkerLoad | None:
+        """What its TTFT is predicted from (dispatch/ttft.py); None when it cannot be (an upstream,
+        an engine whose cost model is still cold)."""
         ...
 
     def has_room_for(self, priority: Priority, max_waiting: int) -> bool: ...
@@ -140,6 +147,10 @@ class EngineLink(ABC):
     @property
     def accepting(self) -> bool:
         return True  # its engine queues what it cannot run yet; the room rule bounds that queue
+
+    @property
+    def ttft_load(self) -> WorkerLoad | None:
+        return WorkerLoad.of(self.capacity)
 
     def send(self, request: GenerateRequest) -> None:
         self.sent += 1

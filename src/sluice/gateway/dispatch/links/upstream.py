@@ -54,6 +54,7 @@ from sluice.gateway.dispatch.links.base import LinkHost
 from sluice.gateway.dispatch.links.upstream_chunks import MalformedChunk, billed_completion, read_choice
 from sluice.gateway.dispatch.links.upstream_http import StreamedResponse, TransportError, UpstreamHTTP
 from sluice.gateway.dispatch.slots import has_room
+from sluice.gateway.dispatch.ttft import WorkerLoad
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams, StructuredOutput
 from sluice.settings import Settings, UpstreamSpec, upstream_root
 
@@ -278,6 +279,10 @@ class UpstreamLink:
     @property
     def kv_use(self) -> float:
         return 0.0  # not reported
+
+    @property
+    def ttft_load(self) -> WorkerLoad | None:
+        return None  # an upstream reports no step cost
 
     def view(self, draining: bool = False) -> dict[str, Any]:
         unstarted = sum(1 for job in self.inflight.values() if not job.started)

@@ -1,0 +1,87 @@
+"""Predicted time to first token of a request on a worker (issue #32, docs/objectives.md).
+
+A worker reports its engine's step-cost model (`WorkerCapacity.step_cost`: seconds per scaled
+unit of each of `STEP_COST_FEATURES`, fitted online from its own steps, workers/step_budget.py),
+its prefill backlog by class and its per-step token budget. A new request's first token comes at
+the end of the step that prefills its last prompt token; before it, the engine prefills what is
+ahead of it: the backlog of its own and more urgent classes (the engine serves by class, then
+arrival). So the prediction is the time of the steps that prefill `ahead + own uncached prompt`
+tokens in budget-sized chunks, each step also decoding the worker's running streams.
+
+What it leaves out (each makes it optimistic): the attention reads of the running streams' KV
+(their context lengths are not reported), the queue of jobs on the wire since the last report,
+a prompt that must wait for a free sequence slot, and prefix-cache hits of the backlog (which make
+it pessimistic). Torch-free and pure: the gateway asks it per candidate worker per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice.protocol import STEP_COST_FEATURES, STEP_COST_SCALES, Priority, WorkerCapacity
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What the prediction needs of one worker (from its `WorkerCapacity`)."""
+
+    step_cost: tuple[float, ...]  # seconds per scaled unit of each of STEP_COST_FEATURES
+    prefill_backlog: tuple[int, ...]  # tokens still to prefill, by Priority value
+    decode_rows: int  # streams decoding in every step
+    step_tokens: int  # the engine's token budget per step
+
+    @classmethod
+    def of(cls, capacity: WorkerCapacity) -> WorkerLoad | None:
+        """None when the worker cannot be predicted (cold cost model, or an older worker)."""
+        if len(capacity.step_cost) != len(STEP_COST_FEATURES) or capacity.max_num_batched_tokens < 1:
+            return None
+        return cls(capacity.step_cost, capacity.prefill_backlog, capacity.num_running,
+                   capacity.max_num_batched_tokens)
+
+    def ahead(self, priority: Priority) -> int:
+        """Backlog tokens served before a new request of `priority` (its class and more urgent)."""
+        return sum(self.prefill_backlog[: int(priority) + 1])
+
+
+def step_seconds(step_cost: tuple[float, ...], *, prefill_tokens: int, start: int, decode_rows: int,
+                 fixed: bool = True) -> float:
+    """One step's predicted seconds: a prefill chunk of `prefill_tokens` at position `start`, plus
+    `decode_rows` decodes (the features of workers/step_budget.py's StepShape, in its units);
+    `fixed=False`: without the per-step fixed cost (a second chunk in the same step)."""
+    pairs = prefill_tokens * (start + (prefill_tokens + 1) / 2)
+    raw = (1.0 if fixed else 0.0, prefill_tokens, decode_rows, start + prefill_tokens, 0.0, pairs)
+    return max(0.0, sum(c * x / s for c, x, s in zip(step_cost, raw, STEP_COST_SCALES, strict=True)))
+
+
+def predict_ttft(load: WorkerLoad, *, priority: Priority, prompt_tokens: int, cached_tokens: int = 0,
+                 queued_ahead: int = 0) -> float:
+    """Seconds until the first token of a request of `priority` with `prompt_tokens` tokens, of which
+    the worker holds `cached_tokens` in its prefix cache, sent now; `queued_ahead`: tokens of
+    requests the gateway holds that will reach this worker before it.
+
+    The backlog ahead is prefilled as one prompt from position 0, then this prompt from
+    `cached_tokens`, in chunks of the step budget. At least one step (a fully cached prompt still
+    computes its last token)."""
+    budget = load.step_tokens
+    cached = max(0, min(cached_tokens, prompt_tokens - 1))
+    segments = ((load.ahead(priority) + queued_ahead, 0), (max(1, prompt_tokens - cached), cached))
+    seconds = 0.0
+    room = budget  # left in the current step
+    chunk = 0  # tokens already in the current step
+    for tokens, start in segments:
+        while tokens > 0:
+            take = min(tokens, room)
+            # A step's fixed and decode cost is counted once, with its first chunk.
+            first = chunk == 0
+            seconds += step_seconds(load.step_cost, prefill_tokens=take, start=start,
+                                    decode_rows=load.decode_rows if first else 0, fixed=first)
+            tokens -= take
+            start += take
+            room -= take
+            chunk += take
+            if room == 0:
+                room, chunk = budget, 0
+    return seconds
+
+
+__all__ = ["WorkerLoad", "predict_ttft", "step_seconds"]
