@@ -121,6 +121,9 @@ class AdminSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """How long a sign-in to the web console (`/console`) lasts."""
     console_secure_cookie: bool = False
     """Mark the console's session cookie Secure (always done when the request came over https)."""
+    max_failed_sign_ins: int = 10
+    """Wrong admin tokens one source address may send per minute (console sign-in and `/admin`
+    together) before it gets 429, the right token included, until the oldest leaves the minute."""
 
 
 class DatabaseSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -544,6 +547,8 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
                           f"and {kafka.session_timeout_ms}")
     if settings.admin.demo_key_ttl_days < 1:
         raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] demo_key_ttl_days must be at least 1")
+    if settings.admin.max_failed_sign_ins < 1:
+        raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] max_failed_sign_ins must be at least 1")
     if not settings.admin.console_session_ttl_s > 0:
         raise ConfigError(f"{sources.get('admin', '[admin]')}: [admin] console_session_ttl_s must be positive, "
                           f"got {settings.admin.console_session_ttl_s}")

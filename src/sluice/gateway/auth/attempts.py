@@ -1,6 +1,6 @@
 """Failed admin sign-ins, per source address: guessing the admin token is slowed down and seen.
 
-After `MAX_FAILURES` wrong admin tokens from one address within `WINDOW_S` (on `/console/login`
+After `max_failures` (`[admin] max_failed_sign_ins`, default `MAX_FAILURES`) wrong admin tokens from one address within `WINDOW_S` (on `/console/login`
 or as an `/admin` bearer token), that address gets 429 with `retry-after` on both until the oldest
 failure leaves the window; the right token is refused too meanwhile, so a guesser cannot tell.
 Each failure is logged (WARNING, the address only) and audited (`admin.sign_in_failed`) while the
@@ -26,7 +26,8 @@ MAX_SOURCES = 100_000  # addresses tracked at once; the oldest is forgotten beyo
 
 
 class FailedSignIns:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_failures: int = MAX_FAILURES, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_failures = max_failures
         self._clock = clock
         self._failures: dict[str, deque[float]] = {}
 
@@ -45,7 +46,7 @@ class FailedSignIns:
     def check(self, source: str) -> None:
         """429 while `source` has `MAX_FAILURES` failures in the window."""
         found = self._window(source)
-        if found is not None and len(found) >= MAX_FAILURES:
+        if found is not None and len(found) >= self.max_failures:
             wait = max(1, math.ceil(found[0] + WINDOW_S - self._clock()))
             raise OpenAIError(429, f"Too many failed admin sign-ins from your address; retry in {wait}s.",
                               type="requests", code="too_many_sign_in_attempts", headers={"retry-after": str(wait)})
@@ -59,4 +60,4 @@ class FailedSignIns:
             found = self._failures[source] = deque()
         found.append(self._clock())
         log.warning("failed admin sign-in from %s via %s (%d in the last minute)", source, via, len(found))
-        return len(found) <= MAX_FAILURES
+        return len(found) <= self.max_failures
