@@ -123,6 +123,16 @@ def _stall_during_cold_compile(engine: Any, prompts: list[list[int]]) -> dict[st
             "large_schema_cold_compile_ms": round(compile_s * 1e3, 1)}
 
 
+def _write_partial(path: Path, arms: dict[str, list[dict[str, Any]]], compile_times: dict[str, float],
+                   stall: dict[str, float]) -> None:
+    """The runs so far (a long run on a shared host keeps what it measured if it is stopped)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    runs = {name: [{k: v for k, v in run.items() if not k.startswith("_")} for run in runs]
+            for name, runs in arms.items()}
+    path.write_text(json.dumps({"partial": True, "compile": compile_times, "stall": stall, "runs": runs},
+                               indent=2) + "\n", encoding="utf-8")
+
+
 def run_structured(args: argparse.Namespace) -> int:
     import jsonschema
     import torch
@@ -156,8 +166,10 @@ def run_structured(args: argparse.Namespace) -> int:
         half = [constrained if i % 2 == 0 else twins[i] for i in range(len(prompts))]
         order = [("0%", twins), ("50%", half)] if r % 2 == 0 else [("50%", half), ("0%", twins)]
         arms["100%"].append(full)
+        _write_partial(args.json_out, arms, compile_times, stall)
         for name, params in order:
             arms[name].append(_arm(engine, prompts, params))
+            _write_partial(args.json_out, arms, compile_times, stall)
 
     def median(name: str, key: str) -> float | None:
         values = [a[key] for a in arms[name] if a[key] is not None]
