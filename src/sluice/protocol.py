@@ -166,6 +166,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     # W3C trace context of the request's span at the gateway (sluice/tracing.py): the worker's and
     # an upstream's spans are its children. None while tracing is off.
     traceparent: str | None = None
+    # The tool-call format of the answer ("hermes", "llama3_json", "mistral") when the request gave
+    # tools: the gateway parses the output with it (a batch line's too). The engine ignores it.
+    tool_format: str | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

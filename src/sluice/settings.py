@@ -73,6 +73,9 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_messages: int = 2048
     """Messages of one chat request (OpenAI's own limit); more is refused with 400 before any
     tokenization."""
+    max_n: int = 8
+    """Choices of one answer (`n`); more is refused with 400. Each choice is its own engine request
+    (sharing the prompt's KV through the prefix cache) and is admitted against the quotas as one."""
     max_body_bytes: int = 8 * 2**20
     """Largest request body in bytes; a larger one gets 413."""
     max_file_storage_bytes: int = 2**30
@@ -300,6 +303,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     serve --demo` (or when no other model is listed)."""
     fetch: str | None = None
     """A known model (`smollm2`) that `sluice model fetch NAME` creates when absent; not with demo."""
+    tool_parser: str | None = None
+    """How the model writes tool calls: `hermes` (`<tool_call>` JSON; Hermes, Qwen), `llama3_json` or
+    `mistral` (`[TOOL_CALLS]`). Unset: read from the chat template (hermes for a template without
+    tool support, which gets the documented fallback system message)."""
 
 
 class QuotaSeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -474,7 +481,7 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
                           "16 characters (a random one, e.g. from `openssl rand -base64 32`)")
     if bool(gw.worker_tls_cert) != bool(gw.worker_tls_key):
         raise ConfigError(f"{gw_source}: [gateway] worker_tls_cert and worker_tls_key are set together")
-    for key in ("max_prompt_chars", "max_messages", "metrics_max_tenants"):
+    for key in ("max_prompt_chars", "max_messages", "max_n", "metrics_max_tenants"):
         if getattr(gw, key) < 1:
             raise ConfigError(f"{gw_source}: [gateway] {key} must be at least 1, got {getattr(gw, key)}")
     shared, shared_source = settings.shared, sources.get("shared", "[shared]")
@@ -511,6 +518,9 @@ def _check_semantics(settings: Settings, sources: dict[str, str]) -> None:
                               f"model; known: {', '.join(KNOWN_MODELS)}")
         if model.fetch is not None and model.demo:
             raise ConfigError(f"{models_source}: model {model.name!r}: set demo or fetch, not both")
+        if model.tool_parser is not None and model.tool_parser not in ("hermes", "llama3_json", "mistral"):
+            raise ConfigError(f"{models_source}: model {model.name!r}: tool_parser = {model.tool_parser!r}; "
+                              "expected hermes, llama3_json or mistral")
     _check_upstreams(settings.upstreams, names, sources.get("upstreams", "upstreams.toml"))
     tenant_source = sources.get("tenants", "tenants.toml")
     seen: set[str] = set()

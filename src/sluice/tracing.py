@@ -73,13 +73,20 @@ def extract(headers: Mapping[str, str]) -> Any:
     return _context_of(headers.get(TRACEPARENT))
 
 
-@contextlib.contextmanager
+_OFF = contextlib.nullcontext()  # reusable: what span() is while tracing is off (no generator per call)
+
+
 def span(name: str, *, context: Any = None, kind: str = "internal",
-         attributes: Mapping[str, Any] | None = None) -> Iterator[Any]:
-    """A span around a block, current inside it (a child of the current span, or of `context`)."""
+         attributes: Mapping[str, Any] | None = None) -> contextlib.AbstractContextManager[Any]:
+    """A span around a block, current inside it (a child of the current span, or of `context`);
+    yields the span, or None while tracing is off."""
     if _tracer is None:
-        yield None
-        return
+        return _OFF
+    return _span(name, context, kind, attributes)
+
+
+@contextlib.contextmanager
+def _span(name: str, context: Any, kind: str, attributes: Mapping[str, Any] | None) -> Iterator[Any]:
     from opentelemetry.trace import SpanKind
 
     with _tracer.start_as_current_span(name, context=context, kind=getattr(SpanKind, kind.upper()),

@@ -65,11 +65,11 @@ async def _load_tokenizers(backend: GenerationBackend, registry: TokenizerRegist
             continue
         shared = getattr(backend, "tokenizer", None)  # LocalEngineBackend shares its engine's tokenizer
         if callable(shared):
-            registry.add(ModelTokenizer(model.name, shared(model.name), model.max_model_len))
+            registry.add(ModelTokenizer(model.name, shared(model.name), model.max_model_len,
+                                        tool_parser=model.tool_parser))
         else:
-            registry.add(
-                await asyncio.to_thread(ModelTokenizer.load, model.name, model.path, model.max_model_len)
-            )
+            registry.add(await asyncio.to_thread(ModelTokenizer.load, model.name, model.path, model.max_model_len,
+                                                 tool_parser=model.tool_parser))
 
 
 def build_services(settings: Settings, backend: GenerationBackend, *,
@@ -82,7 +82,8 @@ def build_services(settings: Settings, backend: GenerationBackend, *,
     quotas = QuotaService(usage.day_total, ledger=shared.ledger)
     tokenizers = TokenizerRegistry()
     generation = GenerationService(backend, tokenizers, quotas, usage, request_timeout_s=gw.request_timeout_s,
-                                   max_prompt_chars=gw.max_prompt_chars, max_messages=gw.max_messages)
+                                   max_prompt_chars=gw.max_prompt_chars, max_messages=gw.max_messages,
+                                   max_n=gw.max_n)
     streams = StreamHub(shared.stream_log, generation.flights, generation.spawn, grace_s=gw.disconnect_grace_s)
     admin = AdminService(session_factory, auth, usage.flush)
     batch_service = None

@@ -9,6 +9,8 @@ sending half of all requests. Each arrival (Poisson, `--rate` per second overall
 one of its tenant's idle conversations (its prompt extends the previous turn: that turn's prompt, its
 answer and a new user message) or starts a new one. Policies run in interleaved rounds on the same
 workers; each round and policy has its own cache salts, so no arm is helped by another's cache.
+Each arm starts with one uncounted request per tenant (`--warmup`, on by default), so it measures
+the steady state of a long run (every tenant's context cached somewhere) rather than cold starts.
 
 Reported per policy: TTFT p50/p99, prefill tokens saved (cached prompt tokens), output throughput,
 Jain's index of per-tenant service (served / offered output tokens, over the equally weighted
@@ -58,7 +60,7 @@ class Turn:
     error: str | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Conversation:
     prompt: tuple[int, ...]  # what the next turn extends
     turns: int = 0
@@ -87,7 +89,10 @@ def _spawn_workers(args: argparse.Namespace, port: int, logdir: Path) -> list[su
 
 
 async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, contexts: dict[str, tuple[int, ...]],
-                   rng: random.Random) -> None:
+                   seed: int) -> None:
+    # Two streams: the arrivals (times, tenants) are the same for every policy of a round; the
+    # content choices (continue which conversation, the user's tokens) may differ with timing.
+    arrivals, rng = random.Random(seed), random.Random(seed + 1)
     dispatcher.router = Router(RoutingSettings(policy=arm.policy))  # type: ignore[arg-type]
     tenants = list(contexts)
     hot = tenants[0]
@@ -98,7 +103,7 @@ async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, c
     start = time.time()
     ids = 0
 
-    def submit(tenant: str) -> None:
+    def submit(tenant: str, measured: bool = True) -> None:
         nonlocal pending, ids
         convs = conversations[tenant]
         idle = [c for c in convs if not c.busy and c.turns < args.max_turns]
@@ -115,10 +120,11 @@ async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, c
             request_id=f"{arm.policy}-{arm.round}-{ids}", tenant_id=tenant, model="m", priority=Priority.STANDARD,
             prompt_token_ids=prompt, cache_salt=salt_of[tenant], arrival_time=time.time(),
             sampling=SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True))
-        turn = Turn(tenant=tenant, hot=tenant == hot, conversation=convs.index(conv), arrival=request.arrival_time,
-                    prompt_tokens=len(prompt))
-        arm.turns.append(turn)
-        arm.offered[tenant] = arm.offered.get(tenant, 0) + args.output_tokens
+        turn = Turn(tenant=tenant, hot=tenant == hot, conversation=next(i for i, c in enumerate(convs) if c is conv),
+                    arrival=request.arrival_time, prompt_tokens=len(prompt))
+        if measured:
+            arm.turns.append(turn)
+            arm.offered[tenant] = arm.offered.get(tenant, 0) + args.output_tokens
         state = RequestState.of(request, "default")
         output: list[int] = []
         pending += 1
@@ -141,9 +147,21 @@ async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, c
 
         dispatcher.enqueue(Job(state=state, sink=sink))
 
+    if args.warmup:
+        # Steady state: each tenant's context is cached somewhere (placed by this arm's policy)
+        # before the measured arrivals; these requests are not counted.
+        warm = [(tenant, conversations[tenant]) for tenant in tenants]
+        for tenant, _ in warm:
+            submit(tenant, measured=False)
+        if pending:
+            done.clear()
+            await asyncio.wait_for(done.wait(), args.drain_timeout_s)
+        for _, convs in warm:
+            convs.clear()
+        start = time.time()
     while time.time() - start < args.duration_s:
-        await asyncio.sleep(rng.expovariate(args.rate))
-        tenant = hot if rng.random() < 0.5 else rng.choice(tenants[1:])
+        await asyncio.sleep(arrivals.expovariate(args.rate))
+        tenant = hot if arrivals.random() < 0.5 else arrivals.choice(tenants[1:])
         submit(tenant)
     if pending:
         done.clear()
@@ -241,7 +259,7 @@ async def run_routing(args: argparse.Namespace) -> dict[str, Any]:
             for policy in order:
                 arm = Arm(policy, rnd)
                 print(f"round {rnd + 1}/{args.rounds}: {policy} ...", flush=True)
-                await _run_arm(dispatcher, arm, args, contexts, random.Random(args.seed * 1000 + rnd))
+                await _run_arm(dispatcher, arm, args, contexts, args.seed * 1000 + rnd)
                 arms.append(arm)
         cpu = _children_cpu(processes) - cpu_before
     finally:
@@ -344,6 +362,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-s", type=float, default=60.0, help="arrival window per policy and round")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the three policies")
     parser.add_argument("--drain-timeout-s", type=float, default=600.0)
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="before each arm's arrivals, one uncounted request per tenant (its context "
+                             "cached somewhere, placed by the arm's policy): the steady state of a long run")
     parser.add_argument("--worker-arg", action="append", default=[], help="extra `sluice worker` argument")
     parser.add_argument("--logs", default="routing-logs", help="worker logs directory")
     parser.add_argument("--seed", type=int, default=0)

@@ -43,7 +43,7 @@ BAD_BODIES: list[tuple[bytes, int]] = [
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stop": 5}', 400),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stop": [""]}', 400),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "service_tier": "gold"}', 400),
-    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 3}', 400),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 9}', 400),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', 400),
     (b'{"model": "unknown-model", "messages": [{"role": "user", "content": "hi"}]}', 404),
     (b'{"model": "demo", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400),  # invalid UTF-8

@@ -93,7 +93,7 @@ def test_sdk_error_classes(gateway) -> None:
         client.chat.completions.create(model="demo", messages=CHAT, temperature=5)
     assert bad.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="demo", messages=CHAT, n=2)
+        client.chat.completions.create(model="demo", messages=CHAT, n=9)  # above gateway.max_n
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="nope", messages=CHAT)
     assert missing.value.code == "model_not_found"

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from sluice.gateway.dispatch.links.upstream import completion_body
-from sluice.protocol import GenerateRequest, Priority, SamplingParams
+import json
+
+import pytest
+
+from sluice.gateway.dispatch.links.upstream import UnsupportedByUpstream, completion_body
+from sluice.protocol import GenerateRequest, Priority, SamplingParams, StructuredOutput
 from sluice.settings import UpstreamSpec, upstream_root
 
 
@@ -30,3 +34,22 @@ def test_vllm_kind_gets_ids_salt_and_the_class_as_priority() -> None:
     assert body["model"] == "demo"
     assert "priority" not in completion_body(request(Priority.BATCH), spec, priority_enabled=False)
     assert upstream_root(spec.base_url) == "http://x"
+
+
+def test_constraints_and_logit_bias_go_to_a_vllm_upstream_and_fail_elsewhere() -> None:
+    vllm = UpstreamSpec(name="v", base_url="http://x", models=("demo",), kind="vllm")
+    plain = UpstreamSpec(name="a", base_url="http://x", models=("demo",))
+    schema = StructuredOutput(kind="json", spec='{"type":"object"}')
+    body = completion_body(request(structured=schema, logit_bias=((5, -100.0),)), vllm, priority_enabled=True)
+    assert body["structured_outputs"] == {"json": {"type": "object"}} and body["logit_bias"] == {"5": -100.0}
+    choice = completion_body(request(structured=StructuredOutput(kind="choice", spec='["a", "b"]')), vllm,
+                             priority_enabled=True)
+    assert choice["structured_outputs"] == {"choice": ["a", "b"]}
+    tagged = StructuredOutput(kind="tagged", spec=json.dumps(
+        {"begin": "<tool_call>\n", "schema": {"type": "object"}, "end": "\n</tool_call>", "repeat": False}))
+    tag = json.loads(completion_body(request(structured=tagged), vllm, priority_enabled=True)
+                     ["structured_outputs"]["structural_tag"])
+    assert tag["triggers"] == ["<tool_call>\n"] and tag["structures"][0]["end"] == "\n</tool_call>"
+    assert completion_body(request(logit_bias=((5, 1.0),)), plain, priority_enabled=True)["logit_bias"] == {"5": 1.0}
+    with pytest.raises(UnsupportedByUpstream, match="cannot enforce structured outputs"):
+        completion_body(request(structured=schema), plain, priority_enabled=True)

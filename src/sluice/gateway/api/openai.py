@@ -24,6 +24,7 @@ from sluice.gateway.edge.schemas import (
     ModelList,
 )
 from sluice.gateway.generation.answers import complete
+from sluice.gateway.generation.choices import complete_all, fork, launch_all
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.quotas.service import QuotaService
 from sluice.gateway.services import Injected, Services
@@ -103,8 +104,12 @@ async def _answer(request: Request[Any, Any, Any], services: Services, tenant: T
         return await _answer_stream(request, services, tenant, state)
     services.drain.refuse_new()
     generation = services.generation
-    flight = await generation.launch(tenant, state)
     tokenizer = generation.tokenizers.get(state.request.model)
+    if state.envelope.choices > 1:  # n > 1: one request per choice (generation/choices.py)
+        flights = await launch_all(generation.launch, tenant, fork(state))
+        body = await _unless_disconnected(request, complete_all(flights, tokenizer))
+        return Response(body, headers=services.quotas.headers(tenant))
+    flight = await generation.launch(tenant, state)
     body = await _unless_disconnected(request, complete(flight, tokenizer))
     return Response(body, headers=services.quotas.headers(tenant))
 

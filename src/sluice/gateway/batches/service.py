@@ -45,7 +45,7 @@ from sluice.gateway.batches.views import (
 from sluice.gateway.cluster.invalidation import Change
 from sluice.gateway.cluster.shared import SharedState
 from sluice.gateway.db.base import new_id, utcnow
-from sluice.gateway.edge.errors import OpenAIError, service_unavailable
+from sluice.gateway.edge.errors import OpenAIError, bad_request, service_unavailable
 from sluice.gateway.generation.service import GenerationService
 from sluice.gateway.queueing.backend import BackendUnavailable
 from sluice.gateway.queueing.batch_lines import HeldLines
@@ -252,6 +252,8 @@ class BatchService:
 
     def _line_request(self, tenant: TenantContext, batch_id: str, line: Any) -> GenerateRequest:
         body = line.body
+        if body.n is not None and body.n > 1:  # a line's result holds one request's answer
+            raise bad_request("n above 1 is not supported in a batch line: write one line per choice.", "n")
         if line.url == "/v1/chat/completions":
             prepared = self.generation.preparer.prepare_chat(tenant, body)
         else:

@@ -51,6 +51,7 @@ class SizeLimits:
 
     max_messages: int
     max_prompt_chars: int
+    max_n: int = 8  # `gateway.max_n`: choices of one answer
 
 
 def validation_fault(error: msgspec.ValidationError) -> BodyFault:
@@ -96,6 +97,9 @@ def size_fault(body: object, limits: SizeLimits) -> BodyFault | None:
     """The cheap-limit 400 for a generation body (too many messages, too many characters), if any."""
     if not isinstance(body, ChatCompletionRequest | CompletionRequest):
         return None
+    if body.n is not None and body.n > limits.max_n:
+        return BodyFault(f"n is {body.n}; at most {limits.max_n} choices per request are allowed.", "n",
+                         "integer_above_max_value")
     param = "prompt"
     if isinstance(body, ChatCompletionRequest):
         param = "messages"

@@ -37,9 +37,12 @@ TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 StopList = Annotated[list[StopString], Meta(max_length=MAX_STOP_SEQUENCES)]
 StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 ServiceTier = Literal["auto", "default", "flex", "priority"]
 OnlyOne = Annotated[int, Meta(ge=1, le=1, description="Only 1 is supported: send separate requests")]
+MAX_CHOICES = 128  # OpenAI's bound on n; the gateway's own cap is `gateway.max_n`
+Choices = Annotated[int, Meta(ge=1, le=MAX_CHOICES, description="At most the gateway's max_n (default 8)")]
 # OpenAI's shape: token id (as a string) -> bias in [-100, 100], at most 300 entries.
 LogitBias = Annotated[
     dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], Annotated[float, Meta(ge=-100.0, le=100.0)]],
@@ -54,10 +57,23 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class ToolCallFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as the model wrote it (OpenAI's shape)
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a `tool` turn: the call it answers
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -82,13 +98,62 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     service_tier: ServiceTier | None = None  # priority -> interactive, auto/default -> standard, flex -> batch
     user: str | None = None  # accepted and not used (OpenAI uses it for abuse monitoring)
     ignore_eos: bool | None = None
-    n: OnlyOne | None = None
-    logit_bias: LogitBias | None = None  # only empty: the engine applies no bias
+    n: Choices | None = None  # choices of one answer, each its own engine request (generation/choices.py)
+    logit_bias: LogitBias | None = None  # keys must be token ids of the model (checked in prepare)
+    # vLLM's request extensions for constrained output (generation/structured.py): its current
+    # `structured_outputs` object and the older `guided_*` fields, with vLLM's names.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object.
+
+    `structural_tag` is refused (400); vLLM's whitespace and fallback knobs
+    (`disable_any_whitespace`, `whitespace_pattern`, `disable_fallback`, ...) are ignored."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None  # OpenAI requires it; sluice does not use it
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None  # None: any JSON object
+    strict: bool | None = None  # the grammar always enforces the schema; `strict` changes nothing
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str  # only "text"; json_object / json_schema are refused
-    json_schema: dict[str, Any] | None = None
+    type: str  # "text", "json_object" or "json_schema" (anything else is a 400)
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str | None = None  # required: a missing name is a 400 naming tools[i].function.name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; None: a function without arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True):
+    type: str = "function"  # only "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -97,11 +162,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
-    # Tool calling is not supported: tools / functions are refused, tool_choice only "none";
-    # parallel_tool_calls is accepted (without tools there are no calls to run in parallel).
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    # Tool calling (generation/tools.py). The legacy `functions` / `function_call` are refused.
+    tools: Annotated[list[ToolDefinition], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # none | auto | required | a named function
+    parallel_tool_calls: bool | None = None  # default true (OpenAI's)
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
 
@@ -166,6 +230,7 @@ class ChoiceLogprobs(msgspec.Struct, kw_only=True):
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # absent unless the model called tools
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -186,9 +251,25 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     usage: Usage
 
 
+class ToolCallFunctionDelta(msgspec.Struct, kw_only=True):
+    name: str | UnsetType = UNSET  # in a call's first delta only
+    arguments: str = ""  # the next piece of the arguments' JSON text
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    """A piece of a streamed tool call, as OpenAI sends it: `index` (which call), and `id`, `type`
+    and the name only in the call's first delta."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+    function: ToolCallFunctionDelta
+
+
 class ChunkDelta(msgspec.Struct, kw_only=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -27,6 +27,7 @@ from sluice.gateway.edge.schemas import (
 from sluice.gateway.generation.flight import Flight
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.generation.tokenization import ModelTokenizer
+from sluice.gateway.generation.tool_parsers import parse_whole, tool_calls_finish
 from sluice.protocol import FinishReason, PositionLogprobs, RequestDelta
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,14 @@ def whole_answer(state: RequestState, text: str, positions: Sequence[PositionLog
         if want_logprobs:
             assert tokenizer is not None  # for the type checker: want_logprobs says so
             logprobs = ChoiceLogprobs(content=chat_logprobs(tokenizer, positions, sampling.top_logprobs))
-        choice = ChatChoice(index=0, message=AssistantMessage(content=text), logprobs=logprobs, finish_reason=finish)
+        message = AssistantMessage(content=text)
+        if state.request.tool_format is not None:
+            content, calls = parse_whole(text, state.request.tool_format,  # type: ignore[arg-type]
+                                         state.envelope.id)
+            if calls:
+                message = AssistantMessage(content=content, tool_calls=calls)
+                finish = tool_calls_finish(finish)
+        choice = ChatChoice(index=0, message=message, logprobs=logprobs, finish_reason=finish)
         return ChatCompletion(id=envelope.id, created=envelope.created, model=envelope.model,
                               service_tier=envelope.service_tier, choices=[choice], usage=usage(state))
     text_logprobs = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from sluice import tracing
 from sluice.gateway.auth.service import TenantContext
@@ -18,8 +19,12 @@ from sluice.gateway.edge.body_decode import SizeLimits, size_fault
 from sluice.gateway.edge.errors import OpenAIError, bad_request, body_fault
 from sluice.gateway.edge.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from sluice.gateway.generation.state import Endpoint, Envelope, RequestState
+from sluice.gateway.generation.structured import structured_output
 from sluice.gateway.generation.tokenization import ModelTokenizer, TokenizerRegistry
-from sluice.protocol import GenerateRequest, Priority, SamplingParams
+from sluice.gateway.generation.tools import call_constraint, fallback_messages, template_tool_calls, tool_request
+from sluice.grammar import GrammarError
+from sluice.grammar import check as grammar_check
+from sluice.protocol import GenerateRequest, Priority, SamplingParams, StructuredOutput
 
 TIER_TO_CLASS = {
     "priority": Priority.INTERACTIVE,
@@ -56,26 +61,12 @@ def _param_of(message: str) -> str | None:
     return "stop" if "stop sequence" in message else None
 
 
-def _refuse_unsupported_chat_fields(body: ChatCompletionRequest) -> None:
-    """Fields sluice cannot honour get a 400 naming them, rather than being silently ignored."""
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(
-            f"response_format type {body.response_format.type!r} is not supported; only 'text' is.",
-            "response_format",
-        )
-    for name in ("tools", "functions"):
-        if getattr(body, name):
-            raise bad_request(f"{name} (tool calling) is not supported.", name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none"):
-            raise bad_request(f"{name} is not supported: tool calling is not; only 'none' is accepted.", name)
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Chat messages as the chat template takes them: text only, content parts joined."""
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them: text (content parts joined), and an
+    assistant turn's `tool_calls` / a tool turn's `tool_call_id` when they have them."""
     if not messages:
         raise bad_request("messages must contain at least one message.", "messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         content = message.content
         if isinstance(content, list):
@@ -87,8 +78,53 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     )
                 parts.append(part.text)
             content = "".join(parts)
-        out.append({"role": message.role, "content": content or ""})
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise bad_request(f"messages[{i}].tool_calls: only assistant messages carry tool calls.",
+                                  f"messages[{i}].tool_calls")
+            entry["tool_calls"] = template_tool_calls(message.tool_calls, i)
+        if message.role == "tool":
+            if not message.tool_call_id:
+                raise bad_request(f"messages[{i}].tool_call_id is missing: a tool message answers a call.",
+                                  f"messages[{i}].tool_call_id")
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name is not None and message.role == "tool":
+            entry["name"] = message.name
+        out.append(entry)
     return out
+
+
+def _check_grammar(structured: StructuredOutput, param: str) -> None:
+    """What the engine's grammar library can enforce (keywords, size, depth): a 400 otherwise."""
+    try:
+        grammar_check(structured, param=param)
+    except GrammarError as exc:
+        message = exc.message if param in exc.message else f"{param}: {exc.message}"
+        raise bad_request(message, exc.param) from None
+
+
+def _constraint_param(body: _SamplingFields) -> str:
+    """The field that gave the request's output constraint (for a 400 about it)."""
+    if isinstance(body, ChatCompletionRequest) and body.response_format is not None \
+            and body.response_format.type != "text":
+        return "response_format"
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(body, name) is not None:
+            return name
+    return "response_format"
+
+
+def _logit_bias(body: _SamplingFields, tokenizer: ModelTokenizer) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {token id: bias} as sorted pairs; every key must be a token id of the model."""
+    if not body.logit_bias:
+        return ()
+    pairs = sorted((int(key), float(value)) for key, value in body.logit_bias.items())
+    for token_id, _ in pairs:
+        if token_id >= tokenizer.vocab_size:
+            raise bad_request(f"logit_bias key {token_id} is not a token id of this model (0 to "
+                              f"{tokenizer.vocab_size - 1}).", "logit_bias")
+    return tuple(pairs)
 
 
 def context_exceeded(context: int, prompt_tokens: int, param: str) -> OpenAIError:
@@ -142,10 +178,22 @@ class RequestPreparer:
         tokenizer = self.model_tokenizer(tenant, body.model)
         self._check_size(body)
         messages = template_messages(body.messages)
-        _refuse_unsupported_chat_fields(body)
+        structured = structured_output(body)
+        tools = tool_request(body)
+        if tools is not None and tools.forced:
+            if structured is not None:
+                raise bad_request(f"tool_choice {tools.choice!r} forces a tool call, which cannot be combined with "
+                                  "another output constraint (response_format, structured_outputs, guided_*).",
+                                  "tool_choice")
+            structured = call_constraint(tools, tokenizer.tool_format)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-        prompt_ids = tokenizer.apply_chat(messages)
+        if tokenizer.supports_tools:
+            prompt_ids = tokenizer.apply_chat(messages, tools=tools.tools if tools is not None else None)
+        elif tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+            prompt_ids = tokenizer.apply_chat(fallback_messages(messages, tools))
+        else:
+            prompt_ids = tokenizer.apply_chat(messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return self._finish(
             tenant, body, tokenizer, prompt_ids, max_tokens,
@@ -154,6 +202,8 @@ class RequestPreparer:
             default_max=None,
             logprobs=bool(body.logprobs),
             top_logprobs=body.top_logprobs or 0,
+            structured=structured,
+            tool_format=tokenizer.tool_format if tools is not None else None,
         )
 
     def prepare_completion(self, tenant: TenantContext, body: CompletionRequest) -> RequestState:
@@ -183,6 +233,7 @@ class RequestPreparer:
             default_max=COMPLETIONS_DEFAULT_MAX_TOKENS,
             logprobs=logprobs is not None,
             top_logprobs=logprobs or 0,
+            structured=structured_output(body),
         )
 
     def _finish(
@@ -198,9 +249,12 @@ class RequestPreparer:
         default_max: int | None,
         logprobs: bool,
         top_logprobs: int,
+        structured: StructuredOutput | None,
+        tool_format: str | None = None,
     ) -> RequestState:
-        if body.logit_bias:
-            raise bad_request("logit_bias is not supported (an empty object is accepted).", "logit_bias")
+        if structured is not None:
+            _check_grammar(structured, "tools" if structured.kind == "tagged" else _constraint_param(body))
+        logit_bias = _logit_bias(body, tokenizer)
         # The body's types bound every number (edge/schemas.py); what is left depends on the model and tenant.
         priority = resolve_priority(tenant, body.service_tier)
         context = tokenizer.max_model_len
@@ -241,6 +295,8 @@ class RequestPreparer:
                 ignore_eos=bool(body.ignore_eos),
                 logprobs=logprobs,
                 top_logprobs=top_logprobs,
+                structured=structured,
+                logit_bias=logit_bias,
             )
             sampling.validate()
         except ValueError as exc:
@@ -249,6 +305,10 @@ class RequestPreparer:
         stream = bool(body.stream)
         if body.stream_options is not None and not stream:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+        choices = body.n or 1
+        if choices > 1 and stream:
+            raise bad_request("n above 1 is not supported with stream yet: stream one request per choice, or "
+                              "ask without stream.", "n")
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         arrival = time.time()
         request = GenerateRequest(
@@ -262,9 +322,11 @@ class RequestPreparer:
             arrival_time=arrival,
             tenant_weight=tenant.weight,
             traceparent=tracing.current_traceparent(),
+            tool_format=tool_format,
         )
         envelope = Envelope(
             id=request_id, created=int(arrival), model=tokenizer.name, service_tier=CLASS_TO_TIER[priority],
             endpoint=endpoint, include_usage=bool(stream and body.stream_options and body.stream_options.include_usage),
+            choices=choices,
         )
         return RequestState(request=request, envelope=envelope, tenant_name=tenant.name, stream=stream)

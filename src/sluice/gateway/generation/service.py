@@ -46,11 +46,12 @@ class GenerationService:
         request_timeout_s: float = 600.0,
         max_prompt_chars: int = 1_048_576,
         max_messages: int = 2048,
+        max_n: int = 8,
     ) -> None:
         if not request_timeout_s > 0:
             raise ValueError(f"gateway.request_timeout_s must be positive, got {request_timeout_s}")
         self.backend = backend
-        self.limits = SizeLimits(max_messages=max_messages, max_prompt_chars=max_prompt_chars)
+        self.limits = SizeLimits(max_messages=max_messages, max_prompt_chars=max_prompt_chars, max_n=max_n)
         self.preparer = RequestPreparer(tokenizers, backend.could_serve, self.limits)
         self.tokenize_pool = FairTokenizePool()
         self.tokenizers = tokenizers

@@ -16,6 +16,11 @@ request reads it here, and exactly one place changes each part of it:
 - its quota hold (`reservation`): set at admission, settled once at the end;
 - how it ended (`finish_reason`, `error`): set from the final delta, or by a timeout or abort.
 
+An answer with n choices (`n` > 1) is n requests, each with its own state (its own output,
+failover and quota hold) under its own id, sharing one envelope (`Envelope.choices` = n);
+generation/choices.py launches them and merges their answers. A request with tools carries its
+answer's tool-call format in `request.tool_format`, so every answer builder parses the same way.
+
 `RequestTable` holds the states of the client requests this process runs (accepted here or taken
 over), by request id: what a drain waits for, and where a stream's follower finds its pump.
 """
@@ -48,6 +53,7 @@ class Envelope(msgspec.Struct, frozen=True, kw_only=True):
     service_tier: str
     endpoint: Endpoint
     include_usage: bool = False  # a stream's last chunk carries the usage (stream_options.include_usage)
+    choices: int = 1  # n: the answer's choices, each its own request (generation/choices.py)
 
 
 @dataclass(slots=True, eq=False)

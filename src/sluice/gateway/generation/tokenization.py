@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.gateway.edge.errors import OpenAIError
+from sluice.gateway.generation.tools import ToolFormat, template_supports_tools, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,15 @@ SKELETON_CACHE_SIZE = 256
 class ModelTokenizer:
     """One model's tokenizer (HF, loaded from its directory) plus its context length."""
 
-    def __init__(self, name: str, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, name: str, tokenizer: Any, max_model_len: int, *, tool_parser: str | None = None) -> None:
         self.name = name
         self.max_model_len = max_model_len
         self._tokenizer = tokenizer
         self._template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+        # How the model writes tool calls (models.toml's `tool_parser` wins over what the template
+        # shows), and whether its template takes `tools` or gets the fallback (generation/tools.py).
+        self.tool_format: ToolFormat = tool_format(str(self._template), tool_parser)
+        self.supports_tools = template_supports_tools(str(self._template))
         self.vocab_size = len(tokenizer)
         # The Rust tokenizer directly: an order of magnitude cheaper per call than the wrapper.
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
@@ -60,7 +65,8 @@ class ModelTokenizer:
         self._skeletons: dict[tuple[tuple[str, ...], bool, bool], str] = {}
 
     @classmethod
-    def load(cls, name: str, path: str | Path, max_model_len: int | None = None) -> ModelTokenizer:
+    def load(cls, name: str, path: str | Path, max_model_len: int | None = None, *,
+             tool_parser: str | None = None) -> ModelTokenizer:
         from transformers import AutoTokenizer
 
         directory = Path(path)
@@ -68,7 +74,7 @@ class ModelTokenizer:
         if max_model_len is None:
             config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
             max_model_len = int(config.get("max_position_embeddings") or tokenizer.model_max_length)
-        return cls(name, tokenizer, max_model_len)
+        return cls(name, tokenizer, max_model_len, tool_parser=tool_parser)
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -91,17 +97,31 @@ class ModelTokenizer:
         """The text of a token sequence, special tokens included (as vLLM's /detokenize)."""
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
+    def output_text(self, token_ids: Sequence[int]) -> str:
+        """The text of output tokens as a worker streams it (special tokens skipped)."""
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """The vocabulary entry of each token (e.g. 'Ġworld'), for /tokenize's token_strs."""
         return [str(t) for t in self._tokenizer.convert_ids_to_tokens(list(token_ids))]
 
-    def apply_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True,
-                   continue_final_message: bool = False) -> list[int]:
+    def apply_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Renders the chat template (by default with the generation prompt) and tokenizes it;
-        only the template's own markup becomes special tokens."""
+        only the template's own markup becomes special tokens.
+
+        `tools` (OpenAI's shape) go to a template that reads them; they and an assistant turn's
+        `tool_calls` are rendered in the markup, so they may not hold special tokens."""
         render = functools.partial(self._render, add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message)
+                                   continue_final_message=continue_final_message, tools=tools)
         text = render(messages)
+        markup_data = [("tools", tools)] if tools else []
+        markup_data += [(f"messages[{i}].tool_calls", m["tool_calls"]) for i, m in enumerate(messages)
+                        if m.get("tool_calls")]
+        for param, data in markup_data:
+            found = self._specials_in(json.dumps(data, ensure_ascii=False))
+            if found:
+                raise OpenAIError(400, f"{param} contains the special token {found[0]!r}.", param=param)
         for i, message in enumerate(messages):
             if self._specials_in(message["role"]):
                 raise OpenAIError(400, f"messages[{i}].role contains a special token.", param=f"messages[{i}].role")
@@ -110,8 +130,10 @@ class ModelTokenizer:
                                   "(U+E000 ... U+E001).", param=f"messages[{i}].content")
         if self._markup is not None:
             key = (tuple(m["role"] for m in messages), add_generation_prompt, continue_final_message)
-            cached = self._skeletons.get(key)
-            skeleton = cached if cached is not None else self._skeleton(key, messages, render)
+            # Tools and calls change the markup beyond the roles: such skeletons are not reused.
+            cached = None if markup_data else self._skeletons.get(key)
+            skeleton = cached if cached is not None else self._skeleton(key, messages, render,
+                                                                        keep=not markup_data)
             pieces = self._content_pieces(messages, text, skeleton)
             if pieces is None and cached is not None:
                 # A template that reads the clock (strftime_now) may have moved on: once afresh.
@@ -136,29 +158,31 @@ class ModelTokenizer:
             return self._markup.find(text)
         return [t for t in getattr(self._tokenizer, "all_special_tokens", ()) if t in text]
 
-    def _render(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool,
-                continue_final_message: bool) -> str:
+    def _render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool,
+                continue_final_message: bool, tools: list[dict[str, Any]] | None = None) -> str:
         try:
             return str(self._tokenizer.apply_chat_template(
                 list(messages), chat_template=self._template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False,
+                continue_final_message=continue_final_message, tokenize=False, tools=tools,
             ))
         except Exception as exc:  # jinja raises template errors (e.g. a role the template rejects)
             raise OpenAIError(
                 400, f"The messages do not fit this model's chat template: {exc}", param="messages"
             ) from None
 
-    def _skeleton(self, key: tuple[tuple[str, ...], bool, bool], messages: Sequence[dict[str, str]],
-                  render: Callable[[Sequence[dict[str, str]]], str]) -> str:
+    def _skeleton(self, key: tuple[tuple[str, ...], bool, bool], messages: Sequence[dict[str, Any]],
+                  render: Callable[[Sequence[dict[str, Any]]], str], *, keep: bool = True) -> str:
         """The template rendered with placeholder i as message i's content, kept under `key` (the roles)."""
         skeleton = render([{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)])
+        if not keep:
+            return skeleton
         self._skeletons.pop(key, None)
         if len(self._skeletons) >= SKELETON_CACHE_SIZE:
             del self._skeletons[next(iter(self._skeletons))]
         self._skeletons[key] = skeleton
         return skeleton
 
-    def _content_pieces(self, messages: Sequence[dict[str, str]], text: str,
+    def _content_pieces(self, messages: Sequence[dict[str, Any]], text: str,
                         skeleton: str) -> list[tuple[str, bool]] | None:
         """`text` as (piece, is_content) runs, or None when the content cannot be located."""
         pieces: list[tuple[str, bool]] = []

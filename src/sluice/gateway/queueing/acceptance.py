@@ -102,7 +102,8 @@ class KafkaBackend:
         if self.running:
             return
         self._models = [ServedModel(name=m.name, path=m.path,
-                                    max_model_len=_model_max_len(m.path, self.settings.engine))
+                                    max_model_len=_model_max_len(m.path, self.settings.engine),
+                                    tool_parser=m.tool_parser)
                         for m in self.settings.models]
         self.dispatcher.expected_models = {
             m.name: ServedModelInfo(name=m.name, max_model_len=m.max_model_len, tokenizer=tokenizer_identity(m.path))

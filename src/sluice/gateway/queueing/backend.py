@@ -50,6 +50,7 @@ class ServedModel:
     name: str
     path: str
     max_model_len: int
+    tool_parser: str | None = None  # models.toml's override of the tool-call format
 
 
 @runtime_checkable

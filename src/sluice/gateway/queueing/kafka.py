@@ -210,7 +210,7 @@ class RequestLog:
         value, key = encode_request(request), request.tenant_id.encode()
         headers = self._headers
         if request.traceparent is not None:  # W3C trace context for tools that read Kafka headers
-            headers = [*headers, ("traceparent", request.traceparent.encode())]
+            headers = [*(headers or ()), ("traceparent", request.traceparent.encode())]
         try:
             # Bounded: with the broker gone, aiokafka would otherwise retry for a long time. A
             # timeout scope, not wait_for: wait_for runs each call in a task of its own, two

@@ -32,6 +32,7 @@ from sluice.gateway.edge.schemas import (
 from sluice.gateway.generation.answers import chat_logprobs, completion_logprobs, failure_body, usage
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.generation.tokenization import ModelTokenizer
+from sluice.gateway.generation.tool_parsers import ToolCallParser, tool_calls_finish
 from sluice.protocol import FinishReason, RequestDelta
 
 _encode = msgspec.json.Encoder().encode
@@ -66,7 +67,7 @@ class Framer:
     """The SSE events of one streamed answer (module docstring). `resumed`: it continues a stream
     whose earlier events another replica sent (no second role chunk)."""
 
-    __slots__ = ("_chat", "_template", "_text_event", "resumed", "state", "tokenizer")
+    __slots__ = ("_chat", "_template", "_text_event", "_tools", "resumed", "state", "tokenizer")
 
     def __init__(self, state: RequestState, tokenizer: ModelTokenizer, *, resumed: bool = False) -> None:
         self.state = state
@@ -74,6 +75,16 @@ class Framer:
         self.resumed = resumed
         envelope = state.envelope
         self._chat = envelope.endpoint == "chat"
+        # A request with tools: its text goes through the family's parser (content and tool_calls
+        # deltas). A stream resumed on another replica primes its parser with the text of the
+        # tokens the log holds (what the lost replica's parser had read), so a call half-streamed
+        # there goes on here, under the same ids.
+        fmt = state.request.tool_format
+        self._tools = None
+        if self._chat and fmt is not None:
+            self._tools = ToolCallParser(fmt, envelope.id)  # type: ignore[arg-type]
+            if resumed and state.output_token_ids:
+                self._tools.feed(tokenizer.output_text(state.output_token_ids))
         # Its usage is null on every chunk when include_usage is set (only the last carries it), else absent.
         chunk_usage = None if envelope.include_usage else msgspec.UNSET
         self._template: ChatCompletionChunk | CompletionChunk
@@ -107,6 +118,9 @@ class Framer:
         finish = None if delta.finish_reason is None else str(delta.finish_reason)
         sampling = self.state.request.sampling
         with_logprobs = sampling.logprobs and bool(delta.logprobs)
+        if self._tools is not None:
+            self._tool_frames(delta, finish, emit)
+            return
         if self._chat:
             if with_logprobs:
                 logprobs = ChoiceLogprobs(content=chat_logprobs(self.tokenizer, delta.logprobs, sampling.top_logprobs))
@@ -125,6 +139,28 @@ class Framer:
             offset = self.state.text_chars - len(text)  # of this delta's text in the whole completion
             text_logprobs = completion_logprobs(self.tokenizer, delta.logprobs, sampling.top_logprobs, offset)
         emit(self._text_chunk(text, finish, text_logprobs), len(text), finish)
+
+    def _tool_frames(self, delta: RequestDelta, finish: str | None, emit: Emit) -> None:
+        """A chat delta of a request with tools: content, then tool-call pieces, then the finish."""
+        assert self._tools is not None  # for the type checker: only called with a parser
+        sampling = self.state.request.sampling
+        parsed = self._tools.feed(delta.text)
+        if finish is not None:
+            end = self._tools.finish()
+            parsed.content += end.content
+            parsed.calls += end.calls
+            if self._tools.num_calls:
+                finish = tool_calls_finish(finish)
+        if sampling.logprobs and delta.logprobs:
+            logprobs = ChoiceLogprobs(content=chat_logprobs(self.tokenizer, delta.logprobs, sampling.top_logprobs))
+            emit(self._chat_chunk(ChunkDelta(content=parsed.content), None, logprobs), len(delta.text), None)
+        elif parsed.content:
+            emit(self._text_event.with_text(parsed.content), len(delta.text), None)
+        if parsed.calls:
+            # characters are counted with the content: the delta's text is emitted by now, as content or calls
+            emit(self._chat_chunk(ChunkDelta(tool_calls=parsed.calls)), 0, None)
+        if finish is not None:
+            emit(self._chat_chunk(ChunkDelta(), finish), 0, finish)
 
     def finishing(self, reason: FinishReason, emit: Emit) -> None:
         """The finishing chunk of a stream whose last delta's events were lost with its replica."""

@@ -49,7 +49,7 @@ from sluice.gateway.dispatch.links.base import LinkHost
 from sluice.gateway.dispatch.links.upstream_chunks import MalformedChunk, billed_completion, read_choice
 from sluice.gateway.dispatch.links.upstream_http import StreamedResponse, TransportError, UpstreamHTTP
 from sluice.gateway.dispatch.slots import has_room
-from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
+from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams, StructuredOutput
 from sluice.settings import Settings, UpstreamSpec, upstream_root
 
 if TYPE_CHECKING:
@@ -101,12 +101,39 @@ def completion_body(request: GenerateRequest, spec: UpstreamSpec, *, priority_en
             body[key] = getattr(s, key)
     if s.stop_token_ids:
         body["stop_token_ids"] = list(s.stop_token_ids)
+    if s.logit_bias:
+        body["logit_bias"] = {str(token_id): bias for token_id, bias in s.logit_bias}
+    if s.structured is not None:
+        if spec.kind != "vllm":
+            raise UnsupportedByUpstream(f"upstream {spec.name!r} (kind {spec.kind}) cannot enforce structured "
+                                        "outputs; only a vllm upstream can")
+        body["structured_outputs"] = vllm_structured_outputs(s.structured)
     if spec.kind == "vllm":
         body["return_token_ids"] = True  # exact ids in each chunk (vLLM >= 0.10.2; ignored before)
         body["cache_salt"] = request.cache_salt  # tenants never share prefix-cache blocks there either
     if spec.priority and priority_enabled:
         body["priority"] = int(request.priority)  # vLLM: lower runs first, as our classes
     return body
+
+
+class UnsupportedByUpstream(UpstreamError):
+    """A request the upstream's kind cannot serve as asked: the job ends with an error naming why."""
+
+
+def vllm_structured_outputs(structured: StructuredOutput) -> dict[str, Any]:
+    """vLLM's `structured_outputs` for a constraint. A `tagged` one (a forced tool call) becomes a
+    structural tag triggered by its begin: vLLM enforces the call's format once the model begins
+    one, but does not force it to begin (its completions API has no stronger form)."""
+    if structured.kind == "json":
+        return {"json": json.loads(structured.spec)}
+    if structured.kind == "choice":
+        return {"choice": json.loads(structured.spec)}
+    if structured.kind in ("regex", "grammar"):
+        return {structured.kind: structured.spec}
+    tagged = json.loads(structured.spec)
+    tag = {"type": "structural_tag", "triggers": [tagged["begin"]] if tagged["begin"] else [],
+           "structures": [{"begin": tagged["begin"], "schema": tagged["schema"], "end": tagged["end"]}]}
+    return {"structural_tag": json.dumps(tag)}
 
 
 def _headers(request_id: str, traceparent: str | None) -> dict[str, str]:
@@ -251,8 +278,8 @@ class UpstreamLink:
     async def _run(self, stream: _Stream) -> None:
         request = stream.request
         rid = request.request_id
-        body = _encode(completion_body(request, self.spec, priority_enabled=self._priority_enabled))
         try:
+            body = _encode(completion_body(request, self.spec, priority_enabled=self._priority_enabled))
             async with asyncio.timeout(self.spec.request_timeout_s):
                 async with self._http.post("/v1/completions", body, _headers(rid, request.traceparent)) as response:
                     if response.status >= 400:
