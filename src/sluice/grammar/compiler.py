@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -78,11 +79,16 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
+        # When the token table was ready (monotonic seconds; None before): compile time limits
+        # count from here, not from a request that arrived while it was being built.
+        self.ready_at: float | None = None
 
     def _build_tokenizer(self, tokenizer: Any, vocab_size: int) -> LLTokenizer:
         import llguidance.hf
 
-        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(self._eos_ids))
+        built = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(self._eos_ids))
+        self.ready_at = time.monotonic()
+        return built
 
     def key(self, structured: StructuredOutput) -> str:
         digest = hashlib.sha256()

@@ -111,8 +111,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._failed_steps = 0  # consecutive steps in which every chunk raised (see _execute_isolating)
         self._grammar_compiler: GrammarCompiler | None = None  # built for the first structured request
-        # Structured requests whose grammar is compiling: not yet the scheduler's (they are not
-        # scheduled until it is ready, and the engine keeps stepping the others meanwhile).
+        # Structured requests whose grammar is compiling, with when they were submitted: not yet
+        # the scheduler's (not scheduled until it is ready; the engine keeps stepping the others).
         self._compiling: dict[str, tuple[Request, concurrent.futures.Future, float]] = {}
 
     # ---- properties ----------------------------------------------------------------------------
@@ -214,8 +214,7 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self._decode, token_ids, sampling.stop, resumed)
         if sampling.structured is not None:
             future = self.grammar_compiler.submit(sampling.structured)
-            deadline = time.monotonic() + self.config.grammar_compile_timeout_s
-            self._compiling[request_id] = (request, future, deadline)
+            self._compiling[request_id] = (request, future, time.monotonic())
         else:
             self.scheduler.add_request(request)
         self._detokenizers[request_id] = detokenizer
@@ -279,7 +278,8 @@ class LLMEngine:
         """Hand the requests whose grammar is ready to the scheduler; end those whose grammar failed or
         took longer than `grammar_compile_timeout_s` with an error (the engine goes on)."""
         now = time.monotonic()
-        for rid, (request, future, deadline) in list(self._compiling.items()):
+        ready_at = self.grammar_compiler.ready_at
+        for rid, (request, future, submitted) in list(self._compiling.items()):
             error: str | None = None
             if future.done():
                 try:
@@ -289,7 +289,7 @@ class LLMEngine:
                 except Exception:  # the library failed on its own
                     log.warning("request %s: grammar compile failed", rid, exc_info=True)
                     error = "the structured output's grammar failed to compile"
-            elif now > deadline:
+            elif ready_at is not None and now > max(submitted, ready_at) + self.config.grammar_compile_timeout_s:
                 error = (f"the structured output's grammar did not compile within "
                          f"{self.config.grammar_compile_timeout_s:g} s")
             else:

@@ -158,6 +158,11 @@ def test_a_failing_or_slow_compile_fails_that_request_alone(demo_model_dir: Path
     assert results[1].finish_reason == FinishReason.LENGTH and len(results[1].token_ids) == 8
 
     slow = _engine(demo_model_dir, grammar_compile_timeout_s=1e-9)
+    slow.grammar_compiler.submit(JSON_SPEC).result()  # the token table is built: limits count from now
+    # A large schema occupies the compile thread; the request's own grammar queues behind it and
+    # cannot be ready within the limit.
+    large = {"type": "object", "properties": {f"f{i}": SCHEMA for i in range(30)}, "$defs": SCHEMA["$defs"]}
+    slow.grammar_compiler.submit(StructuredOutput(kind="json", spec=json.dumps(large)))
     engine_deltas = _run(slow, "slow", SamplingParams(max_tokens=20, structured=StructuredOutput(
         kind="regex", spec="[a-z]{1,9}x")))
     assert engine_deltas[-1].finish_reason == FinishReason.ERROR

@@ -34,7 +34,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 QUESTIONS = ["Describe Paris as JSON.", "Give me facts about Tokyo in JSON.", "Lisbon, as a JSON object please."]
-MAX_NEW_TOKENS = 96
+MAX_NEW_TOKENS = 80
 
 
 @pytest.fixture(scope="module")
