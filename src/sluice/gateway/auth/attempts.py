@@ -2,7 +2,8 @@
 
 After `max_failures` (`[admin] max_failed_sign_ins`, default `MAX_FAILURES`) wrong admin tokens
 from one address within `WINDOW_S` (on `/console/login` or as an `/admin` bearer token), that
-address gets 429 with `retry-after` on both until the oldest failure leaves the window; the right token is refused too meanwhile, so a guesser cannot tell.
+address gets 429 with `retry-after` on both until the oldest failure leaves the window; the right
+token is refused too meanwhile, so a guesser cannot tell.
 Each failure is logged (WARNING, the address only) and audited (`admin.sign_in_failed`) while the
 address is under the limit, so the audit log holds at most `MAX_FAILURES` rows per address and
 minute however fast it guesses. Counted per gateway process (each replica holds its own window).
