@@ -74,14 +74,15 @@ class GrammarCompiler:
         # Every EOS id of the model is the grammar's EOS (allowed where the grammar may end).
         # The tokenizer's token table (a few seconds for a 49k vocab) is built in the pool as well:
         # the engine starts at once, and the first compile waits for it.
+        # When the token table was ready (monotonic seconds; None before): compile time limits
+        # count from here, not from a request that arrived while it was being built. Set before the
+        # build is submitted: a quick build would otherwise finish first and be overwritten.
+        self.ready_at: float | None = None
         self._ll_tokenizer = self._pool.submit(self._build_tokenizer, tokenizer, vocab_size)
         self._cache: OrderedDict[str, concurrent.futures.Future[LLMatcher]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
-        # When the token table was ready (monotonic seconds; None before): compile time limits
-        # count from here, not from a request that arrived while it was being built.
-        self.ready_at: float | None = None
 
     def _build_tokenizer(self, tokenizer: Any, vocab_size: int) -> LLTokenizer:
         import llguidance.hf

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -159,12 +160,18 @@ def test_a_failing_or_slow_compile_fails_that_request_alone(demo_model_dir: Path
 
     slow = _engine(demo_model_dir, grammar_compile_timeout_s=1e-9)
     slow.grammar_compiler.submit(JSON_SPEC).result()  # the token table is built: limits count from now
-    # A large schema occupies the compile thread; the request's own grammar queues behind it and
-    # cannot be ready within the limit.
-    large = {"type": "object", "properties": {f"f{i}": SCHEMA for i in range(30)}, "$defs": SCHEMA["$defs"]}
-    slow.grammar_compiler.submit(StructuredOutput(kind="json", spec=json.dumps(large)))
-    engine_deltas = _run(slow, "slow", SamplingParams(max_tokens=20, structured=StructuredOutput(
-        kind="regex", spec="[a-z]{1,9}x")))
+    # Every compile thread is held (a stand-in for compiles that take long: how long a real one takes
+    # depends on the machine, so the test holds the threads itself); the request's own grammar queues
+    # behind them and cannot be ready within the limit.
+    release = threading.Event()
+    pool = slow.grammar_compiler._pool
+    for _ in range(pool._max_workers):
+        pool.submit(release.wait, 60)
+    try:
+        engine_deltas = _run(slow, "slow", SamplingParams(max_tokens=20, structured=StructuredOutput(
+            kind="regex", spec="[a-z]{1,9}x")))
+    finally:
+        release.set()
     assert engine_deltas[-1].finish_reason == FinishReason.ERROR
     assert "did not compile within" in (engine_deltas[-1].error or "")
     assert slow.generate([PROMPTS[1]], ok)[0].finish_reason == FinishReason.LENGTH  # the engine goes on

@@ -63,7 +63,8 @@ def other_replica(gateway: Any, demo_model_dir: Path, shared_mode: str) -> Itera
 def _finished_stream(client: httpx.Client) -> tuple[str, int]:
     """A streamed chat read to its end: (response id, seq of its last event)."""
     ids = []
-    with client.stream("POST", "/v1/chat/completions", json=BODY) as response:
+    # ids only for a client that opts in to resuming (docs/streams.md)
+    with client.stream("POST", "/v1/chat/completions", json=BODY, headers={"x-sluice-resumable": "1"}) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("id: "):

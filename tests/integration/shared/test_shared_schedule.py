@@ -46,7 +46,7 @@ def worker(worker_id: str, num_waiting: int = 0) -> WorkerConn:
                               total_kv_blocks=100, max_num_seqs=4, sent_at=time.time())
     register = WorkerRegister(worker_id=worker_id, models=(ServedModelInfo(name="demo", max_model_len=512),),
                               device="cpu", pid=1, capacity=capacity)
-    return WorkerConn(register, writer=cast(asyncio.StreamWriter, None))
+    return WorkerConn(register, writer=cast(asyncio.StreamWriter, None), max_index_blocks=1000)
 
 
 @dataclass
