@@ -4,7 +4,14 @@ deltas of a submission (importable as `sluice_testing`: tests/conftest.py puts t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import uvicorn
 
 from sluice.gateway.generation.prepare import CLASS_TO_TIER
 from sluice.gateway.generation.state import RequestState
@@ -61,3 +68,32 @@ async def drain(submission: Submission | Followed) -> list[RequestDelta]:
     if isinstance(submission, Followed):
         submission = submission.submission
     return [delta async for delta in each_delta(submission)]
+
+
+def free_socket() -> socket.socket:
+    """A bound loopback socket on a free port (for a server started on it)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextlib.contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """Serves an ASGI app with uvicorn on a thread at a free loopback port; yields its base URL and
+    stops it (lifespan included) on exit."""
+    sock = free_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

@@ -12,9 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from sluice_testing import serve_app
 
 from sluice.gateway.app import create_app
 from sluice.gateway.queueing.local import LocalEngineBackend
@@ -63,11 +60,7 @@ class Gateway:
         return httpx.Client(base_url=self.base_url, headers={"authorization": f"Bearer {key}"}, timeout=60)
 
 
-def _free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
+
 
 
 @pytest.fixture(scope="module")
@@ -117,24 +110,8 @@ def gateway(
     )
     backend = LocalEngineBackend({"demo": demo_model_dir}, engine_options)
     app = create_app(settings, backend)
-    sock = _free_socket()
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the gateway did not start")
-        time.sleep(0.05)
-    try:
-        yield Gateway(f"http://127.0.0.1:{port}", admin_token, database_url, app, metrics_token)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    with serve_app(app) as base_url:
+        yield Gateway(base_url, admin_token, database_url, app, metrics_token)
         if settings.shared.url:
             _remove_keys(settings.shared)
 

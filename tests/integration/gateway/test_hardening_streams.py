@@ -9,16 +9,13 @@ replica on the same database and Redis prefix reads what the first one streamed.
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from sluice_testing import serve_app
 
 from sluice.gateway.app import create_app
 from sluice.gateway.queueing.local import LocalEngineBackend
@@ -43,21 +40,8 @@ def other_replica(gateway: Any, demo_model_dir: Path, shared_mode: str) -> Itera
         yield gateway.base_url
         return
     app = create_app(gateway.app.state.services.settings, LocalEngineBackend({"demo": demo_model_dir}, ENGINE_OPTIONS))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    with serve_app(app) as base_url:
+        yield base_url
 
 
 def _finished_stream(client: httpx.Client) -> tuple[str, int]:

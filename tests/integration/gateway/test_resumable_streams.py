@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from sluice_testing import serve_app
 
 from sluice.client import _events, stream_chat
 from sluice.gateway.app import create_app
@@ -445,18 +445,8 @@ def replica_b(gateway, demo_model_dir: Path, shared_mode: str) -> Iterator[str]:
     if shared_mode != "redis":
         pytest.skip("two replicas need the shared store")
     app = create_app(gateway.app.state.services.settings, LocalEngineBackend({"demo": demo_model_dir}, ENGINE_OPTIONS))
-    sock = _free_socket()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started or not thread.is_alive(), "replica B to start", 120)
-    assert server.started
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    with serve_app(app) as base_url:
+        yield base_url
 
 
 def test_a_stream_accepted_on_a_is_followed_through_b_while_it_runs(gateway, replica_b: str) -> None:
