@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import schemathesis
@@ -55,6 +57,26 @@ class FuzzReport:
             f"{len(self.failures)} failures, {len(self.errors)} errors"
         )
 
+    def run(self, schema: Any, describe: Callable[[Any, str, Any], str | None]) -> None:
+        """Runs schemathesis over `schema`, counting cases and checks; each failed check goes to
+        `describe(recorder, case_id, node)`, which words it or answers None to let it pass."""
+        for event in from_schema(schema).execute():
+            if isinstance(event, events.ScenarioFinished):
+                recorder = event.recorder
+                self.cases += len(recorder.cases)
+                self.by_phase[str(event.phase)] += len(recorder.cases)
+                for case_id, nodes in recorder.checks.items():
+                    for node in nodes:
+                        self.checks += 1
+                        if node.status == Status.FAILURE and node.failure_info is not None:
+                            described = describe(recorder, case_id, node)
+                            if described is not None:
+                                self.failures.append(described)
+            elif isinstance(event, events.NonFatalError):
+                self.errors.append(f"{event.label}: {event.value!r}"[:500])
+            elif isinstance(event, events.FatalError):
+                self.errors.append(f"fatal: {event.exception!r}"[:500])
+
 
 def fuzz(served: Served, tenant_key: str, skip_paths: str, report: FuzzReport) -> None:
     config = SchemathesisConfig.from_dict(
@@ -73,25 +95,14 @@ def fuzz(served: Served, tenant_key: str, skip_paths: str, report: FuzzReport) -
         }
     )
     schema = schemathesis.openapi.from_url(served.base_url + "/schema/openapi.json", config=config)
-    for event in from_schema(schema).execute():
-        if isinstance(event, events.ScenarioFinished):
-            recorder = event.recorder
-            report.cases += len(recorder.cases)
-            report.by_phase[str(event.phase)] += len(recorder.cases)
-            for case_id, nodes in recorder.checks.items():
-                for node in nodes:
-                    report.checks += 1
-                    if node.status == Status.FAILURE and node.failure_info is not None:
-                        case = recorder.cases[case_id].value
-                        failure = node.failure_info.failure
-                        report.failures.append(
-                            f"{recorder.label} [{node.name}] {failure.title}: {failure.message[:300]} "
-                            f"(query {case.query}, body {str(case.body)[:200]})"
-                        )
-        elif isinstance(event, events.NonFatalError):
-            report.errors.append(f"{event.label}: {event.value!r}"[:500])
-        elif isinstance(event, events.FatalError):
-            report.errors.append(f"fatal: {event.exception!r}"[:500])
+
+    def describe(recorder: Any, case_id: str, node: Any) -> str:
+        case = recorder.cases[case_id].value
+        failure = node.failure_info.failure
+        return (f"{recorder.label} [{node.name}] {failure.title}: {failure.message[:300]} "
+                f"(query {case.query}, body {str(case.body)[:200]})")
+
+    report.run(schema, describe)
 
 
 def test_schemathesis_whole_api(served: Served) -> None:
