@@ -257,7 +257,8 @@ class SharedSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     lease_s: float = 10.0
     """A replica that stops renewing (killed, hung, cut off) has its holds released after this long."""
     prefix: str = "sluice"
-    """Of every Redis key and channel (several deployments on one Redis)."""
+    """Of every Redis key and channel: one per deployment (several deployments on one Redis). A
+    gateway refuses to start under a prefix another deployment (another database) holds."""
 
 
 class TracingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

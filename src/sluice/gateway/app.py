@@ -30,6 +30,7 @@ from sluice.gateway.api.openai import OpenAIController
 from sluice.gateway.api.system import health, metrics, ready
 from sluice.gateway.api.tokenize import TokenizeController
 from sluice.gateway.auth.service import AuthService
+from sluice.gateway.cluster.deployment import deployment_id
 from sluice.gateway.cluster.drain import Drain
 from sluice.gateway.cluster.shared import SharedState, open_shared
 from sluice.gateway.console import console_route_handlers, template_config
@@ -142,7 +143,7 @@ def create_app(
         if owned_engine is not None:
             await migrate(settings.database.url)
         telemetry.configure(settings.gateway.record_log_path, settings.gateway.metrics_max_tenants)
-        await services.shared.start()
+        await services.shared.start(await deployment_id(session_factory))
         generated = await services.auth.ensure_admin_token(settings.admin.token)
         await seed_tenants(services.admin, settings.tenants)
         if generated and announce_secret is not None:

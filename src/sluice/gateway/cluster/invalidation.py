@@ -78,7 +78,7 @@ class RedisBus(LocalBus):
     def __init__(self, client: Redis, channel: str) -> None:
         super().__init__()
         self._client = client
-        self._channel = channel
+        self.channel = channel
         # A lost subscription may have missed changes: the whole cache goes, when the loss is
         # noticed and again once resubscribed (changes made between the two).
         self._subscription = Subscription(client, channel, self._received, what="invalidations",
@@ -87,7 +87,7 @@ class RedisBus(LocalBus):
     async def publish(self, change: Change) -> None:
         self.deliver(change)
         try:
-            await self._client.publish(self._channel, msgspec.json.encode(change))
+            await self._client.publish(self.channel, msgspec.json.encode(change))
         except RedisError as exc:
             # Committed already; the other replicas see it at their cache TTL, or sooner when
             # their own subscription broke too (they then drop everything).
@@ -97,7 +97,7 @@ class RedisBus(LocalBus):
     async def start(self) -> None:
         self._subscription.start()
         if not await self._subscription.wait_subscribed(SUBSCRIBE_WAIT_S):
-            log.error("shared state: no subscription to %s yet; retrying in the background", self._channel)
+            log.error("shared state: no subscription to %s yet; retrying in the background", self.channel)
 
     async def stop(self) -> None:
         await self._subscription.stop()
@@ -109,6 +109,6 @@ class RedisBus(LocalBus):
         try:
             change = msgspec.json.decode(data, type=Change)
         except msgspec.DecodeError:
-            log.warning("shared state: ignoring a malformed invalidation on %s", self._channel)
+            log.warning("shared state: ignoring a malformed invalidation on %s", self.channel)
             return
         self.deliver(change)

@@ -289,14 +289,16 @@ end
 return file_head()
 """
 
-# ARGV: prefix, replica, then slots. Ends them (job started, finished, aborted, worker lost);
-# one that is gone (never taken, or swept with its replica) is skipped. When some ended, announces
-# it on P:slots-freed (the replica id as message), in the same atomic step, so every replica's
-# dispatch loop wakes for the freed room, not only this one's. Returns how many ended.
+# ARGV: prefix, replica, channel, then slots. Ends them (job started, finished, aborted, worker
+# lost); one that is gone (never taken, or swept with its replica) is skipped. When some ended,
+# announces it on the channel (the replica id as message), in the same atomic step, so every
+# replica's dispatch loop wakes for the freed room, not only this one's. The channel is named by
+# the caller: pub/sub ignores the database number, so its name carries it (cluster/shared.py).
+# Returns how many ended.
 RELEASE_SLOTS = _COMMON + r"""
 local ended = 0
-for i = 3, #ARGV do ended = ended + slot_release(ARGV[2], ARGV[i]) end
-if ended > 0 then redis.call('PUBLISH', P .. ':slots-freed', ARGV[2]) end
+for i = 4, #ARGV do ended = ended + slot_release(ARGV[2], ARGV[i]) end
+if ended > 0 then redis.call('PUBLISH', ARGV[3], ARGV[2]) end
 return ended
 """
 

@@ -14,6 +14,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from sluice.errors import ConfigError
+from sluice.gateway.cluster.deployment import PrefixClaim, channel_prefix
 from sluice.gateway.cluster.invalidation import InvalidationBus, LocalBus, RedisBus
 from sluice.gateway.dispatch.fair_shared import RedisFairness
 from sluice.gateway.dispatch.slots import LocalSlots, RedisSlots, WorkerSlots
@@ -35,8 +37,18 @@ class SharedState:
     slots: WorkerSlots = field(default_factory=LocalSlots)  # who may send to a worker (gateway/dispatch/slots.py)
     fairness: RedisFairness | None = None  # the fair scheduler's counters, cluster-wide (None: this process's)
     stream_log: StreamLog = field(default_factory=LocalStreamLog)  # streamed responses' events (docs/streams.md)
+    claim: PrefixClaim | None = None  # this deployment's hold on the Redis prefix (None: in-process)
 
-    async def start(self) -> None:
+    async def start(self, deployment: str = "") -> None:
+        """`deployment`: the database's deployment id (cluster/deployment.py); with Redis, a start
+        under a prefix another deployment holds raises ConfigError before anything is written."""
+        if self.claim is not None and deployment:
+            try:
+                await self.claim.claim(deployment)
+            except ConfigError:
+                for client in self.clients:  # the gateway does not start: nothing else will close them
+                    await client.aclose()
+                raise
         await self.ledger.start()
         await self.bus.start()
         await self.stream_log.start()
@@ -56,6 +68,8 @@ class SharedState:
         await self.stream_log.stop()
         await self.bus.stop()
         await self.ledger.stop()
+        if self.claim is not None:
+            await self.claim.stop()
         for client in self.clients:
             await client.aclose()
 
@@ -88,13 +102,15 @@ def open_shared(
     commands = _client(settings.url, retries=1)
     # The subscription gets no silent retries: the bus must see every break (it may have missed messages).
     subscription = _client(settings.url, retries=0)
+    channels = channel_prefix(commands, settings.prefix)
     return SharedState(
         RedisLedger(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
-        RedisBus(subscription, f"{settings.prefix}:invalidate"),
+        RedisBus(subscription, f"{channels}:invalidate"),
         replica,
         (commands, subscription),
         RedisSlots(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica,
-                   subscription=subscription),
+                   subscription=subscription, channels=channels),
         RedisFairness(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
         RedisStreamLog(commands, prefix=settings.prefix, retention_s=stream_retention_s, replica=replica),
+        PrefixClaim(commands, prefix=settings.prefix, lease_s=settings.lease_s),
     )

@@ -1,4 +1,5 @@
-"""Tables of the gateway: tenants, API keys, quotas, daily usage, audit log, admin token, console sessions.
+"""Tables of the gateway: tenants, API keys, quotas, daily usage, audit log, admin token, console sessions,
+the deployment id.
 
 The schema is created ONLY by Alembic (migrations/versions); a test checks this module and the
 migrated schema agree on SQLite and PostgreSQL.
@@ -125,3 +126,14 @@ class ConsoleSession(Base):
     hash: Mapped[str] = mapped_column(String(64), primary_key=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     expires_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, index=True)
+
+
+class Deployment(Base):
+    """Who this database is: one random id, made at the first start (gateway/cluster/deployment.py).
+    Replicas on one database share it; a deployment with another database has another."""
+
+    __tablename__ = "deployment"
+
+    row: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1: two first starts cannot both write
+    id: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)

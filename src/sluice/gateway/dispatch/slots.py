@@ -84,12 +84,13 @@ class RedisSlots:
     the slot still counts, which can only refuse more, never overfill a worker."""
 
     def __init__(self, client: Redis, *, prefix: str, lease_s: float, replica: str,
-                 subscription: Redis | None = None) -> None:
+                 subscription: Redis | None = None, channels: str | None = None) -> None:
         self._client = client
+        # `channels`: what pub/sub channel names start with (cluster/shared.py: channel_prefix).
+        self._channel = f"{channels or prefix}:slots-freed"
         # Hears the other replicas' releases (None: polling only); our own wake us in _release_now.
         self._releases = (None if subscription is None else
-                          Subscription(subscription, f"{prefix}:slots-freed", self._heard_release,
-                                       what="slot releases"))
+                          Subscription(subscription, self._channel, self._heard_release, what="slot releases"))
         self._prefix = prefix
         self._lease_ms = int(lease_s * 1000)
         self.replica = replica
@@ -153,7 +154,7 @@ class RedisSlots:
 
     async def _release_now(self, slots: list[str]) -> None:
         try:
-            await self._release(args=[self._prefix, self.replica, *slots])
+            await self._release(args=[self._prefix, self.replica, self._channel, *slots])
         except RedisError as exc:
             if not self._retry:
                 log.warning("shared state: releasing worker slots deferred, Redis unreachable: %s", exc)
