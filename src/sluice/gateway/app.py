@@ -88,7 +88,7 @@ def build_services(settings: Settings, backend: GenerationBackend, *,
                                    max_n=gw.max_n, objectives=settings.objectives)
     streams = StreamHub(shared.stream_log, generation.flights, generation.spawn, grace_s=gw.disconnect_grace_s)
     admin = AdminService(session_factory, auth, usage.flush)
-    admin.on_tenant_disabled.append(streams.stop_tenant)  # its running streams stop (README, docs/streams.md)
+    shared.bus.subscribe(streams.on_change)  # a tenant's streams stop on every replica (docs/streams.md)
     batch_service = None
     if batches is not None:
         batch_service = batches.build(settings, session_factory, generation, backend, shared, quotas, usage, admin)

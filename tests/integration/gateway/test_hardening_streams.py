@@ -1,6 +1,7 @@
 """Issue #36, resumable streams: an attach past the end of a finished stream returns at once on
 every replica, as the in-process log does, and attaches count against requests/min (item 4); a
-Last-Event-ID with non-ASCII digits is a 400, not a 500 (item 12).
+Last-Event-ID with non-ASCII digits is a 400, not a 500 (item 12); disabling a tenant or revoking
+its last key stops its running streams on every replica (item 14).
 
 A real gateway over HTTP (uvicorn), the demo model in-process, SQLite; in Redis mode a second
 replica on the same database and Redis prefix reads what the first one streamed.
@@ -9,7 +10,7 @@ replica on the same database and Redis prefix reads what the first one streamed.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,15 +126,12 @@ def test_an_idempotency_key_replays_only_its_own_request(gateway: Any, other_rep
     assert again == first  # the same request: the first response replayed
 
 
-def test_disabling_a_tenant_stops_its_running_streams(gateway: Any, shared_mode: str) -> None:
-    """Item 14: a disabled tenant's running stream ends at once with a `tenant_disabled` error event
-    (decided: stop, not finish), and its key stops working."""
-    if shared_mode == "redis":
-        pytest.skip("once per module is enough: the stop is in the replica that disables")
-    tenant, key = gateway.tenant()
+def _stopped_stream(gateway: Any, base: str, key: str, stop: Callable[[httpx.Client], None]) -> list[str]:
+    """The data events of a long stream on `base`, `stop(admin client)` called after its third event."""
     body = {**BODY, "max_tokens": 3000, "ignore_eos": True}
     data: list[str] = []
-    with gateway.client(key) as client, client.stream("POST", "/v1/chat/completions", json=body) as response:
+    with httpx.Client(base_url=base, timeout=60, headers={"authorization": f"Bearer {key}"}) as client, \
+            client.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if not line.startswith("data: "):
@@ -141,9 +139,47 @@ def test_disabling_a_tenant_stops_its_running_streams(gateway: Any, shared_mode:
             data.append(line[6:])
             if len(data) == 3:
                 with gateway.admin() as admin:
-                    assert admin.patch(f"/admin/tenants/{tenant['id']}", json={"enabled": False}).status_code == 200
-    last = json.loads(data[-1])
-    assert last["error"]["code"] == "tenant_disabled", data[-2:]
+                    stop(admin)
     assert len(data) < 3000  # stopped, not finished
+    return data
+
+
+def test_disabling_a_tenant_stops_its_running_streams(gateway: Any, other_replica: str) -> None:
+    """Item 14: a disabled tenant's running stream ends at once with a `tenant_disabled` error event
+    (decided: stop, not finish), and its key stops working. In Redis mode the stream runs on the
+    other replica: the stop reaches it through the invalidation bus."""
+    tenant, key = gateway.tenant()
+
+    def disable(admin: httpx.Client) -> None:
+        assert admin.patch(f"/admin/tenants/{tenant['id']}", json={"enabled": False}).status_code == 200
+
+    data = _stopped_stream(gateway, other_replica, key, disable)
+    assert json.loads(data[-1])["error"]["code"] == "tenant_disabled", data[-2:]
     with gateway.client(key) as client:
         assert client.get("/v1/models").status_code in (401, 403)
+
+
+def test_revoking_a_tenants_last_key_stops_its_running_streams(gateway: Any, other_replica: str) -> None:
+    """Item 14: with its last key revoked nothing can authenticate as the tenant: its streams end
+    (`key_revoked`), on every replica. Revoking one of two keys stops nothing."""
+    tenant, key = gateway.tenant()
+    with gateway.admin() as admin:
+        spare = admin.post(f"/admin/tenants/{tenant['id']}/keys", json={"name": "spare"})
+        assert spare.status_code == 201, spare.text
+        keys = admin.get(f"/admin/tenants/{tenant['id']}/keys").json()
+    key_ids = [k["id"] for k in (keys["data"] if isinstance(keys, dict) else keys)]
+    assert len(key_ids) == 2
+
+    def revoke(key_id: str) -> Callable[[httpx.Client], None]:
+        def call(admin: httpx.Client) -> None:
+            assert admin.delete(f"/admin/tenants/{tenant['id']}/keys/{key_id}").status_code == 200
+        return call
+
+    body = {**BODY, "max_tokens": 40, "ignore_eos": True}
+    with httpx.Client(base_url=other_replica, timeout=60, headers={"authorization": f"Bearer {key}"}) as client, \
+            client.stream("POST", "/v1/chat/completions", json=body) as answer, gateway.admin() as admin:
+        revoke(spare.json()["id"])(admin)  # one of two: the running stream goes on to its end
+        data = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]", data[-2:]
+    data = _stopped_stream(gateway, other_replica, key, revoke(next(k for k in key_ids if k != spare.json()["id"])))
+    assert json.loads(data[-1])["error"]["code"] == "key_revoked", data[-2:]

@@ -101,6 +101,7 @@ class AdminService:
         self.on_tenant_disabled: list[Callable[[str], Awaitable[None]]] = []
 
     async def _tenant_disabled(self, tenant_id: str) -> None:
+        await self._auth.announce(Change("tenant_disabled", tenant_id))  # its streams, on every replica
         for listener in self.on_tenant_disabled:
             try:
                 await listener(tenant_id)
@@ -337,11 +338,23 @@ class AdminService:
     async def revoke_key(self, tenant_id: str, key_id: str, actor: str = ADMIN_ACTOR) -> KeyOut:
         async with self._sessions() as session, session.begin():
             key = await self._key(session, tenant_id, key_id)
-            if key.revoked_at is None:
+            revoked_now = key.revoked_at is None
+            if revoked_now:
                 key.revoked_at = utcnow()
                 self._audit(session, actor, "key.revoke", tenant_id, {"key_id": key_id, "prefix": key.prefix})
+            last = revoked_now and not await self._has_live_key(session, tenant_id)
         await self._auth.announce(Change("key", key_id))
+        if last:  # nothing can authenticate as the tenant any more: its streams stop, on every replica
+            await self._auth.announce(Change("keys_revoked", tenant_id))
         return key_out(key)
+
+    @staticmethod
+    async def _has_live_key(session: AsyncSession, tenant_id: str) -> bool:
+        now = utcnow()
+        found = await session.scalar(
+            select(ApiKey.id).where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None),
+                                    (ApiKey.expires_at.is_(None)) | (ApiKey.expires_at > now)).limit(1))
+        return found is not None
 
     async def rotate_key(self, tenant_id: str, key_id: str, actor: str = ADMIN_ACTOR) -> KeyCreated:
         async with self._sessions() as session, session.begin():

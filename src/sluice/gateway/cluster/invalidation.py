@@ -1,5 +1,6 @@
 """Changes every gateway replica must act on at once: a key revoked, a tenant or its quotas
-changed (caches), a batch stopped (its lines held by whichever replica runs them).
+changed (caches), a batch stopped (its lines held by whichever replica runs them), a tenant's
+streams stopped (pumped by whichever replica took them).
 
 The admin service announces each cache change once (`AuthService.announce`) after its transaction
 commits, and the Batch API announces a cancelled or tenant-stopped batch once its status is
@@ -31,10 +32,11 @@ SUBSCRIBE_WAIT_S = 5.0  # start() waits this long for the subscription, then let
 class Change(msgspec.Struct, frozen=True):
     """`key`: a key id revoked or rotated; `tenant`: a tenant id changed or deleted; `key_created`:
     the hash of a new key (no longer an unknown key); `everything`: drop the whole cache;
-    `batch_stopped`: a batch id now cancelling (its lines queued or running anywhere end now).
-    Handlers ignore the kinds they do not act on."""
+    `batch_stopped`: a batch id now cancelling (its lines queued or running anywhere end now);
+    `tenant_disabled` / `keys_revoked`: a tenant id disabled or deleted / whose last key was
+    revoked (its streams running anywhere end now). Handlers ignore the kinds they do not act on."""
 
-    kind: Literal["key", "tenant", "key_created", "everything", "batch_stopped"]
+    kind: Literal["key", "tenant", "key_created", "everything", "batch_stopped", "tenant_disabled", "keys_revoked"]
     ident: str = ""
 
 

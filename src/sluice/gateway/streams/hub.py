@@ -22,6 +22,7 @@ import logging
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
+from sluice.gateway.cluster.invalidation import Change
 from sluice.gateway.edge.errors import OpenAIError, bad_request
 from sluice.gateway.generation.flight import Flight, RequestTimedOut
 from sluice.gateway.generation.state import RequestTable
@@ -47,6 +48,7 @@ INTERRUPTED = _ending("The stream was stopped: the gateway replica generating it
                       "stream_interrupted")
 LOST = _ending("The stream's log expired or was lost before it ended.", "stream_lost")
 TENANT_DISABLED = _ending("The stream was stopped: its tenant was disabled.", "tenant_disabled")
+KEYS_REVOKED = _ending("The stream was stopped: its tenant's last API key was revoked.", "key_revoked")
 
 
 def parse_last_event_id(value: str | None, response_id: str | None) -> tuple[str | None, int]:
@@ -292,16 +294,23 @@ class StreamHub:
             pump.cancel()
         await asyncio.gather(*(p.task for p in pumps if p.task is not None), return_exceptions=True)
 
-    async def stop_tenant(self, tenant_id: str) -> None:
-        """The tenant was disabled (or deleted): its streams pumped here stop now, at the next
-        step, their logs ending with a `tenant_disabled` error event; what they generated until
-        then is billed as any aborted stream."""
+    def on_change(self, change: Change) -> None:
+        """The invalidation bus (any replica's admin change): a tenant disabled or deleted, or its
+        last key revoked, stops its streams pumped here."""
+        if change.kind == "tenant_disabled":
+            self.stop_tenant(change.ident, TENANT_DISABLED)
+        elif change.kind == "keys_revoked":
+            self.stop_tenant(change.ident, KEYS_REVOKED)
+
+    def stop_tenant(self, tenant_id: str, ending: bytes = TENANT_DISABLED) -> None:
+        """Its streams pumped here stop now, at the next step, their logs ending with `ending` (an
+        error event); what they generated until then is billed as any aborted stream."""
         pumps = [f.pump for f in self.flights if f.pump is not None and f.state.request.tenant_id == tenant_id]
         for pump in pumps:
-            pump.ending = TENANT_DISABLED
+            pump.ending = ending
             pump.cancel()
         if pumps:
-            log.info("tenant %s disabled: %d stream(s) stopped", tenant_id, len(pumps))
+            log.info("tenant %s stopped: %d stream(s) ended", tenant_id, len(pumps))
 
     async def check_owner(self, response_id: str, tenant: str, after: int) -> None:
         """404 unless `tenant` created it and it is kept; 410 when the events after `after` are trimmed."""
