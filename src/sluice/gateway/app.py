@@ -79,7 +79,7 @@ def build_services(settings: Settings, backend: GenerationBackend, *,
     """Every service of the process, once, in dependency order."""
     gw = settings.gateway
     auth = AuthService(session_factory, cache_ttl_s=gw.key_cache_ttl_s, bus=shared.bus,
-                       max_failed_sign_ins=settings.admin.max_failed_sign_ins)
+                       sign_ins=shared.sign_in_limiter(settings.admin.max_failed_sign_ins))
     usage = UsageService(session_factory)
     quotas = QuotaService(usage.day_total, ledger=shared.ledger)
     tokenizers = TokenizerRegistry()

@@ -1,6 +1,6 @@
 """Issue #36, credentials: console sessions end when the admin token changes, and "sign out
 everywhere" ends them all (item 6); guessing the admin token is slowed down per source address,
-logged and audited, and a weak admin token is refused at start (item 7).
+logged and audited, across replicas with Redis, and a weak admin token is refused at start (item 7).
 
 The gateway app over HTTP through Litestar's test client (a fresh app per test, so each has its
 own failure counters), SQLite migrated by Alembic, the demo model in-process. A restart is a new
@@ -9,6 +9,7 @@ app on the same database.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 from pathlib import Path
@@ -16,18 +17,26 @@ from typing import Any
 
 import pytest
 from litestar.testing import AsyncTestClient
+from redis.asyncio import Redis
 
 from sluice.errors import ConfigError
 from sluice.gateway.app import create_app
 from sluice.gateway.auth.attempts import MAX_FAILURES
 from sluice.gateway.queueing.local import LocalEngineBackend
-from sluice.settings import AdminSettings, DatabaseSettings, GatewaySettings, Settings, load_settings
+from sluice.settings import (
+    AdminSettings,
+    DatabaseSettings,
+    GatewaySettings,
+    Settings,
+    SharedSettings,
+    load_settings,
+)
 
 pytestmark = pytest.mark.integration
 
 
-def _app(model_dir: Path, database: Path, admin_token: str) -> Any:
-    settings = Settings(admin=AdminSettings(token=admin_token),
+def _app(model_dir: Path, database: Path, admin_token: str, shared: SharedSettings | None = None) -> Any:
+    settings = Settings(admin=AdminSettings(token=admin_token), shared=shared or SharedSettings(),
                         database=DatabaseSettings(url=f"sqlite+aiosqlite:///{database}"))
     backend = LocalEngineBackend({"demo": model_dir}, {"max_num_seqs": 2, "kv_cache_bytes": 8 * 2**20})
     return create_app(settings, backend)
@@ -117,6 +126,38 @@ async def test_guessing_the_admin_token_is_slowed_and_audited(demo_model_dir: Pa
         rows = [row for row in audit.json()["data"] if row["action"] == "admin.sign_in_failed"]
         assert len(rows) == 2 * MAX_FAILURES  # each failure under the limit; none past it
         assert {row["target"] for row in rows} == {"console", "admin API"}
+
+
+async def test_the_sign_in_limit_holds_across_replicas(demo_model_dir: Path, tmp_path: Path) -> None:
+    """With Redis, the failures counted by one replica count on every other: a guesser spreading
+    its guesses over two replicas gets the limit once, not twice."""
+    url = os.environ.get("SLUICE_TEST_REDIS_URL", "")
+    if not url:
+        pytest.skip("SLUICE_TEST_REDIS_URL is not set: no Redis to share the counters")
+    shared = SharedSettings(url=url, prefix=f"sluice-test-{secrets.token_hex(6)}")
+    token = "slc-admin-" + secrets.token_urlsafe(24)
+    try:
+        async with AsyncTestClient(_app(demo_model_dir, tmp_path / "sluice.db", token, shared),
+                                   base_url="http://a.test") as a, \
+                AsyncTestClient(_app(demo_model_dir, tmp_path / "sluice.db", token, shared),
+                                base_url="http://b.test") as b:
+            for i in range(MAX_FAILURES):
+                client = (a, b)[i % 2]
+                wrong = await client.get("/admin/tenants", headers={"authorization": f"Bearer guess-{i}"})
+                assert wrong.status_code == 401
+            for client in (a, b):
+                limited = await client.get("/admin/tenants", headers={"authorization": f"Bearer {token}"})
+                assert limited.status_code == 429, limited.text
+                assert limited.json()["error"]["code"] == "too_many_sign_in_attempts"
+                assert 1 <= int(limited.headers["retry-after"]) <= 60
+                login = await client.post("/console/login", data={"token": token, "nonce": await _nonce(client)})
+                assert login.status_code == 429
+    finally:
+        client = Redis.from_url(url)
+        keys = [key async for key in client.scan_iter(match=f"{shared.prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
 
 
 def test_a_weak_admin_token_is_refused(tmp_path: Path) -> None:

@@ -53,14 +53,14 @@ async def failed_admin_sign_in(connection: ASGIConnection[Any, Any, Any, Any], v
     """A wrong admin token: counted against its source (auth/attempts.py), logged, audited."""
     found = services(connection)
     source = source_address(connection)
-    if found.auth.sign_ins.failed(source, via):
+    if await found.auth.sign_ins.failed(source, via):
         await found.admin.record("admin.sign_in_failed", via, {"source": source}, "anonymous")
 
 
 async def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     auth = services(connection).auth
     token = _required_token(connection, "admin token", "admin token")
-    auth.sign_ins.check(source_address(connection))
+    await auth.sign_ins.check(source_address(connection))
     if not auth.verify_admin(token):
         if token.startswith(KEY_PREFIX):
             raise OpenAIError(

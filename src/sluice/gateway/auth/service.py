@@ -33,7 +33,7 @@ from litestar.connection import ASGIConnection
 from sqlalchemy import delete, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from sluice.gateway.auth.attempts import MAX_FAILURES, FailedSignIns
+from sluice.gateway.auth.attempts import FailedSignIns, SignInLimiter
 from sluice.gateway.cluster.invalidation import Change, InvalidationBus, LocalBus
 from sluice.gateway.db.models import AdminToken, ApiKey, Quota, Tenant
 from sluice.gateway.edge.errors import OpenAIError
@@ -131,7 +131,7 @@ class AuthService:
         *,
         cache_ttl_s: float = 30.0,
         bus: InvalidationBus | None = None,
-        max_failed_sign_ins: int = MAX_FAILURES,
+        sign_ins: SignInLimiter | None = None,
     ) -> None:
         self._sessions = session_factory
         self._ttl = cache_ttl_s
@@ -139,7 +139,8 @@ class AuthService:
         self._unknown: OrderedDict[str, float] = OrderedDict()  # key hash -> monotonic expiry, oldest first
         self._last_used_written: dict[str, float] = {}  # key id -> monotonic time of last write
         self._admin_hashes: frozenset[str] = frozenset()
-        self.sign_ins = FailedSignIns(max_failed_sign_ins)  # wrong admin tokens per source address (auth/attempts.py)
+        # Wrong admin tokens per source address (auth/attempts.py), in this process unless shared.
+        self.sign_ins: SignInLimiter = sign_ins if sign_ins is not None else FailedSignIns()
         self._tasks: set[asyncio.Task[None]] = set()
         # Counts the changes applied: a lookup that read the database before a change arrived
         # does not cache what it read (it may be what the change invalidated).

@@ -71,7 +71,7 @@ class PrefixClaim:
 
     def __init__(self, client: Redis, *, prefix: str, lease_s: float) -> None:
         self._client = client
-        self._prefix = prefix
+        self.prefix = prefix
         self._key = f"{prefix}:deployment"
         self.ttl_s = max(3 * lease_s, 1.0)
         self._renew_s = lease_s / 3
@@ -88,7 +88,7 @@ class PrefixClaim:
         self._deployment = deployment
         try:
             if not await self._hold():
-                raise foreign_deployment(self._prefix, self.ttl_s)
+                raise foreign_deployment(self.prefix, self.ttl_s)
         except RedisError as exc:
             log.error("shared state: could not check the Redis prefix's deployment at start (%s)", exc)
         self._task = asyncio.get_running_loop().create_task(self._renew_forever(), name="prefix-claim")
@@ -98,7 +98,7 @@ class PrefixClaim:
             await asyncio.sleep(self._renew_s)
             try:
                 if not await self._hold():
-                    log.error("shared state: %s", foreign_deployment(self._prefix, self.ttl_s))
+                    log.error("shared state: %s", foreign_deployment(self.prefix, self.ttl_s))
             except RedisError as exc:
                 log.warning("shared state: renewing the prefix's deployment claim failed: %s", exc)
 

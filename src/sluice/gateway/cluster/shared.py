@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from sluice.errors import ConfigError
+from sluice.gateway.auth.attempts import FailedSignIns, RedisSignIns, SignInLimiter
 from sluice.gateway.cluster.deployment import PrefixClaim, channel_prefix
 from sluice.gateway.cluster.invalidation import InvalidationBus, LocalBus, RedisBus
 from sluice.gateway.dispatch.fair_shared import RedisFairness
@@ -38,6 +39,7 @@ class SharedState:
     fairness: RedisFairness | None = None  # the fair scheduler's counters, cluster-wide (None: this process's)
     stream_log: StreamLog = field(default_factory=LocalStreamLog)  # streamed responses' events (docs/streams.md)
     claim: PrefixClaim | None = None  # this deployment's hold on the Redis prefix (None: in-process)
+    prefix: str = ""  # of its Redis keys (`shared.prefix`; empty in-process)
 
     async def start(self, deployment: str = "") -> None:
         """`deployment`: the database's deployment id (cluster/deployment.py); with Redis, a start
@@ -52,6 +54,12 @@ class SharedState:
         await self.ledger.start()
         await self.bus.start()
         await self.stream_log.start()
+
+    def sign_in_limiter(self, max_failures: int) -> SignInLimiter:
+        """Failed admin sign-ins per source address (auth/attempts.py): across the replicas with Redis."""
+        if not self.clients:
+            return FailedSignIns(max_failures)
+        return RedisSignIns(self.clients[0], prefix=self.prefix, max_failures=max_failures)
 
     async def ready(self) -> dict[str, bool]:
         """`/ready`'s check: {"shared": Redis answers}, or nothing when the state is in-process."""
@@ -113,4 +121,5 @@ def open_shared(
         RedisFairness(commands, prefix=settings.prefix, lease_s=settings.lease_s, replica=replica),
         RedisStreamLog(commands, prefix=settings.prefix, retention_s=stream_retention_s, replica=replica),
         PrefixClaim(commands, prefix=settings.prefix, lease_s=settings.lease_s),
+        settings.prefix,
     )

@@ -100,7 +100,7 @@ class SignInController(Controller):
         nonce = str(data.get("nonce", ""))
         expected = request.cookies.get(LOGIN_COOKIE, "")
         auth: AuthService = services(request).auth
-        auth.sign_ins.check(source_address(request))
+        await auth.sign_ins.check(source_address(request))
         if not nonce or not expected or not hmac.compare_digest(nonce.encode(), expected.encode()):
             error, status = "The sign-in form expired; please try again.", 403
         elif not auth.verify_admin(str(data.get("token", "")).strip()):
