@@ -190,6 +190,7 @@ class _Stream:
     task: asyncio.Task[None] | None = None
     num_output_tokens: int = 0
     aborting: bool = False
+    ended: bool = False  # its final delta was delivered
 
 
 class UpstreamLink:
@@ -306,12 +307,23 @@ class UpstreamLink:
         stream = _Stream(request)
         self._streams[request.request_id] = stream
         stream.task = asyncio.get_running_loop().create_task(self._run(stream), name=f"upstream-{request.request_id}")
+        stream.task.add_done_callback(lambda _task: self._ended(stream))
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None and stream.task is not None and not stream.aborting:
             stream.aborting = True
             stream.task.cancel()  # leaving `client.stream` closes the connection: the server aborts
+
+    def _ended(self, stream: _Stream) -> None:
+        """Its task is done. An abort that cancelled the task before its first step (a batch
+        cancel right after the dispatch round that sent it) never ran `_run`'s handler: its final
+        delta is delivered here, or the job would wait at this link for ever (the batch stuck in
+        `cancelling`, the line without a result)."""
+        if stream.aborting and not stream.ended and self._streams.get(stream.request.request_id) is stream:
+            self._end(stream, FinishReason.ABORT)
+        if self._streams.get(stream.request.request_id) is stream:
+            del self._streams[stream.request.request_id]
 
     def close(self) -> None:
         """The link is lost (the dispatcher took its jobs): every stream is closed, no delta follows."""
@@ -356,9 +368,6 @@ class UpstreamLink:
         except Exception as exc:  # a bug or a malformed answer ends this job only
             log.warning("upstream %s: request %s failed (%s)", self.spec.name, rid, type(exc).__name__)
             self._end(stream, FinishReason.ERROR, f"upstream {self.spec.name!r} sent an unreadable answer")
-        finally:
-            if self._streams.get(rid) is stream:
-                del self._streams[rid]
 
     async def _relay(self, stream: _Stream, response: StreamedResponse) -> None:
         """Server-sent events to deltas, until [DONE]; the final delta carries the server's usage.
@@ -429,6 +438,7 @@ class UpstreamLink:
 
     def _end(self, stream: _Stream, reason: FinishReason, error: str | None = None, *, cached: int = 0,
              status: int | None = None) -> None:
+        stream.ended = True
         self._host.deliver(self, RequestDelta(
             request_id=stream.request.request_id, finish_reason=reason, error=error, error_status=status,
             num_prompt_tokens=len(stream.request.prompt_token_ids),
