@@ -2,7 +2,8 @@
 
 Multi-turn conversations must give exactly `tokenizer.apply_chat_template`'s ids, on the real
 SmolLM2 tokenizer and the demo one. Content that spells special tokens (`<|im_end|>` and
-friends) must be encoded as plain text, so a user message cannot forge a system turn.
+friends) must be encoded as plain text, so a user message cannot forge a system turn. A plain
+prompt gives exactly `tokenizer.encode`'s ids.
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ def test_multi_turn_ids_equal_apply_chat_template(model_dir: Path) -> None:
     assert tokenizer._tokenizer.chat_template  # the model's own template, not the fallback
     for messages in CONVERSATIONS:
         assert tokenizer.apply_chat(messages) == _hf_ids(tokenizer, messages), messages
+
+
+def test_plain_prompts_equal_the_tokenizers_encode(model_dir: Path) -> None:
+    """`encode` (the completions API) calls the Rust tokenizer directly (issue #36: transformers'
+    copy of the ids held the GIL): the same ids as `tokenizer.encode`, with and without special tokens."""
+    tokenizer = ModelTokenizer.load("m", model_dir)
+    texts = ["", "Hello world", " leading space", "héllo 世界\n\n\ttabs 🚀", "x" * 5000, INJECTION,
+             *(m["content"] for messages in CONVERSATIONS for m in messages)]
+    for text in texts:
+        for special in (True, False):
+            expected = list(tokenizer._tokenizer.encode(text, add_special_tokens=special))
+            assert tokenizer.encode(text, add_special_tokens=special) == expected, (text[:30], special)
 
 
 def test_special_token_strings_in_content_are_plain_text(model_dir: Path) -> None:

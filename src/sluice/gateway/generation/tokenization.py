@@ -90,7 +90,12 @@ class ModelTokenizer:
         return chars > tokens * self.max_token_bytes
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Plain prompt (completions API): special tokens added as the model's config says."""
+        """Plain prompt (completions API): special tokens added as the model's config says.
+        The Rust tokenizer directly when there is one: transformers' `encode` calls the same
+        `encode_batch`, then copies every id into several Python lists with the GIL held (for a
+        1 MB prompt the largest stall of the event loop under a flood of them, issue #36)."""
+        if self._fast is not None:
+            return encode_releasing_gil(self._fast, text, add_special_tokens=add_special_tokens)
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -258,11 +263,11 @@ class _SpecialMarkup:
         return encode_releasing_gil(self._plain, text) if text else []
 
 
-def encode_releasing_gil(tokenizer: Any, text: str) -> list[int]:
-    """A Rust tokenizer's ids for `text` (no special tokens added). `Tokenizer.encode` holds the
-    GIL for its whole run (seconds for a large prompt, stalling the event loop even from a worker
-    thread); `encode_batch` releases it and gives the same ids."""
-    return list(tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+def encode_releasing_gil(tokenizer: Any, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    """A Rust tokenizer's ids for `text` (special tokens added only when asked). `Tokenizer.encode`
+    holds the GIL for its whole run (seconds for a large prompt, stalling the event loop even from
+    a worker thread); `encode_batch` releases it and gives the same ids."""
+    return list(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 class TokenizerRegistry:
