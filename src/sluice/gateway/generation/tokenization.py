@@ -267,7 +267,8 @@ def encode_releasing_gil(tokenizer: Any, text: str, *, add_special_tokens: bool 
     """A Rust tokenizer's ids for `text` (special tokens added only when asked). `Tokenizer.encode`
     holds the GIL for its whole run (seconds for a large prompt, stalling the event loop even from
     a worker thread); `encode_batch` releases it and gives the same ids."""
-    return list(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+    ids: list[int] = tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids  # a new list
+    return ids
 
 
 class TokenizerRegistry:
