@@ -20,7 +20,7 @@ from sluice.gateway.generation.service import GenerationService
 from sluice.gateway.generation.state import Envelope, RequestState, RequestTable
 from sluice.gateway.generation.tokenization import ModelTokenizer
 from sluice.gateway.queueing.backend import QueuedSubmission
-from sluice.gateway.queueing.kafka import RecordRef
+from sluice.gateway.queueing.consumer import RecordRef
 from sluice.gateway.quotas.redis_ledger import RedisLedger
 from sluice.gateway.streams.frames import Framer
 from sluice.gateway.streams.holder import ALIVE, CLAIMED, ENDED, GONE, Claimed, StreamHolder

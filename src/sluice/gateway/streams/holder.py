@@ -33,7 +33,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from sluice.gateway.generation.state import Envelope
-from sluice.gateway.queueing.kafka import RecordRef
+from sluice.gateway.queueing.consumer import RecordRef
 from sluice.gateway.streams.log import (
     READ_BATCH,
     EventKind,
