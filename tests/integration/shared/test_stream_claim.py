@@ -25,7 +25,8 @@ from sluice.gateway.quotas.redis_ledger import RedisLedger
 from sluice.gateway.streams.frames import Framer
 from sluice.gateway.streams.holder import ALIVE, CLAIMED, ENDED, GONE, Claimed, StreamHolder
 from sluice.gateway.streams.hub import StreamHub
-from sluice.gateway.streams.log import EventKind, Mark, RedisStreamLog, pack_tokens
+from sluice.gateway.streams.log import EventKind, Mark, pack_tokens
+from sluice.gateway.streams.redis_log import RedisStreamLog
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
 
 pytestmark = [pytest.mark.integration]

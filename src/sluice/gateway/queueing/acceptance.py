@@ -43,7 +43,7 @@ from sluice.gateway.queueing.batch_lines import BatchLineHandler, BatchLines
 from sluice.gateway.queueing.consumer import ClassConsumer, RecordRef
 from sluice.gateway.queueing.kafka import QueueUnavailable, RequestLog, ensure_topics
 from sluice.gateway.streams.holder import StreamHolder
-from sluice.gateway.streams.log import RedisStreamLog
+from sluice.gateway.streams.redis_log import RedisStreamLog
 from sluice.protocol import GenerateRequest, Priority, RequestDelta, ServedModelInfo, tokenizer_identity
 from sluice.settings import Settings
 
