@@ -26,6 +26,7 @@ from sluice.gateway.dispatch.dispatcher import SLOT_ERROR_RETRY_S
 from sluice.gateway.queueing.acceptance import KafkaBackend
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams, WorkerCapacity
 from sluice.settings import DispatchSettings, SharedSettings
+from sluice_lab.experiments.cluster import drop_redis_prefix
 
 from .conftest import make_settings, wait_for
 
@@ -52,11 +53,7 @@ async def prefix() -> AsyncIterator[str]:
         pytest.skip("SLUICE_TEST_REDIS_URL is not set (e.g. redis://127.0.0.1:6379/0); no shared store to test")
     name = f"sluice-test-{secrets.token_hex(6)}"
     yield name
-    client = Redis.from_url(REDIS_URL)
-    keys = [key async for key in client.scan_iter(match=f"{name}:*", count=500)]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
+    await drop_redis_prefix(REDIS_URL, name)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 from litestar.testing import AsyncTestClient
-from redis.asyncio import Redis
 
 from sluice.errors import ConfigError
 from sluice.gateway.app import create_app
@@ -31,6 +30,7 @@ from sluice.settings import (
     SharedSettings,
     load_settings,
 )
+from sluice_lab.experiments.cluster import drop_redis_prefix
 
 pytestmark = pytest.mark.integration
 
@@ -153,11 +153,7 @@ async def test_the_sign_in_limit_holds_across_replicas(demo_model_dir: Path, tmp
                 login = await client.post("/console/login", data={"token": token, "nonce": await _nonce(client)})
                 assert login.status_code == 429
     finally:
-        client = Redis.from_url(url)
-        keys = [key async for key in client.scan_iter(match=f"{shared.prefix}:*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
+        await drop_redis_prefix(url, shared.prefix)
 
 
 def test_a_weak_admin_token_is_refused(tmp_path: Path) -> None:

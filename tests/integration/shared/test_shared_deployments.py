@@ -21,6 +21,7 @@ from sluice.gateway.app import create_app
 from sluice.gateway.cluster.invalidation import Change
 from sluice.gateway.queueing.local import LocalEngineBackend
 from sluice.settings import AdminSettings, DatabaseSettings, Settings, SharedSettings
+from sluice_lab.experiments.cluster import drop_redis_prefix
 
 pytestmark = pytest.mark.integration
 
@@ -91,11 +92,7 @@ async def other_database(redis_url: str, prefix: str) -> AsyncIterator[str]:
     base, _, number = redis_url.rpartition("/")
     url = f"{base}/{(int(number or 0) + 1) % 16}" if number.isdigit() else f"{redis_url.rstrip('/')}/1"
     yield url
-    client = Redis.from_url(url)
-    keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=500)]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
+    await drop_redis_prefix(url, prefix)
 
 
 async def test_deployments_on_two_database_numbers_do_not_hear_each_other(deployment, redis_url: str, prefix: str,
