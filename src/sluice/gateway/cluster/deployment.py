@@ -94,13 +94,19 @@ class PrefixClaim:
         self._task = asyncio.get_running_loop().create_task(self._renew_forever(), name="prefix-claim")
 
     async def _renew_forever(self) -> None:
+        """Another deployment may take the prefix while ours lapsed (Redis flushed or away longer
+        than the expiry): logged once each time that starts, not at every renewal."""
+        foreign = False
         while True:
             await asyncio.sleep(self._renew_s)
             try:
-                if not await self._hold():
-                    log.error("shared state: %s", foreign_deployment(self.prefix, self.ttl_s))
+                held = await self._hold()
             except RedisError as exc:
                 log.warning("shared state: renewing the prefix's deployment claim failed: %s", exc)
+                continue
+            if not held and not foreign:
+                log.error("shared state: %s", foreign_deployment(self.prefix, self.ttl_s))
+            foreign = not held
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
