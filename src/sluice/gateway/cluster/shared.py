@@ -42,6 +42,7 @@ class SharedState:
     stream_log: StreamLog = field(default_factory=LocalStreamLog)  # streamed responses' events (docs/streams.md)
     claim: PrefixClaim | None = None  # this deployment's hold on the Redis prefix (None: in-process)
     prefix: str = ""  # of its Redis keys (`shared.prefix`; empty in-process)
+    refused: ConfigError | None = None  # why `start` refused (`sluice serve` ends with it, in one line)
 
     async def start(self, deployment: str = "") -> None:
         """`deployment`: the database's deployment id (cluster/deployment.py); with Redis, a start
@@ -49,7 +50,8 @@ class SharedState:
         if self.claim is not None and deployment:
             try:
                 await self.claim.claim(deployment)
-            except ConfigError:
+            except ConfigError as exc:
+                self.refused = exc
                 for client in self.clients:  # the gateway does not start: nothing else will close them
                     await client.aclose()
                 raise

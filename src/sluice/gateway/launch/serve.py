@@ -411,5 +411,7 @@ def run_gateway(settings: Settings, role: GatewayRole) -> int:
         if broker is not None:
             broker.stop()
     if not server.started:
+        if shared.refused is not None:
+            raise shared.refused
         raise CLIError("the gateway failed to start; see the messages above")
     return 0
