@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from structured_cases import CLOCK, WEATHER, check_call
 
 from sluice_lab.experiments.stack import Stack, start_stack
 
@@ -31,14 +32,6 @@ needs_grammar = pytest.mark.usefixtures("engine_enforces_grammar")
 
 CONFIG = Path(__file__).resolve().parents[3] / "config"
 ASK = [{"role": "user", "content": "Order two green widgets for Ada."}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["C", "F"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"],
-    "additionalProperties": False}}}
 
 
 class Color(enum.Enum):
@@ -196,7 +189,7 @@ def test_n_choices_bill_the_request_and_its_prompt_once(stack: Stack) -> None:
     deadline = time.monotonic() + 30
     while True:  # usage records are written behind (within gateway's flush interval)
         rows = httpx.get(f"{stack.base_url}/v1/usage", headers=auth, timeout=30).json()["data"]
-        if rows and rows[0]["completion_tokens"] == 25 or time.monotonic() > deadline:
+        if (rows and rows[0]["completion_tokens"] == 25) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert [(r["prompt_tokens"], r["completion_tokens"], r["requests"]) for r in rows] == [(prompt, 25, 2)]
@@ -245,7 +238,7 @@ def test_forced_tool_calls_validate_whole_and_streamed(client: openai.OpenAI, st
         choice = answer.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
         for call in choice.message.tool_calls:
-            _check_call(call.function.name, call.function.arguments, tool_choice)
+            check_call(call.function.name, call.function.arguments, tool_choice)
         with client.chat.completions.stream(model=stack.model, messages=ASK, max_tokens=200, seed=seed,
                                             tools=[WEATHER, CLOCK], tool_choice=tool_choice,
                                             parallel_tool_calls=False) as events:
@@ -254,16 +247,6 @@ def test_forced_tool_calls_validate_whole_and_streamed(client: openai.OpenAI, st
         assert streamed.finish_reason == "tool_calls"
         assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == \
             [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
-
-
-def _check_call(name: str, arguments: str, tool_choice: Any) -> None:
-    args = json.loads(arguments)
-    if isinstance(tool_choice, dict):
-        assert name == tool_choice["function"]["name"]
-    if name == "get_weather":
-        assert set(args) == {"city", "unit"} and len(args["city"]) <= 12 and args["unit"] in ("C", "F")
-    else:
-        assert name == "get_time" and set(args) == {"tz"} and len(args["tz"]) <= 8
 
 
 @needs_grammar
@@ -319,4 +302,4 @@ def test_batch_line_with_a_forced_tool_call(client: openai.OpenAI, stack: Stack)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     for call in choice["message"]["tool_calls"]:
-        _check_call(call["function"]["name"], call["function"]["arguments"], "required")
+        check_call(call["function"]["name"], call["function"]["arguments"], "required")
