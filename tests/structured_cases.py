@@ -26,3 +26,9 @@ def check_call(name: str, arguments: str, tool_choice: Any) -> None:
     if isinstance(tool_choice, dict):
         assert name == tool_choice["function"]["name"]
     jsonschema.validate(json.loads(arguments), TOOLS[name]["function"]["parameters"])
+
+# A schema whose every answer is long on any model (16 strings of 20 to 24 characters: about 240
+# tokens on the demo model), so a test can kill what serves it mid-object; it fits in 480 tokens.
+LONG_OBJECT = {"type": "object", "properties": {"lines": {
+    "type": "array", "minItems": 16, "maxItems": 16, "items": {"type": "string", "minLength": 20, "maxLength": 24}}},
+    "required": ["lines"], "additionalProperties": False}
