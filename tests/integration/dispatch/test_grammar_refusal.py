@@ -9,17 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 from sluice_testing import drain, submit
 
-from sluice.broker import free_port
-from sluice.gateway.queueing.acceptance import KafkaBackend
-from sluice.protocol import FinishReason, GenerateRequest, Priority, SamplingParams, StructuredOutput
+from sluice.protocol import FinishReason, GenerateRequest, SamplingParams, StructuredOutput
 
-from .conftest import make_settings, wait_for
+from .conftest import backend_with_worker, wire_request
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,23 +28,15 @@ SCHEMA = {"type": "object", "properties": {"words": {"type": "array", "items": {
 
 def request(name: str, constrained: bool, max_tokens: int = 60) -> GenerateRequest:
     structured = StructuredOutput(kind="json", spec=json.dumps(SCHEMA)) if constrained else None
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured,
-                              ignore_eos=not constrained)
-    return GenerateRequest(
-        request_id=f"{name}-{time.monotonic_ns()}", tenant_id="t", model="demo", priority=Priority.STANDARD,
-        prompt_token_ids=tuple(range(5, 40)), sampling=sampling, cache_salt=name, arrival_time=time.time())
+    return wire_request(name, SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured,
+                                             ignore_eos=not constrained))
 
 
 async def test_a_grammar_refused_token_fails_its_request_alone(
         bootstrap_servers: str, demo_model_dir: Path, start_worker) -> None:
-    port = free_port()
-    backend = KafkaBackend(make_settings(bootstrap_servers, demo_model_dir), worker_port=port)
-    await backend.start()
-    try:
-        path = os.pathsep.join(p for p in (str(DOUBLE), os.environ.get("PYTHONPATH", "")) if p)
-        worker = start_worker(demo_model_dir, port, "gr1", "--max-num-seqs", "4",
-                              extra_env={"PYTHONPATH": path})
-        await wait_for(lambda: "gr1" in backend.dispatcher.workers, 180, "the worker to register")
+    path = os.pathsep.join(p for p in (str(DOUBLE), os.environ.get("PYTHONPATH", "")) if p)
+    async with backend_with_worker(bootstrap_servers, demo_model_dir, start_worker, "gr1", "--max-num-seqs", "4",
+                                   extra_env={"PYTHONPATH": path}) as (backend, worker):
         pid = backend.dispatcher.workers["gr1"].pid
         # All three run in the same steps: one refused, one constrained and one plain beside it.
         streams = [await submit(backend, request(name, constrained))
@@ -68,5 +57,3 @@ async def test_a_grammar_refused_token_fails_its_request_alone(
         assert "".join(d.text for d in after) == json_text  # greedy: the same answer as beside the failure
         assert worker.poll() is None
         assert backend.dispatcher.workers["gr1"].pid == pid
-    finally:
-        await backend.stop()
