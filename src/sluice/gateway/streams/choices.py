@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from sluice.gateway.generation.choices import answer_usage
 from sluice.gateway.generation.flight import Flight, RequestTimedOut
@@ -68,7 +68,9 @@ async def stream_choices(flights: list[Flight], tokenizer: ModelTokenizer) -> As
             flight.finish(aborted=flight.state.finish_reason is None)
 
 
-def _listener(framer: Framer, queue: asyncio.Queue[bytes]):  # -> Callable[[RequestDelta], None]
+def _listener(framer: Framer, queue: asyncio.Queue[bytes]) -> Callable[[RequestDelta], None]:
+    """A choice's deltas framed into the queue; its error as the event that ends the stream."""
+
     def on_delta(delta: RequestDelta) -> None:
         if delta.finish_reason is FinishReason.ERROR:
             queue.put_nowait(_Failed(framer.error()))
