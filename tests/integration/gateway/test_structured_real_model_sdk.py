@@ -24,7 +24,7 @@ import pytest
 from pydantic import BaseModel, Field
 from structured_cases import CLOCK, WEATHER, check_call
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 SAMPLES = 20
 CONFIGS = [(policy, speculation) for policy in ("chunked", "prefill_first", "static") for speculation in (0, 4)]
@@ -41,16 +41,16 @@ class Color(enum.Enum):
 
 
 class Line(BaseModel):
-    product: str = Field(max_length=16)
+    product: str = Field(max_length=12)
     color: Color
     quantity: int = Field(ge=1, le=20)
     gift: bool | None = None
 
 
 class Order(BaseModel):
-    customer: str = Field(max_length=16)
-    lines: list[Line] = Field(min_length=1, max_length=3)
-    note: str | None = Field(default=None, max_length=24)
+    customer: str = Field(max_length=12)
+    lines: list[Line] = Field(min_length=1, max_length=2)
+    note: str | None = Field(default=None, max_length=16)
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[f"{p}-spec{s}" for p, s in CONFIGS])
@@ -58,9 +58,12 @@ def client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
            open_gateway: Any) -> Iterator[openai.OpenAI]:
     policy, speculation = request.param
     options = {**ENGINE, "policy": policy, "num_speculative_tokens": speculation}
-    with open_gateway(tmp_path_factory.mktemp("real-structured"), {"smollm2": real_model_dir}, options) as gateway:
+    # No request deadline to speak of: on a loaded 2-core machine 40 constrained requests under
+    # `static` batching took over the default 600 s; the test is about the answers, not the time.
+    with open_gateway(tmp_path_factory.mktemp("real-structured"), {"smollm2": real_model_dir}, options,
+                      gateway_options={"request_timeout_s": 7200.0}) as gateway:
         _, key = gateway.tenant(priority_ceiling="interactive", default_class="standard")
-        yield openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, timeout=900)
+        yield openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, timeout=7200)
 
 
 def _all_at_once(calls: list[Any]) -> list[Any]:
@@ -69,7 +72,7 @@ def _all_at_once(calls: list[Any]) -> list[Any]:
 
 
 def test_parse_returns_a_nested_object_for_every_sampled_request(client: openai.OpenAI) -> None:
-    ask: dict[str, Any] = dict(model="smollm2", messages=ORDER_ASK, response_format=Order, max_tokens=200,
+    ask: dict[str, Any] = dict(model="smollm2", messages=ORDER_ASK, response_format=Order, max_tokens=160,
                                temperature=1.0)
 
     def whole(seed: int) -> Any:
