@@ -76,7 +76,8 @@ class GatewaySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     tokenization."""
     max_n: int = 8
     """Choices of one answer (`n`); more is refused with 400. Each choice is its own engine request
-    (sharing the prompt's KV through the prefix cache) and is admitted against the quotas as one."""
+    (sharing the prompt's KV through the prefix cache), admitted against the quotas as one (the
+    prompt's tokens counted once per answer)."""
     max_body_bytes: int = 8 * 2**20
     """Largest request body in bytes; a larger one gets 413."""
     swagger_ui: bool = False

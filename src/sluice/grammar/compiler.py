@@ -26,6 +26,12 @@ from sluice.grammar.spec import LIMITS, GrammarError, to_grammar
 from sluice.protocol import StructuredOutput
 
 
+class TokenRefused(ValueError):
+    """The grammar refused a token the engine sampled for its request. Masks allow only accepted
+    tokens, so this means a broken mask (e.g. a matcher that failed inside the library and allows
+    nothing): the engine ends that request alone with an error."""
+
+
 class Matcher:
     """One request's state in its grammar (owned by its `Request`)."""
 
@@ -35,10 +41,10 @@ class Matcher:
         self.ll = ll  # workers/grammar_mask.py computes its masks
 
     def consume(self, tokens: Sequence[int]) -> None:
-        """Advance past `tokens`; raises ValueError when the grammar refuses one (an engine bug: masks
-        allow only accepted tokens, and drafts are checked with `num_accepted` first)."""
+        """Advance past `tokens`; raises TokenRefused when the grammar refuses one (masks allow only
+        accepted tokens, and drafts are checked with `num_accepted` first; see TokenRefused)."""
         if tokens and not self.ll.consume_tokens(list(tokens)):
-            raise ValueError(f"the grammar refused the output: {self.ll.get_error()}")
+            raise TokenRefused(f"the grammar refused the output: {self.ll.get_error()}")
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > 0 and not self.ll.rollback(num_tokens):

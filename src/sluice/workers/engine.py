@@ -362,6 +362,8 @@ class LLMEngine:
         # The times of the tokens made here (a resumed request has none for its resumed tokens).
         times = tuple(request.token_times[-len(new_ids):]) if new_ids else ()
         delta = self._delta(request, new_ids, text, logprobs[:len(new_ids)], finish, times)
+        if finish is FinishReason.ERROR:  # ended by the scheduler for this request alone
+            delta = msgspec.structs.replace(delta, error=REQUEST_FAILED_MESSAGE)
         if finish is not None:
             self._forget(rid)
         return delta

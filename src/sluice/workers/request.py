@@ -22,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 2
     FINISHED_LENGTH = 3
     FINISHED_ABORTED = 4
+    FINISHED_ERROR = 5  # ended by the engine for this request alone (its grammar refused a sampled token)
 
     @property
     def is_finished(self) -> bool:
@@ -36,6 +37,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -184,6 +186,7 @@ class Request:
         return self.status.finish_reason
 
     def append_output(self, token_id: int, now: float) -> None:
+        """Raises TokenRefused (appending nothing) when its grammar refuses `token_id`."""
         if self.grammar is not None:
             self.grammar.consume((token_id,))
         self._all_token_ids.append(token_id)

@@ -30,10 +30,12 @@ are freed and it returns to the waiting queue with its original rank.
 from __future__ import annotations
 
 import heapq
+import logging
 from bisect import bisect_left, insort
 from collections.abc import Callable
 from itertools import pairwise
 
+from sluice.grammar.compiler import TokenRefused
 from sluice.protocol import Priority
 from sluice.workers.block_manager import BlockManager
 from sluice.workers.config import SchedulerConfig
@@ -47,6 +49,8 @@ from sluice.workers.scheduler_output import (
 )
 from sluice.workers.speculative import NgramIndex, PromptLookup
 from sluice.workers.step_budget import StepCostModel, StepShape, prefill_budget, ttft_budget
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RunnerOutput", "ScheduledChunk", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -297,12 +301,18 @@ class Scheduler:
                          now: float) -> RequestStatus | None:
         """Append sampled[0], then sampled[j] while drafts[j - 1] == sampled[j - 1] (the draft was
         the token the model picks, so what was sampled after it is valid). Stops at a stop token or
-        the length limit; returns the finish status, if any."""
+        the length limit; returns the finish status, if any. A token its grammar refuses ends the
+        request alone with an error (FINISHED_ERROR), the tokens before it kept."""
         kept = 0
         position = request.num_tokens
         status: RequestStatus | None = None
         for token_id in sampled:
-            request.append_output(token_id, now)
+            try:
+                request.append_output(token_id, now)
+            except TokenRefused as exc:
+                log.warning("request %s: %s; it is ended with an error", request.request_id, exc)
+                status = RequestStatus.FINISHED_ERROR
+                break
             status = self._stop_status(request, token_id)
             if status is not None or kept == len(drafts) or drafts[kept] != token_id:
                 break

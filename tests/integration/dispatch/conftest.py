@@ -14,11 +14,14 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from sluice.broker import free_port
+from sluice.gateway.queueing.acceptance import KafkaBackend
+from sluice.protocol import GenerateRequest, Priority, SamplingParams
 from sluice.settings import (
     DispatchSettings,
     GatewaySettings,
@@ -102,3 +105,27 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: s
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+def wire_request(name: str, sampling: SamplingParams) -> GenerateRequest:
+    """A request as the gateway would send it to a worker of the demo model (no gateway checks)."""
+    return GenerateRequest(
+        request_id=f"{name}-{time.monotonic_ns()}", tenant_id=name, model="demo", priority=Priority.STANDARD,
+        prompt_token_ids=tuple(range(5, 40)), sampling=sampling, cache_salt=name, arrival_time=time.time())
+
+
+@contextlib.asynccontextmanager
+async def backend_with_worker(bootstrap_servers: str, model_dir: Path, start_worker: StartWorker, worker_id: str,
+                              *extra: str, extra_env: dict[str, str] | None = None,
+                              ) -> AsyncIterator[tuple[KafkaBackend, subprocess.Popen[bytes]]]:
+    """A Kafka backend and one worker process (`start_worker`'s flags `extra`), registered; the
+    backend stops on exit (the fixture ends the worker)."""
+    port = free_port()
+    backend = KafkaBackend(make_settings(bootstrap_servers, model_dir), worker_port=port)
+    await backend.start()
+    try:
+        worker = start_worker(model_dir, port, worker_id, *extra, extra_env=extra_env)
+        await wait_for(lambda: worker_id in backend.dispatcher.workers, 180, "the worker to register")
+        yield backend, worker
+    finally:
+        await backend.stop()

@@ -5,42 +5,29 @@ to a real worker over the protocol (no gateway validation in front), beside a no
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
 from sluice_testing import drain, submit
 
-from sluice.broker import free_port
 from sluice.gateway.launch.serve import HEALTHY_RUN_S, RESTART_BACKOFF_S, restart_delay
-from sluice.gateway.queueing.acceptance import KafkaBackend
-from sluice.protocol import FinishReason, GenerateRequest, Priority, SamplingParams
+from sluice.protocol import FinishReason, SamplingParams
 
-from .conftest import make_settings, wait_for
+from .conftest import backend_with_worker, wire_request
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def request(name: str, sampling: SamplingParams) -> GenerateRequest:
-    return GenerateRequest(
-        request_id=f"{name}-{time.monotonic_ns()}", tenant_id=name, model="demo", priority=Priority.STANDARD,
-        prompt_token_ids=tuple(range(5, 40)), sampling=sampling, cache_salt=name, arrival_time=time.time())
-
-
 async def test_a_request_that_raises_in_the_engine_fails_alone(
         bootstrap_servers: str, demo_model_dir: Path, start_worker) -> None:
-    port = free_port()
-    backend = KafkaBackend(make_settings(bootstrap_servers, demo_model_dir), worker_port=port)
-    await backend.start()
-    try:
-        worker = start_worker(demo_model_dir, port, "pw1", "--max-num-seqs", "4")
-        await wait_for(lambda: "pw1" in backend.dispatcher.workers, 180, "the worker to register")
+    async with backend_with_worker(bootstrap_servers, demo_model_dir, start_worker, "pw1",
+                                   "--max-num-seqs", "4") as (backend, worker):
         pid = backend.dispatcher.workers["pw1"].pid
-        normal = await submit(backend, request("normal", SamplingParams(max_tokens=24, temperature=0.0,
+        normal = await submit(backend, wire_request("normal", SamplingParams(max_tokens=24, temperature=0.0,
                                                                        ignore_eos=True)))
         await asyncio.sleep(0.3)  # the normal stream is decoding when the poison arrives
         # top_k = 2**63 fits the wire format (msgpack uint64) but not the sampler's int64 tensor.
-        poison = await submit(backend, request("poison", SamplingParams(max_tokens=8, temperature=1.0,
+        poison = await submit(backend, wire_request("poison", SamplingParams(max_tokens=8, temperature=1.0,
                                                                        top_k=2**63, ignore_eos=True)))
         poisoned, streamed = await asyncio.wait_for(asyncio.gather(drain(poison), drain(normal)), 180)
         final = poisoned[-1]
@@ -50,17 +37,15 @@ async def test_a_request_that_raises_in_the_engine_fails_alone(
         assert sum(len(d.token_ids) for d in streamed) == 24
 
         # The same worker process serves the next request, poison again included.
-        again = await submit(backend, request("poison2", SamplingParams(max_tokens=4, temperature=0.7,
+        again = await submit(backend, wire_request("poison2", SamplingParams(max_tokens=4, temperature=0.7,
                                                                        top_k=2**63, ignore_eos=True)))
-        after = await submit(backend, request("after", SamplingParams(max_tokens=6, temperature=0.0,
+        after = await submit(backend, wire_request("after", SamplingParams(max_tokens=6, temperature=0.0,
                                                                      ignore_eos=True)))
         results = await asyncio.wait_for(asyncio.gather(drain(again), drain(after)), 180)
         assert results[0][-1].finish_reason == FinishReason.ERROR
         assert results[1][-1].finish_reason == FinishReason.LENGTH
         assert worker.poll() is None
         assert backend.dispatcher.workers["pw1"].pid == pid
-    finally:
-        await backend.stop()
 
 
 def test_restart_backoff_resets_after_a_healthy_run() -> None:

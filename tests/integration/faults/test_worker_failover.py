@@ -1,7 +1,9 @@
 """Worker failover (issue #16 (b)): a worker process SIGKILLed (or SIGSTOPped) mid-stream; its
 stream continues on the other worker, recomputing prompt + the tokens already delivered, and the
 client sees a stall, not an error: the same text and token ids as an undisturbed greedy run, no error event, the same
-finish_reason and usage. A request that keeps losing its workers fails after the bounded attempts.
+finish_reason and usage. So does a request constrained by a JSON schema killed mid-object (its grammar
+state is rebuilt from the resumed tokens: issue #31). A request that keeps losing its workers fails
+after the bounded attempts.
 
 Two real worker processes on this module's worker port, the whole app (OpenAI HTTP API, quotas,
 Kafka backend) on the session's broker and a real database.
@@ -21,8 +23,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from dispatch.conftest import kill_group
+from structured_cases import LONG_OBJECT
 
 from sluice import telemetry
 from sluice.gateway.dispatch.dispatcher import MAX_DISPATCH_ATTEMPTS
@@ -35,6 +39,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 WORKER_IDS = ("fa", "fb")
 BODY = {"model": "demo", "prompt": "The keeper writes the level", "max_tokens": 200, "temperature": 0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+CONSTRAINED = {**BODY, "max_tokens": 480, "ignore_eos": False, "guided_json": LONG_OBJECT}
+KILL_AT = 40  # tokens delivered when the worker is killed
 
 
 class Fleet:
@@ -85,11 +91,11 @@ def the_job(gw: FaultGateway) -> RequestState | None:
     return flights[0].state if flights else None
 
 
-async def stream_events(gw: FaultGateway) -> list[dict[str, Any]]:
+async def stream_events(gw: FaultGateway, body: dict[str, Any]) -> list[dict[str, Any]]:
     """Every SSE event of one streamed completion, decoded (the test client hands them over at the end)."""
     headers = {"authorization": f"Bearer {gw.sdk.api_key}"}
     events: list[dict[str, Any]] = []
-    async with gw.client.stream("POST", "/v1/completions", json=BODY, headers=headers) as response:
+    async with gw.client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -110,12 +116,12 @@ def watch(gw: FaultGateway, jobs: list[RequestState], stop: threading.Event,
 
 
 async def run_stream(gw: FaultGateway, jobs: list[RequestState], on_poll: Callable[[RequestState], None] | None = None,
-                     ) -> list[dict[str, Any]]:
+                     body: dict[str, Any] = BODY) -> list[dict[str, Any]]:
     stop = threading.Event()
     watcher = threading.Thread(target=watch, args=(gw, jobs, stop, on_poll), daemon=True)
     watcher.start()
     try:
-        return await asyncio.wait_for(stream_events(gw), 300)
+        return await asyncio.wait_for(stream_events(gw, body), 300)
     finally:
         stop.set()
         watcher.join(10)
@@ -137,24 +143,27 @@ def summary(events: list[dict[str, Any]]) -> tuple[str, str | None, dict[str, An
     return text, finish[0], usage[0]
 
 
-@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
+@pytest.mark.parametrize(("fault", "body"), [("sigkill", BODY), ("sigstop", BODY), ("sigkill", CONSTRAINED)],
+                         ids=["sigkill", "sigstop", "sigkill-constrained"])
 async def test_a_lost_workers_stream_continues_on_the_other_worker(
-        gateway: FaultGateway, fleet: Fleet, tmp_path: Path, fault: str) -> None:
+        gateway: FaultGateway, fleet: Fleet, tmp_path: Path, fault: str, body: dict[str, Any]) -> None:
     """sigkill: the worker dies (its connection ends); sigstop: it stops answering (dropped after
-    the heartbeat timeout, 5 s here)."""
+    the heartbeat timeout, 5 s here). Constrained: the answer is a JSON object, the kill lands in it."""
     gw = gateway
     jobs: list[RequestState] = []
-    undisturbed = await run_stream(gw, jobs)
+    undisturbed = await run_stream(gw, jobs, body=body)
     [reference] = jobs
-    assert reference.attempts == 1 and len(reference.output_token_ids) == 200
+    tokens = len(reference.output_token_ids)
+    assert reference.attempts == 1
+    assert tokens == 200 if body is BODY else tokens > KILL_AT + 20  # long enough to be killed midway
 
     record_log = tmp_path / "records.jsonl"
     telemetry.configure(str(record_log))
     killed: dict[str, Any] = {}
 
-    def kill_worker(job: RequestState) -> None:  # once, mid-generation: 40 of 200 tokens delivered
+    def kill_worker(job: RequestState) -> None:  # once, mid-generation: KILL_AT tokens delivered
         worker, delivered = job.worker, len(job.output_token_ids)
-        if not killed and delivered >= 40:
+        if not killed and delivered >= KILL_AT:
             killed.update(worker=worker, at=time.time(), delivered=delivered)
             if fault == "sigkill":
                 fleet.kill(worker)
@@ -162,7 +171,7 @@ async def test_a_lost_workers_stream_continues_on_the_other_worker(
                 fleet.freeze(worker)
 
     try:
-        disturbed = await run_stream(gw, jobs, kill_worker)
+        disturbed = await run_stream(gw, jobs, kill_worker, body)
         await wait_for(lambda: record_of(record_log, jobs[-1].request_id) is not None, 30, "the request record")
     finally:
         telemetry.configure("")
@@ -173,18 +182,24 @@ async def test_a_lost_workers_stream_continues_on_the_other_worker(
 
     assert not any("error" in e for e in disturbed), [e for e in disturbed if "error" in e]
     assert summary(disturbed) == summary(undisturbed)  # text, finish_reason, usage
-    _, finish, usage = summary(disturbed)
-    assert finish == "length" and usage["completion_tokens"] == 200
+    text, finish, usage = summary(disturbed)
+    assert usage["completion_tokens"] == tokens
+    if body is BODY:
+        assert finish == "length"
+    else:  # complete and valid, as undisturbed
+        assert finish == "stop"
+        jsonschema.validate(json.loads(text), LONG_OBJECT)
     job = jobs[-1]
     assert job.output_token_ids == reference.output_token_ids  # the same token ids
     # It resumed on the other worker after the tokens its client had when the worker died.
     assert job.worker != killed["worker"] and job.attempts == 2
     resumed = job.request.resume_token_ids
-    assert len(resumed) >= killed["delivered"] >= 40 and resumed == tuple(reference.output_token_ids[:len(resumed)])
-    assert job.num_output_tokens == 200
+    assert len(resumed) >= killed["delivered"] >= KILL_AT
+    assert resumed == tuple(reference.output_token_ids[:len(resumed)]) and len(resumed) < tokens
+    assert job.num_output_tokens == tokens
     record = record_of(record_log, job.request_id)
     assert record is not None
-    assert record.completion_tokens == 200 and record.finish_reason == "length"
+    assert record.completion_tokens == tokens and record.finish_reason == finish
     assert record.worker == job.worker
     assert record.first_token_time is not None and record.first_token_time < killed["at"]  # the first token ever
     assert record.engine_first_token is not None and record.engine_first_token < killed["at"]

@@ -10,9 +10,10 @@ $SLUICE_TEST_REDIS_URL: skipped without it, a failure under CI=true).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,29 +92,45 @@ def _shared_settings(mode: str) -> SharedSettings:
     return SharedSettings(url=url, prefix=f"sluice-test-{secrets.token_hex(6)}")
 
 
-@pytest.fixture(scope="module")
-def gateway(
-    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, shared_mode: str, gateway_options: dict[str, Any],
-    engine_options: dict[str, Any],
-) -> Iterator[Gateway]:
-    directory = tmp_path_factory.mktemp("gateway")
+@contextlib.contextmanager
+def start_gateway(directory: Path, models: dict[str, Path], engine_options: dict[str, Any], *,
+                  shared_mode: str = "in-process", gateway_options: dict[str, Any] | None = None) -> Iterator[Gateway]:
+    """A gateway over HTTP serving `models` (name -> directory) with a local engine each, its own
+    SQLite database in `directory`; stopped on exit."""
     database_url = f"sqlite+aiosqlite:///{directory / 'sluice.db'}"
     admin_token = "slc-admin-" + secrets.token_urlsafe(32)
     metrics_token = "metrics-" + secrets.token_urlsafe(24)
     settings = Settings(
         gateway=GatewaySettings(**{
-            "max_body_bytes": 256 * 1024, "key_cache_ttl_s": 30.0, "metrics_token": metrics_token, **gateway_options
+            "max_body_bytes": 256 * 1024, "key_cache_ttl_s": 30.0, "metrics_token": metrics_token,
+            **(gateway_options or {}),
         }),
         admin=AdminSettings(token=admin_token),
         database=DatabaseSettings(url=database_url),
         shared=_shared_settings(shared_mode),
     )
-    backend = LocalEngineBackend({"demo": demo_model_dir}, engine_options)
+    backend = LocalEngineBackend(models, engine_options)
     app = create_app(settings, backend)
     with serve_app(app) as base_url:
         yield Gateway(base_url, admin_token, database_url, app, metrics_token)
         if settings.shared.url:
             _remove_keys(settings.shared)
+
+
+@pytest.fixture(scope="session")
+def open_gateway() -> Callable[..., contextlib.AbstractContextManager[Gateway]]:
+    """`start_gateway`, for a module that serves other models or engine options per parameter."""
+    return start_gateway
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, shared_mode: str, gateway_options: dict[str, Any],
+    engine_options: dict[str, Any],
+) -> Iterator[Gateway]:
+    with start_gateway(tmp_path_factory.mktemp("gateway"), {"demo": demo_model_dir}, engine_options,
+                       shared_mode=shared_mode, gateway_options=gateway_options) as running:
+        yield running
 
 
 def _remove_keys(shared: SharedSettings) -> None:

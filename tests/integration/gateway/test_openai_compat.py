@@ -71,7 +71,8 @@ def test_n_logit_bias_and_user(client: openai.OpenAI, stack: Stack) -> None:
                                         user="end-user-42")
     assert len(ok.choices) == 1
     refused(lambda: client.chat.completions.create(model=stack.model, messages=CHAT, n=9), "n")  # max_n: 8
-    refused(lambda: client.completions.create(model=stack.model, prompt="Hi", n=2, stream=True), "n")
+    refused(lambda: client.completions.create(model=stack.model, prompt="Hi", n=2, stream=True,
+                                              extra_headers={"X-Sluice-Resumable": "1"}), "n")  # not resumable
     biased = client.chat.completions.create(model=stack.model, messages=CHAT, max_tokens=2, logit_bias={"5": 10})
     assert biased.choices[0].finish_reason in ("stop", "length")
     refused(lambda: client.completions.create(model=stack.model, prompt="Hi", logit_bias={"10000000": -100}),

@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from structured_cases import CLOCK, WEATHER, check_call
 
 from sluice_lab.experiments.stack import Stack, start_stack
 
@@ -31,14 +32,6 @@ needs_grammar = pytest.mark.usefixtures("engine_enforces_grammar")
 
 CONFIG = Path(__file__).resolve().parents[3] / "config"
 ASK = [{"role": "user", "content": "Order two green widgets for Ada."}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["C", "F"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"],
-    "additionalProperties": False}}}
 
 
 class Color(enum.Enum):
@@ -106,7 +99,7 @@ def test_bad_input_gets_a_400_naming_the_param_and_the_next_request_is_served(
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"n": 9}, "n"),  # above gateway.max_n (8)
-        ({"n": 2, "stream": True}, "n"),
+        ({"n": 2, "stream": True, "extra_headers": {"Idempotency-Key": "n2"}}, "n"),  # not resumable
         ({"logit_bias": {"99999999": 5}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias[...]"),  # the edge names the entry
     ]
@@ -142,6 +135,64 @@ def test_n_choices_are_seeded_requests_with_usage_summed(client: openai.OpenAI, 
     assert answer.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
     texts = client.completions.create(model=stack.model, prompt="Once", max_tokens=4, n=2, temperature=0)
     assert len(texts.choices) == 2 and texts.choices[0].text == texts.choices[1].text  # greedy: equal
+
+
+def test_n_choices_stream_interleaved_each_with_its_finish_and_usage_at_the_end(
+        client: openai.OpenAI, stack: Stack) -> None:
+    ask: dict[str, Any] = dict(model=stack.model, messages=ASK, max_tokens=6, seed=40, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(n=3, **ask)
+    chunks = list(client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **ask))
+    texts, roles, finishes = ["", "", ""], [0, 0, 0], [None, None, None]
+    for chunk in chunks[:-1]:
+        assert chunk.id == chunks[0].id and chunk.usage is None and len(chunk.choices) == 1
+        choice = chunk.choices[0]
+        assert finishes[choice.index] is None  # nothing of a choice after its finish
+        roles[choice.index] += choice.delta.role == "assistant"
+        texts[choice.index] += choice.delta.content or ""
+        finishes[choice.index] = choice.finish_reason
+    assert roles == [1, 1, 1] and finishes == ["length"] * 3
+    assert texts == [c.message.content for c in whole.choices]  # choice i: seed + i, streamed or not
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage  # prompt once, completions summed
+    assert whole.usage.completion_tokens == 18
+    streamed = list(client.completions.create(model=stack.model, prompt="Once", max_tokens=4, n=2, temperature=0,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices[0].index == 0) == \
+        "".join(c.choices[0].text for c in streamed if c.choices[0].index == 1)  # greedy: equal
+
+
+@needs_grammar
+def test_the_sdk_stream_helper_assembles_n_choices(client: openai.OpenAI, stack: Stack) -> None:
+    # Constrained so that every choice stops (the helper refuses an answer cut at max_tokens).
+    ask: dict[str, Any] = dict(model=stack.model, messages=ASK, max_tokens=8, n=3, seed=5,
+                               extra_body={"guided_choice": ["alpha", "beta", "gamma", "delta"]})
+    whole = client.chat.completions.create(**ask)
+    with client.chat.completions.stream(**ask) as events:
+        final = events.get_final_completion()
+    assert [(c.index, c.message.content, c.finish_reason) for c in final.choices] == \
+        [(c.index, c.message.content, "stop") for c in whole.choices]
+
+
+def test_n_choices_bill_the_request_and_its_prompt_once(stack: Stack) -> None:
+    limit = 1_000_000
+    key = stack.create_tenant_key(f"n-usage-{secrets.token_hex(3)}", ceiling="interactive", default_class="standard",
+                                  quotas={"tokens_per_minute": limit})
+    own = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=key, max_retries=0, timeout=300)
+    ask: dict[str, Any] = dict(model=stack.model, messages=ASK, max_tokens=5, seed=7, extra_body={"ignore_eos": True})
+    whole = own.chat.completions.create(n=3, **ask)
+    last = list(own.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **ask))[-1]
+    prompt = whole.usage.prompt_tokens + last.usage.prompt_tokens
+    assert whole.usage.prompt_tokens == last.usage.prompt_tokens and last.usage.completion_tokens == 10
+    used = prompt + 15 + 10
+    headers = own.models.with_raw_response.list().headers
+    assert int(headers["x-ratelimit-remaining-tokens"]) == limit - used  # the token quota: prompt once
+    auth = {"Authorization": f"Bearer {key}"}
+    deadline = time.monotonic() + 30
+    while True:  # usage records are written behind (within gateway's flush interval)
+        rows = httpx.get(f"{stack.base_url}/v1/usage", headers=auth, timeout=30).json()["data"]
+        if (rows and rows[0]["completion_tokens"] == 25) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert [(r["prompt_tokens"], r["completion_tokens"], r["requests"]) for r in rows] == [(prompt, 25, 2)]
 
 
 @needs_grammar
@@ -187,7 +238,7 @@ def test_forced_tool_calls_validate_whole_and_streamed(client: openai.OpenAI, st
         choice = answer.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
         for call in choice.message.tool_calls:
-            _check_call(call.function.name, call.function.arguments, tool_choice)
+            check_call(call.function.name, call.function.arguments, tool_choice)
         with client.chat.completions.stream(model=stack.model, messages=ASK, max_tokens=200, seed=seed,
                                             tools=[WEATHER, CLOCK], tool_choice=tool_choice,
                                             parallel_tool_calls=False) as events:
@@ -196,16 +247,6 @@ def test_forced_tool_calls_validate_whole_and_streamed(client: openai.OpenAI, st
         assert streamed.finish_reason == "tool_calls"
         assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == \
             [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
-
-
-def _check_call(name: str, arguments: str, tool_choice: Any) -> None:
-    args = json.loads(arguments)
-    if isinstance(tool_choice, dict):
-        assert name == tool_choice["function"]["name"]
-    if name == "get_weather":
-        assert set(args) == {"city", "unit"} and len(args["city"]) <= 12 and args["unit"] in ("C", "F")
-    else:
-        assert name == "get_time" and set(args) == {"tz"} and len(args["tz"]) <= 8
 
 
 @needs_grammar
@@ -261,4 +302,4 @@ def test_batch_line_with_a_forced_tool_call(client: openai.OpenAI, stack: Stack)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     for call in choice["message"]["tool_calls"]:
-        _check_call(call["function"]["name"], call["function"]["arguments"], "required")
+        check_call(call["function"]["name"], call["function"]["arguments"], "required")

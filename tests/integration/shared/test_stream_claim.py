@@ -225,7 +225,7 @@ async def test_a_record_is_held_while_its_stream_is_not_filed_yet_and_claimed_on
 
 
 class _Usage:
-    async def record(self, *args: object) -> None:
+    async def record(self, *args: object, **kwargs: object) -> None:
         return None
 
 

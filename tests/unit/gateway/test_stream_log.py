@@ -143,7 +143,7 @@ class _Usage:
     def __init__(self) -> None:
         self.recorded = 0
 
-    async def record(self, *args: object) -> None:
+    async def record(self, *args: object, **kwargs: object) -> None:
         self.recorded += 1
 
 

@@ -96,7 +96,7 @@ def test_completion_frames_carry_the_finish_reason_with_the_text() -> None:
 
 
 class _Usage:
-    async def record(self, *args: object) -> None:
+    async def record(self, *args: object, **kwargs: object) -> None:
         return None
 
 

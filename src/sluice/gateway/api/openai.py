@@ -28,10 +28,12 @@ from sluice.gateway.edge.schemas import (
 )
 from sluice.gateway.generation.answers import complete, settled_refusal
 from sluice.gateway.generation.choices import complete_all, fork, launch_all
+from sluice.gateway.generation.flight import Flight
 from sluice.gateway.generation.service import PREDICTED_TTFT_HEADER, predicted_ttft_ms
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.quotas.service import QuotaService
 from sluice.gateway.services import Injected, Services
+from sluice.gateway.streams.choices import stream_choices
 from sluice.gateway.streams.frames import Framer
 from sluice.gateway.streams.hub import (
     StreamHub,
@@ -135,6 +137,8 @@ def _objective_answer(state: RequestState) -> dict[str, str]:
 async def _answer(request: Request[Any, Any, Any], services: Services, tenant: TenantContext,
                   state: RequestState) -> Response[Any]:
     """Launches a prepared request; answers with an SSE stream when it asked for one, else the whole body."""
+    if state.stream and state.envelope.choices > 1:
+        return await _answer_choices_stream(request, services, tenant, state)
     if state.stream:
         return await _answer_stream(request, services, tenant, state)
     services.drain.refuse_new()
@@ -207,6 +211,35 @@ async def _answer_stream(request: Request[Any, Any, Any], services: Services, te
     events = streams.follow(response_id, -1, with_ids=with_ids)
     return SSEResponse(events, {**services.quotas.headers(tenant), **_class_header(state),
                                 **_objective_answer(state), **_SSE_HEADERS})
+
+
+async def _answer_choices_stream(request: Request[Any, Any, Any], services: Services, tenant: TenantContext,
+                                 state: RequestState) -> Response[Any]:
+    """A streamed answer of n > 1 choices (streams/choices.py): not resumable, so the headers that
+    ask for resuming are refused."""
+    headers = request.headers
+    if headers.get("idempotency-key") is not None or headers.get("last-event-id") is not None or wants_ids(
+            headers.get("x-sluice-resumable"), None):
+        raise bad_request("A stream of n > 1 choices cannot be resumed: send it without Idempotency-Key, "
+                          "Last-Event-ID and X-Sluice-Resumable, or stream one request per choice.", "n")
+    services.drain.refuse_new()
+    generation = services.generation
+    flights = await launch_all(generation.launch, tenant, fork(state))
+    try:  # every choice's first delta before the first byte: an expiry until then is an HTTP error
+        await _unless_disconnected(request, _first_deltas(flights))
+        refused = next((flight for flight in flights if flight.submission.refusal() is not None), None)
+        if refused is not None:  # an upstream's 4xx: an HTTP error, as when not streamed
+            raise await settled_refusal(refused)
+    except BaseException:
+        for flight in flights:
+            flight.finish(aborted=True)
+        raise
+    events = stream_choices(flights, generation.tokenizers.get(state.request.model))
+    return SSEResponse(events, {**services.quotas.headers(tenant), **_class_header(state), **_SSE_HEADERS})
+
+
+async def _first_deltas(flights: list[Flight]) -> None:
+    await asyncio.gather(*(flight.first_delta() for flight in flights))
 
 
 def request_fingerprint(state: RequestState) -> str:

@@ -141,7 +141,7 @@ def whole_answer(state: RequestState, text: str, positions: Sequence[PositionLog
         message = AssistantMessage(content=text)
         if state.request.tool_format is not None:
             content, calls = parse_whole(text, state.request.tool_format,  # type: ignore[arg-type]
-                                         state.envelope.id)
+                                         state.request_id)  # the answer's id, or a choice's (n > 1)
             if calls:
                 message = AssistantMessage(content=content, tool_calls=calls)
                 finish = tool_calls_finish(finish)

@@ -10,11 +10,13 @@ module launches them and merges their answers.
   choice by choice; without a seed each choice samples on its own.
 - The prompt's KV: the engine's tenant-salted prefix cache shares the blocks between the choices
   (they have the same prompt and salt).
-- Usage: the prompt counted once, the completion tokens of every choice summed (as OpenAI's).
-- Quotas: each choice is admitted as one request (requests, concurrency and tokens count n times:
-  n × (prompt + max_tokens) reserved); when one is refused, those already launched are aborted.
-- Streaming with n > 1 is refused for now (generation/prepare.py): one stream log per answer
-  holds one request's events.
+- Usage: the prompt counted once, the completion tokens of every choice summed (as OpenAI's);
+  the tenant's usage records and token quotas likewise (`RequestState.bills_request`: choice 0
+  bills the prompt and the request, the others their completion tokens alone).
+- Quotas: each choice is admitted on its own (concurrency and requests/min count n times; tokens
+  prompt + n × max_tokens reserved); when one is refused, those already launched are aborted.
+- Streaming: the choices' chunks interleave in one SSE response, each with its index
+  (streams/choices.py); such a stream is not resumable (no stream log holds several requests).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from sluice.gateway.auth.service import TenantContext
-from sluice.gateway.edge.schemas import ChatCompletion, Completion, PromptTokensDetails, Usage
-from sluice.gateway.generation.answers import complete
+from sluice.gateway.edge.schemas import ChatCompletion, Completion, Usage
+from sluice.gateway.generation.answers import complete, usage
 from sluice.gateway.generation.flight import Flight
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.generation.tokenization import ModelTokenizer
@@ -48,7 +50,7 @@ def fork(state: RequestState) -> list[RequestState]:
         sampling = msgspec.structs.replace(request.sampling, seed=_seed(request.sampling.seed, index))
         choice = msgspec.structs.replace(request, request_id=f"{request.request_id}-{index}", sampling=sampling)
         states.append(RequestState(request=choice, envelope=state.envelope, tenant_name=state.tenant_name,
-                                   stream=state.stream))
+                                   stream=state.stream, bills_request=False))
     return states
 
 
@@ -75,11 +77,15 @@ async def complete_all(flights: list[Flight], tokenizer: ModelTokenizer) -> Chat
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(complete(flight, tokenizer)) for flight in flights]
     answers = [task.result() for task in tasks]
-    first = answers[0]
     choices = [msgspec.structs.replace(answer.choices[0], index=i) for i, answer in enumerate(answers)]
-    prompt = first.usage.prompt_tokens if first.usage is not None else 0
-    completion = sum(a.usage.completion_tokens for a in answers if a.usage is not None)
-    cached = first.usage.prompt_tokens_details.cached_tokens if first.usage is not None else 0
-    usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-    return msgspec.structs.replace(first, choices=choices, usage=usage)  # type: ignore[arg-type]
+    merged = answer_usage([flight.state for flight in flights])
+    return msgspec.structs.replace(answers[0], choices=choices, usage=merged)  # type: ignore[arg-type]
+
+
+def answer_usage(states: list[RequestState]) -> Usage:
+    """The usage of an answer of these choices: the prompt once (choice 0's), completions summed."""
+    first = usage(states[0])
+    completion = sum(state.num_output_tokens for state in states)
+    return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
+                 total_tokens=first.prompt_tokens + completion,
+                 prompt_tokens_details=first.prompt_tokens_details)

@@ -140,7 +140,7 @@ class Flight:
             if self.timed_out and not state.has_output:
                 service.quotas.release(reservation)  # it never ran: nothing is charged
             else:
-                service.quotas.settle(reservation, state.num_prompt_tokens, state.num_output_tokens)
+                service.quotas.settle(reservation, state.billed_prompt_tokens, state.num_output_tokens)
         service.spawn(self._after(aborted))
 
     async def settled(self) -> None:
@@ -157,8 +157,8 @@ class Flight:
             except Exception:
                 log.warning("abort of %s failed", self.request_id, exc_info=True)
         try:
-            await self.service.usage.record(self.tenant.id, state.request.model, state.num_prompt_tokens,
-                                            state.num_output_tokens)
+            await self.service.usage.record(self.tenant.id, state.request.model, state.billed_prompt_tokens,
+                                            state.num_output_tokens, requests=int(state.bills_request))
         except Exception:
             log.error("could not record usage of %s", self.request_id, exc_info=True)
         try:

@@ -326,9 +326,6 @@ class RequestPreparer:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
         objective = resolve(class_objective(self.objectives, priority), priority, tenant.objective, header)
         choices = body.n or 1
-        if choices > 1 and stream:
-            raise bad_request("n above 1 is not supported with stream yet: stream one request per choice, or "
-                              "ask without stream.", "n")
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         arrival = time.time()
         request = GenerateRequest(

@@ -128,9 +128,9 @@ class GenerationService:
         request = state.request
         try:
             with tracing.span("admission"):
-                state.reservation = await self.quotas.admit(
-                    tenant, len(request.prompt_token_ids), request.sampling.max_tokens, request.priority
-                )
+                prompt = len(request.prompt_token_ids) if state.bills_request else 0  # n > 1: billed once
+                state.reservation = await self.quotas.admit(tenant, prompt, request.sampling.max_tokens,
+                                                            request.priority)
         except QuotaExceeded as exc:
             telemetry.count_rejection(tenant.name, exc.code or "rate_limit_exceeded", request.priority.label)
             raise

@@ -17,7 +17,8 @@ request reads it here, and exactly one place changes each part of it:
 - how it ended (`finish_reason`, `error`): set from the final delta, or by a timeout or abort.
 
 An answer with n choices (`n` > 1) is n requests, each with its own state (its own output,
-failover and quota hold) under its own id, sharing one envelope (`Envelope.choices` = n);
+failover and quota hold) under its own id, sharing one envelope (`Envelope.choices` = n), the
+prompt billed with the first alone (`bills_request`);
 generation/choices.py launches them and merges their answers. A request with tools carries its
 answer's tool-call format in `request.tool_format`, so every answer builder parses the same way.
 
@@ -64,6 +65,10 @@ class RequestState:
     envelope: Envelope
     tenant_name: str  # for records and metrics (never a key)
     stream: bool = False
+    # False for the choices after the first of an n > 1 answer: the request and its prompt are
+    # billed once, with choice 0 (OpenAI's usage), so the others' quota holds and usage records
+    # count their completion tokens alone.
+    bills_request: bool = True
     reservation: Reservation | None = None
     # ---- output, changed only by take_output / resume_after / reset_output
     output_token_ids: list[int] = field(default_factory=list)
@@ -111,6 +116,11 @@ class RequestState:
     @property
     def num_prompt_tokens(self) -> int:
         return self.prompt_tokens or len(self.request.prompt_token_ids)
+
+    @property
+    def billed_prompt_tokens(self) -> int:
+        """The prompt tokens its quota hold and usage record count (see `bills_request`)."""
+        return self.num_prompt_tokens if self.bills_request else 0
 
     @property
     def resumable(self) -> bool:

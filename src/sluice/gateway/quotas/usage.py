@@ -62,13 +62,15 @@ class UsageService:
         completion_tokens: int,
         *,
         day: dt.date | None = None,
+        requests: int = 1,
     ) -> None:
-        """Adds one finished (or aborted) request to its day's row (written within the interval)."""
+        """Adds one finished (or aborted) request to its day's row (written within the interval);
+        `requests` 0 for a further choice of an n > 1 answer (its tokens count, the request once)."""
         key = (tenant_id, model, day or dt.datetime.now(dt.UTC).date())
         totals = self._pending.setdefault(key, [0, 0, 0])
         totals[0] += prompt_tokens
         totals[1] += completion_tokens
-        totals[2] += 1
+        totals[2] += requests
         telemetry.USAGE_PENDING.set(len(self._pending))
         if self._timer is None or self._timer.done():
             self._timer = asyncio.get_running_loop().create_task(self._flush_later())

@@ -28,6 +28,7 @@ from sluice.gateway.edge.schemas import (
     ChunkDelta,
     CompletionChoice,
     CompletionChunk,
+    Usage,
 )
 from sluice.gateway.generation.answers import chat_logprobs, completion_logprobs, failure_body, usage
 from sluice.gateway.generation.state import RequestState
@@ -64,13 +65,16 @@ class _TextEvent:
 
 
 class Framer:
-    """The SSE events of one streamed answer (module docstring). `resumed`: it continues a stream
-    whose earlier events another replica sent (no second role chunk)."""
+    """The SSE events of one streamed answer's choice (module docstring). `resumed`: it continues a
+    stream whose earlier events another replica sent (no second role chunk); `index`: the choice's
+    index in an answer of n > 1 choices (streams/choices.py)."""
 
-    __slots__ = ("_chat", "_template", "_text_event", "_tools", "resumed", "state", "tokenizer")
+    __slots__ = ("_chat", "_index", "_template", "_text_event", "_tools", "resumed", "state", "tokenizer")
 
-    def __init__(self, state: RequestState, tokenizer: ModelTokenizer, *, resumed: bool = False) -> None:
+    def __init__(self, state: RequestState, tokenizer: ModelTokenizer, *, resumed: bool = False,
+                 index: int = 0) -> None:
         self.state = state
+        self._index = index
         self.tokenizer = tokenizer
         self.resumed = resumed
         envelope = state.envelope
@@ -82,7 +86,7 @@ class Framer:
         fmt = state.request.tool_format
         self._tools = None
         if self._chat and fmt is not None:
-            self._tools = ToolCallParser(fmt, envelope.id)  # type: ignore[arg-type]
+            self._tools = ToolCallParser(fmt, state.request_id)  # type: ignore[arg-type]
             if resumed and state.output_token_ids:
                 self._tools.feed(tokenizer.output_text(state.output_token_ids))
         # Its usage is null on every chunk when include_usage is set (only the last carries it), else absent.
@@ -99,11 +103,12 @@ class Framer:
 
     def _chat_chunk(self, delta: ChunkDelta, finish: str | None = None,
                     logprobs: ChoiceLogprobs | None = None) -> bytes:
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
+        choice = ChatChunkChoice(index=self._index, delta=delta, logprobs=logprobs, finish_reason=finish)
         return sse(replace(self._template, choices=[choice]))
 
     def _text_chunk(self, text: str, finish: str | None, logprobs: object) -> bytes:
-        choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish)  # type: ignore[arg-type]
+        choice = CompletionChoice(index=self._index, text=text, logprobs=logprobs,  # type: ignore[arg-type]
+                                  finish_reason=finish)
         return sse(replace(self._template, choices=[choice]))
 
     def opening(self) -> bytes | None:
@@ -166,11 +171,12 @@ class Framer:
         """The finishing chunk of a stream whose last delta's events were lost with its replica."""
         self.frames(RequestDelta(request_id=self.state.request_id, finish_reason=reason), emit)
 
-    def usage(self) -> bytes | None:
-        """The chunk with no choices that carries the usage, when the stream asked for it."""
+    def usage(self, total: Usage | None = None) -> bytes | None:
+        """The chunk with no choices that carries the usage, when the stream asked for it; `total`:
+        the whole answer's, when it has several choices (else this choice's)."""
         if not self.state.envelope.include_usage:
             return None
-        return sse(replace(self._template, usage=usage(self.state)))
+        return sse(replace(self._template, usage=usage(self.state) if total is None else total))
 
     def error(self) -> bytes:
         """The event that ends a stream whose generation failed (no [DONE] follows)."""
