@@ -47,12 +47,12 @@ class ParityPlan:
     runs: int
     input_len: int
     output_len: int
-    num_prompts: int | None  # None: 5 per stream, at least 40
+    num_prompts: int | None  # None: 2 per stream, at least 40
     max_model_len: int
     max_num_seqs: int
 
     def prompts_at(self, concurrency: int) -> int:
-        return self.num_prompts or max(40, 5 * concurrency)
+        return self.num_prompts or max(40, 2 * concurrency)
 
 
 def bench_serve_command(venv: Path, base_url: str, model: str, tokenizer: Path, *, concurrency: int,
@@ -169,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs each way at each level (alternating)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--num-prompts", type=int, help="prompts per run (default: 5 per stream, at least 40)")
+    parser.add_argument("--num-prompts", type=int, help="prompts per run (default: 2 per stream, at least 40)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM's --max-model-len")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="vLLM's --max-num-seqs (told to sluice too)")
     parser.add_argument("--config-dir", default="config")
