@@ -7,8 +7,9 @@ dataset (128 prompt tokens, 32 output tokens, `--ignore-eos`) at each concurrenc
 straight at vLLM and through sluice, `--runs` times each way, the order swapped every run so
 neither always goes first. Every run has its own seed: no run's prompts are in vLLM's prefix cache
 from another (sluice's requests carry a tenant salt besides). One short untimed run warms each
-path first. Reported per run: TTFT p50/p99, ITL p99, output tok/s and the load average at its
-start; per level, the median over runs each way and through-sluice against direct, with the
+path first. Reported per run: TTFT p50/p99, ITL p99, output tok/s, the load average at its
+start and the CPU seconds vLLM's and sluice's processes used over it (sluice's idle cost shows in
+the direct runs); per level, the median over runs each way and through-sluice against direct, with the
 acceptance bounds of issue #35 (tok/s >= 0.97x, TTFT p99 <= 1.1x + 50 ms, ITL p99 <= 1.1x).
 """
 
@@ -134,7 +135,11 @@ def run_parity(plan: ParityPlan, venv: Path, model_dir: Path, config_dir: str, w
                                               num_prompts=prompts, input_len=plan.input_len,
                                               output_len=plan.output_len, seed=seed, result=result)
                 load = os.getloadavg()[0]
+                cpu_before = (vllm.cpu_s(), procs.tree_cpu_s(stack.process.pid))
                 row = _row(run_bench_serve(command, api_key, workdir / "bench-serve.log", result), load)
+                # CPU seconds over the run (the client's start included: both sit idle through it).
+                row["vllm_cpu_s"] = round(vllm.cpu_s() - cpu_before[0], 2)
+                row["sluice_cpu_s"] = round(procs.tree_cpu_s(stack.process.pid) - cpu_before[1], 2)
                 say(f"  {label}: {json.dumps(row)}")
                 return row
 
