@@ -109,6 +109,11 @@ def compare(direct: list[dict[str, Any]], sluice: list[dict[str, Any]]) -> dict[
         "ttft_p99_delta_ms": round(s_["p99_ttft_ms"] - d_["p99_ttft_ms"], 1),
         "within_bounds": (tput >= BOUNDS["output_throughput_ratio_min"] and s_["p99_ttft_ms"] <= ttft_bound
                           and itl <= BOUNDS["itl_p99_ratio_max"]),
+        # Each run's ratio to the run of the other way beside it (the same minutes of a shared
+        # machine's load), the median over runs: less swayed by one run taken in a burst of load.
+        "paired_median_ratios": {
+            m: round(statistics.median(b[m] / a[m] for a, b in zip(direct, sluice, strict=True)), 3)
+            for m in ("output_throughput", "p99_ttft_ms", "p99_itl_ms")},
     })
     return out
 

@@ -24,6 +24,7 @@ def test_medians_ratios_and_bounds() -> None:
     assert verdict["output_throughput_ratio"] == pytest.approx(93 / 95, abs=1e-3)
     assert verdict["ttft_p50_delta_ms"] == 5 and verdict["ttft_p99_delta_ms"] == 80
     assert verdict["within_bounds"] is True
+    assert verdict["paired_median_ratios"]["output_throughput"] == pytest.approx(0.989, abs=1e-3)  # 93/95, 92/90, 94/95
     assert compare(direct, [run(110, 450, 55, 90)] * 3)["within_bounds"] is False  # tok/s 0.947x
     assert compare(direct, [run(110, 560, 55, 95)] * 3)["within_bounds"] is False  # TTFT p99 > 1.1x + 50 ms
     assert compare(direct, [run(110, 450, 61, 95)] * 3)["within_bounds"] is False  # ITL p99 1.11x
