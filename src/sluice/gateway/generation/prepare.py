@@ -273,7 +273,8 @@ class RequestPreparer:
         links = self.link_limits(tokenizer.name)
         if logprobs and not links.logprobs:
             raise bad_request(f"logprobs are not available for the model `{tokenizer.name}`: it is served by an "
-                              "upstream server whose logprobs sluice does not relay.", "logprobs")
+                              "upstream server of kind openai, whose logprobs sluice cannot relay "
+                              "(only a vllm upstream's).", "logprobs")
         context = tokenizer.max_model_len  # the smaller of sluice's and an upstream's (its /v1/models)
         if links.max_model_len is not None:
             context = min(context, links.max_model_len)

@@ -166,8 +166,10 @@ class KafkaBackend:
         return self.dispatcher.predicted_ttft(request)
 
     def link_limits(self, model: str) -> LinkLimits:
-        upstream = any(model in spec.models for spec in self.settings.upstreams)
-        return LinkLimits(max_model_len=self.dispatcher.upstream_context(model), logprobs=not upstream)
+        # Only a vllm upstream names its logprobs' tokens by id (upstream_chunks.py); a job may go
+        # to any link serving the model, so one upstream of another kind rules them out.
+        blind = any(model in spec.models and spec.kind != "vllm" for spec in self.settings.upstreams)
+        return LinkLimits(max_model_len=self.dispatcher.upstream_context(model), logprobs=not blind)
 
     async def ready(self) -> dict[str, bool]:
         return {"broker": self.running and await self._log.ping(),

@@ -61,10 +61,10 @@ class ServedModel:
 @dataclass(frozen=True, slots=True)
 class LinkLimits:
     """What the servers behind a model's links accept, beyond sluice's own checks: an [[upstreams]]
-    server has its own context and does not relay logprobs (docs/upstreams.md)."""
+    server has its own context, and only a vllm one returns logprobs sluice can relay (docs/upstreams.md)."""
 
     max_model_len: int | None = None  # the smallest an upstream serving the model publishes
-    logprobs: bool = True  # False when an upstream serves the model (a job may be sent there)
+    logprobs: bool = True  # False when an upstream of kind openai serves the model (a job may go there)
 
 
 @runtime_checkable

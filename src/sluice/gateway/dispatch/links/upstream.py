@@ -16,7 +16,8 @@ report, so the server's queue stays short and priority is decided here (the TNG 
 Requests: POST /v1/completions with the gateway's token ids as the prompt (so usage, prefix salts
 and templates stay sluice's), the sampling parameters mapped, `stream: true` with usage. Each
 streamed chunk becomes a RequestDelta (token ids when the server returns them, vLLM's
-`return_token_ids`); the final one carries the server's completion token count.
+`return_token_ids`; logprobs from kind "vllm", checked as upstream_chunks.py says); the final one
+carries the server's completion token count.
 
 Context: each served model's `max_model_len` from the server's /v1/models (`max_model_lens`, read
 at every attach); the gateway checks requests against the smaller of it and its own.
@@ -130,6 +131,13 @@ def completion_body(request: GenerateRequest, spec: UpstreamSpec, *, priority_en
             raise UnsupportedByUpstream(f"upstream {spec.name!r} (kind {spec.kind}) cannot enforce structured "
                                         "outputs; only a vllm upstream can")
         body["structured_outputs"] = vllm_structured_outputs(s.structured)
+    if s.logprobs:
+        if spec.kind != "vllm":
+            raise UnsupportedByUpstream(f"upstream {spec.name!r} (kind {spec.kind}) cannot return logprobs "
+                                        "by token id; only a vllm upstream can")
+        # Tokens named by id ("token_id:ID"): the gateway renders them with its own tokenizer.
+        body["logprobs"] = s.top_logprobs
+        body["return_tokens_as_token_ids"] = True
     if spec.kind == "vllm":
         body["return_token_ids"] = True  # exact ids in each chunk (vLLM >= 0.10.2; ignored before)
         body["cache_salt"] = request.cache_salt  # tenants never share prefix-cache blocks there either
@@ -386,6 +394,7 @@ class UpstreamLink:
         usage: dict[str, Any] = {}
 
         max_tokens = request.sampling.max_tokens
+        top_logprobs = request.sampling.top_logprobs if request.sampling.logprobs else None
         exact = True  # every chunk with output carried its token ids: the count is exact
 
         def on_event(data: bytes) -> bool:
@@ -405,19 +414,19 @@ class UpstreamLink:
             if not isinstance(choices, list):
                 raise MalformedChunk("choices is not a list")
             for raw in choices:
-                choice = read_choice(raw)
-                text, token_ids = choice.text, choice.token_ids
+                choice = read_choice(raw, top_logprobs)
+                text, token_ids, positions = choice.text, choice.token_ids, choice.logprobs
                 if text or token_ids:
                     exact = exact and bool(token_ids)
                     left = max_tokens - stream.num_output_tokens
                     if len(token_ids) > left:  # past max_tokens: what was reserved is what is relayed
-                        token_ids = token_ids[:left]
+                        token_ids, positions = token_ids[:left], positions[:left]
                     now = time.time()
                     count = len(token_ids) or 1  # no ids: one chunk per token, as servers stream
                     first = now if stream.num_output_tokens == 0 else None
                     stream.num_output_tokens += count
                     self._host.deliver(self, RequestDelta(
-                        request_id=request.request_id, token_ids=token_ids, text=text,
+                        request_id=request.request_id, token_ids=token_ids, text=text, logprobs=positions,
                         num_prompt_tokens=prompt_tokens, num_output_tokens=stream.num_output_tokens,
                         first_token_time=first, token_times=(now,) * count))
                     if first is not None and self.spec.kind == "vllm":
