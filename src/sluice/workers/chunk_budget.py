@@ -5,6 +5,13 @@ The scheduler asks `AdaptiveChunkBudget.prefill_budget` between its decode pass 
 pass. Three inputs set the answer: the tightest ITL target among the step's decoding streams (the
 cap), the TTFT targets of prompts still to prefill (which may raise the cap), and each stream's
 allowance of slow gaps under a percentile objective (which may lift the cap for one step).
+
+Prediction error is paid for twice over. The cap is the target divided by how far measured steps
+of this kind (decodes with a prefill chunk) overran their prediction at the 95th percentile
+(`StepCostModel.overrun`), so a host whose step times jitter gets a lower cap. And the allowance is
+counted in the gaps each stream actually saw over its target (`Request.num_slow_gaps`), not in the
+whole-budget steps granted: a capped step that overran anyway, or a slow host, spends it too, and a
+whole-budget step that came in on time costs nothing.
 Pure Python (the scheduler is torch-free).
 """
 
@@ -44,27 +51,24 @@ class AdaptiveChunkBudget:
         # attention reads what it computed so far), else a new admission's (from 0).
         start = next((r.num_computed_tokens for r in running
                       if not step.has(r) and r.num_tokens - r.num_computed_tokens > 1), 0)
-        budget = prefill_budget(self.cost_model, decodes, target, start=start,
+        budget = prefill_budget(self.cost_model, decodes, target / self.cost_model.overrun(), start=start,
                                 floor=self.config.min_prefill_chunk, budget=step.budget)
         if budget < step.budget:
             backlog = _ttft_backlog(step, running, waiting_head(TTFT_LOOKAHEAD), now)
             budget = ttft_budget(self.cost_model, decodes, backlog, start=start, low=budget, budget=step.budget)
-        if budget < step.budget and self._spend_slow_step(step):
+        if budget < step.budget and self._slow_gap_left(step):
             return step.budget
         return budget
 
-    def _spend_slow_step(self, step: StepBuilder) -> bool:
+    def _slow_gap_left(self, step: StepBuilder) -> bool:
         """An ITL objective at a percentile forgives a share of slow gaps: while every decoding stream
-        with a target has one left (itl_slow_share of its max_tokens - 1 gaps), this step may be a
-        whole-budget one (few long steps finish a prompt sooner than many capped ones), and each of
-        them spends one."""
+        with a target has one left (itl_slow_share of its max_tokens - 1 gaps, less those it already
+        saw), this step may be a whole-budget one: few long steps finish a prompt sooner than many
+        capped ones, and each costs a stream one gap however much prefill it carries."""
         share = self.config.itl_slow_share
-        holders = [entry[0] for entry in step.decodes.values() if entry[0].itl_target_s is not None]
-        if share <= 0 or any(int(share * (r.sampling.max_tokens - 1)) <= r.num_slow_steps for r in holders):
-            return False
-        for request in holders:
-            request.num_slow_steps += 1
-        return True
+        return share > 0 and all(
+            r.num_slow_gaps < int(share * (r.sampling.max_tokens - 1))
+            for r, *_ in step.decodes.values() if r.itl_target_s is not None)
 
 
 def _ttft_backlog(step: StepBuilder, running: list[Request], waiting: list[Request],

@@ -36,6 +36,9 @@ REFIT_EVERY = 16  # steps between fits (a fit costs ~1 ms of Python)
 MIN_STEPS = 16  # steps observed before the model is trusted (before: the fixed budget)
 RIDGE = 1e-3  # pull towards the previous fit, relative to the data's own weight
 ERROR_WINDOW = 2048  # relative prediction errors kept for reporting
+OVERRUN_QUANTILE = 0.95  # the ITL cap allows for mixed steps' overrun at this quantile
+OVERRUN_WINDOW = 256  # mixed steps (decodes with a prefill chunk) whose overrun is kept
+MAX_OVERRUN = 4.0  # a cap never shrinks below a quarter of the target for prediction error
 # The step may take this share of the ITL target: host time between steps (sending the tokens,
 # the worker's loop) comes on top of the measured step, and a fit is never exact.
 ITL_HEADROOM = 0.85
@@ -92,6 +95,11 @@ class StepCostModel:
         self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         self._error_summary: tuple[float, float] | None = None  # recomputed every REFIT_EVERY errors
         self._errors_since_summary = 0
+        # measured / predicted of recent mixed steps, and their OVERRUN_QUANTILE (refreshed like the
+        # error summary): the steps an ITL cap is set for.
+        self._overruns: deque[float] = deque(maxlen=OVERRUN_WINDOW)
+        self._overrun = 1.0
+        self._overruns_since_summary = 0
 
     @property
     def ready(self) -> bool:
@@ -110,8 +118,11 @@ class StepCostModel:
         if not seconds > 0:
             return
         if self.ready:
-            self._errors.append(abs(self.predict(shape) - seconds) / seconds)
+            predicted = self.predict(shape)
+            self._errors.append(abs(predicted - seconds) / seconds)
             self._errors_since_summary += 1
+            if shape.prefill_tokens and shape.decode_rows and predicted > 0:
+                self._note_overrun(seconds / predicted)
         if self._fixed:
             return
         self._window.append((shape.vector(), seconds))
@@ -128,6 +139,21 @@ class StepCostModel:
             self._error_summary = statistics.median(errors), errors[min(len(errors) - 1, int(0.95 * len(errors)))]
             self._errors_since_summary = 0
         return self._error_summary
+
+    def overrun(self) -> float:
+        """How much longer than predicted a step with decodes and a prefill chunk ran, at the
+        OVERRUN_QUANTILE of the recent ones: at least 1 (the fit's mean is what it predicts), at most
+        MAX_OVERRUN; 1 until MIN_STEPS such steps were seen. An ITL cap divides its target by it."""
+        return self._overrun
+
+    def _note_overrun(self, ratio: float) -> None:
+        self._overruns.append(ratio)
+        self._overruns_since_summary += 1
+        if self._overruns_since_summary >= REFIT_EVERY and len(self._overruns) >= MIN_STEPS:
+            ratios = sorted(self._overruns)
+            quantile = ratios[min(len(ratios) - 1, int(OVERRUN_QUANTILE * len(ratios)))]
+            self._overrun = min(MAX_OVERRUN, max(1.0, quantile))
+            self._overruns_since_summary = 0
 
     def _refit(self) -> None:
         """Ridge least squares towards the previous fit: (XᵀX + λI)θ = Xᵀy + λθ_prev; then no

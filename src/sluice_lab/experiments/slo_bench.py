@@ -13,8 +13,8 @@ neighbour on a shared machine hits every arm of a phase alike):
 
 Arms: the `fixed` chunk policy with each chunk size (step budget = chunk + a decode slot per
 sequence, as `bench chunk-sweep`), `adaptive` (step budget = the largest chunk + the slots; every
-step holds the ITL target) and `adaptive-p95` (the same, spending 5 % of each stream's gaps on
-whole-budget steps: `itl_slow_share = 0.05`).
+step holds the ITL target) and `adaptive-p95` (the same, with whole-budget steps while each stream
+has slow gaps left of the 5 % a p95 objective forgives: `itl_slow_share = 0.05`).
 Per phase and arm: goodput (requests meeting their class's targets per second; batch has none,
 so a finished batch request counts), interactive ITL p95/p99 over token gaps, interactive TTFT
 p95, batch throughput, and the engine cost model's step-time prediction error (median, p95).
@@ -134,7 +134,7 @@ def run_slo_bench(model_dir: Path, chunks: list[int], sizes: Sizes, slo: Slo, *,
     for phase in phases:
         for arm in arms:
             if arm.startswith("adaptive"):
-                # adaptive-p95 may spend 5 % of a stream's gaps on whole-budget steps (a p95 objective).
+                # adaptive-p95: whole-budget steps within the 5 % of slow gaps a p95 objective forgives.
                 options: dict[str, Any] = {"chunk_policy": "adaptive", "max_num_batched_tokens": largest + MAX_SEQS,
                                            "min_prefill_chunk": min(chunks),
                                            "itl_slow_share": 0.05 if arm == "adaptive-p95" else 0.0}
