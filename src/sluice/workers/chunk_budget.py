@@ -22,7 +22,7 @@ from collections.abc import Callable
 from sluice.workers.config import SchedulerConfig
 from sluice.workers.request import Request
 from sluice.workers.scheduler_output import StepBuilder
-from sluice.workers.step_budget import StepCostModel, StepShape, prefill_budget, ttft_budget
+from sluice.workers.step_budget import ITL_HEADROOM, StepCostModel, StepShape, prefill_budget, ttft_budget
 
 TTFT_LOOKAHEAD = 16  # waiting requests whose TTFT the adaptive budget looks after
 
@@ -51,24 +51,28 @@ class AdaptiveChunkBudget:
         # attention reads what it computed so far), else a new admission's (from 0).
         start = next((r.num_computed_tokens for r in running
                       if not step.has(r) and r.num_tokens - r.num_computed_tokens > 1), 0)
-        budget = prefill_budget(self.cost_model, decodes, target / self.cost_model.overrun(), start=start,
+        overrun = self.cost_model.overrun()
+        budget = prefill_budget(self.cost_model, decodes, target / overrun, start=start,
                                 floor=self.config.min_prefill_chunk, budget=step.budget)
         if budget < step.budget:
             backlog = _ttft_backlog(step, running, waiting_head(TTFT_LOOKAHEAD), now)
             budget = ttft_budget(self.cost_model, decodes, backlog, start=start, low=budget, budget=step.budget)
-        if budget < step.budget and self._slow_gap_left(step):
-            return step.budget
+        if budget < step.budget and self.config.itl_slow_share > 0:
+            whole_s = self.cost_model.predict(decodes.with_prefill(step.budget, start)) * overrun
+            if self._slow_gap_left(step, whole_s):
+                return step.budget
         return budget
 
-    def _slow_gap_left(self, step: StepBuilder) -> bool:
+    def _slow_gap_left(self, step: StepBuilder, whole_s: float) -> bool:
         """An ITL objective at a percentile forgives a share of slow gaps: while every decoding stream
-        with a target has one left (itl_slow_share of its max_tokens - 1 gaps, less those it already
-        saw), this step may be a whole-budget one: few long steps finish a prompt sooner than many
-        capped ones, and each costs a stream one gap however much prefill it carries."""
+        that a whole-budget step of `whole_s` would make late has one left (itl_slow_share of its
+        max_tokens - 1 gaps, less those it already saw), this step may be one: few long steps finish
+        a prompt sooner than many capped ones, and each costs a stream one gap however much prefill
+        it carries. A stream with a looser target, which the step keeps in time, needs none."""
         share = self.config.itl_slow_share
-        return share > 0 and all(
-            r.num_slow_gaps < int(share * (r.sampling.max_tokens - 1))
-            for r, *_ in step.decodes.values() if r.itl_target_s is not None)
+        return all(r.num_slow_gaps < int(share * (r.sampling.max_tokens - 1))
+                   for r, *_ in step.decodes.values()
+                   if r.itl_target_s is not None and whole_s > r.itl_target_s * ITL_HEADROOM)
 
 
 def _ttft_backlog(step: StepBuilder, running: list[Request], waiting: list[Request],

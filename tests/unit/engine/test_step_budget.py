@@ -241,3 +241,16 @@ def test_a_bad_itl_target_is_refused() -> None:
     for bad in (0.0, -1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match="itl_target_s"):
             req("r", 4, itl=bad)
+
+
+def test_a_stream_the_whole_budget_step_keeps_in_time_needs_no_slow_gap() -> None:
+    """A short answer (max_tokens 8: no slow gap to spend) with a loose 1 s target does not stop
+    whole-budget steps (526 ms keeps it in time); with a 0.5 s target it does."""
+    for loose_itl, expected in ((1.0, BUDGET - 5), (0.5, documented_budget(5, 0.1))):
+        s = make(slow_share=0.05)
+        for i in range(4):
+            s.add_request(req(f"stream{i}", 4, itl=0.1, max_tokens=101))
+        s.add_request(req("short", 4, itl=loose_itl, max_tokens=8))
+        _, now = timed_step(s, 0.0)
+        s.add_request(req("long", 4000, itl=None))
+        assert prefill_of(timed_step(s, now)[0]) == expected, loose_itl
