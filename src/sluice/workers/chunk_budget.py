@@ -56,7 +56,8 @@ class AdaptiveChunkBudget:
                                 floor=self.config.min_prefill_chunk, budget=step.budget)
         if budget < step.budget:
             backlog = _ttft_backlog(step, running, waiting_head(TTFT_LOOKAHEAD), now)
-            budget = ttft_budget(self.cost_model, decodes, backlog, start=start, low=budget, budget=step.budget)
+            budget = ttft_budget(self.cost_model, decodes, backlog, start=start, low=budget, budget=step.budget,
+                                 slowdown=self.cost_model.overrun(typical=True))
         if budget < step.budget and self.config.itl_slow_share > 0:
             whole_s = self.cost_model.predict(decodes.with_prefill(step.budget, start)) * overrun
             if self._slow_gap_left(step, whole_s):

@@ -180,14 +180,15 @@ class Scheduler:
         policy = self.config.policy
         if policy == "chunked":
             self._schedule_running(step, now, self._decode)
+            capped = False
             if self._adaptive is not None:
                 budget = self._adaptive.prefill_budget(step, self._running, self._waiting.head, now)
-                if budget < step.budget:
-                    self.stats.num_itl_capped_steps += 1
-                step.budget = budget
+                capped, step.budget = budget < step.budget, budget
             self._schedule_running(step, now, self._prefill_chunk)
             if not step.resource_preempted:
                 self._admit(step, now, whole=False)
+            if capped and step.budget == 0:  # prefill filled the cap: the cap, not the budget, held it back
+                self.stats.num_itl_capped_steps += 1
         elif policy == "prefill_first":
             if not self._admit(step, now, whole=True):
                 self._schedule_running(step, now, self._whole)

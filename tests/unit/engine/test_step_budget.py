@@ -141,7 +141,7 @@ def test_the_cap_allows_for_how_far_mixed_steps_overran_their_prediction() -> No
     for i in range(100):
         model.observe(mixed, model.predict(mixed) * (1.5 if i % 10 else 1.0))
         model.observe(StepShape(decode_rows=4), 1.0)  # a wildly slow decode-only step: ignored
-    assert model.overrun() == pytest.approx(1.5)
+    assert model.overrun() == pytest.approx(1.5) and model.overrun(typical=True) == pytest.approx(1.5)
     s = make(cost_model=model)
     decoding(s, 4, itl=0.1)
     s.add_request(req("long", 1000, itl=None))
