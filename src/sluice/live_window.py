@@ -2,12 +2,14 @@
 
 Prometheus holds the long history; this holds what a page shows without a Prometheus server:
 per-tenant TTFT p95 / ITL p95 / throughput in time buckets, admitted and rejected requests per
-minute (per tenant and per class), tokens/s per worker, and the most recent rejections and errors.
+minute (per tenant and per class), tokens/s per worker, the most recent rejections and errors, and
+per class and tenant the latency objectives' outcomes (attainment, goodput; issue #32).
 
 `sluice.telemetry` feeds the process-wide `WINDOW` from the same calls that feed the metrics
 (`emit_record`, `count_rejection`, `count_admission`, `count_worker_tokens`), so the console and a
 dashboard agree. Memory is bounded: `horizon_s / bucket_s` buckets per series, at most
-`MAX_SAMPLES` latency samples per bucket (a uniform reservoir), `MAX_EVENTS` recent events.
+`MAX_SAMPLES` latency samples per bucket (a uniform reservoir), `MAX_EVENTS` recent events,
+`MAX_SLO_OUTCOMES` outcomes per (class, tenant).
 Every method takes an optional `now` (unix s) so tests need no clock.
 """
 
@@ -25,6 +27,7 @@ MAX_SAMPLES = 200  # latency samples kept per (tenant, bucket)
 MAX_EVENTS = 200  # recent rejections and errors kept
 RATE_WINDOW_S = 60.0  # "per minute"
 TOKENS_WINDOW_S = 10.0  # tokens/s of a worker: over the last 10 s
+MAX_SLO_OUTCOMES = 2000  # judged requests kept per (class, tenant): the newest, within the horizon
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,38 @@ class Event:
     kind: str
     code: str
     priority_class: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class _SloOutcome:
+    """A finished request judged against its objective (telemetry.RequestRecord.slo_met)."""
+
+    at: float
+    met: bool
+    ttft_s: float | None
+    itl_p95_s: float | None  # the request's own p95 token gap (what its ITL target is judged on)
+    ttft_target_s: float | None
+    itl_target_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class SloSummary:
+    """One (class, tenant)'s outcomes over the horizon. Targets: the loosest a request had (a
+    request's header can only tighten its tenant's objective, so this is the objective itself
+    unless every request tightened it); None: no request had that target."""
+
+    priority_class: str
+    tenant: str
+    requests: int
+    met: int
+    ttft_target_s: float | None
+    itl_target_s: float | None
+    ttft_p95_s: float | None  # over the requests' TTFTs
+    itl_p95_s: float | None  # over the requests' own p95 token gaps
+
+    @property
+    def attained(self) -> float:
+        return self.met / self.requests if self.requests else 0.0
 
 
 @dataclass(slots=True)
@@ -96,6 +131,7 @@ class LiveWindow:
         self._hits: dict[tuple[str, str], deque[float]] = {}
         self._worker_tokens: dict[str, deque[tuple[float, int]]] = {}
         self._events: deque[Event] = deque(maxlen=MAX_EVENTS)
+        self._slo: dict[tuple[str, str], deque[_SloOutcome]] = {}  # (class, tenant) -> oldest first
 
     # ---- feeding -------------------------------------------------------------------------------
 
@@ -114,6 +150,15 @@ class LiveWindow:
                 _keep(bucket.itl, bucket.itl_seen, later - earlier, self._rng)
             if finish_reason == "error":
                 self._events.append(Event(now, tenant, "error", "error"))
+
+    def observe_slo(self, priority_class: str, tenant: str, *, met: bool, ttft_s: float | None,
+                    itl_p95_s: float | None, ttft_target_s: float | None, itl_target_s: float | None,
+                    now: float | None = None) -> None:
+        """A request with an objective finished and was judged (one the client left is not)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            outcomes = self._slo.setdefault((priority_class, tenant), deque(maxlen=MAX_SLO_OUTCOMES))
+            outcomes.append(_SloOutcome(now, met, ttft_s, itl_p95_s, ttft_target_s, itl_target_s))
 
     def count_admission(self, tenant: str, priority_class: str, now: float | None = None) -> None:
         now = time.time() if now is None else now
@@ -188,6 +233,30 @@ class LiveWindow:
             names = set(self._series) | {key for (kind, key) in self._hits if kind in ("admitted", "rejected")}
         return sorted(names)
 
+    def slo_summaries(self, now: float | None = None) -> list[SloSummary]:
+        """Per (class, tenant) with a judged request inside the horizon, sorted by class then tenant."""
+        from sluice.telemetry import percentile  # telemetry imports this module at its top
+
+        now = time.time() if now is None else now
+        summaries = []
+        with self._lock:
+            for key in list(self._slo):
+                outcomes = self._slo[key]
+                while outcomes and outcomes[0].at < now - self.horizon_s:
+                    outcomes.popleft()
+                if not outcomes:
+                    del self._slo[key]
+                    continue
+                summaries.append(SloSummary(
+                    priority_class=key[0], tenant=key[1], requests=len(outcomes),
+                    met=sum(o.met for o in outcomes),
+                    ttft_target_s=max((o.ttft_target_s for o in outcomes if o.ttft_target_s is not None), default=None),
+                    itl_target_s=max((o.itl_target_s for o in outcomes if o.itl_target_s is not None), default=None),
+                    ttft_p95_s=percentile([o.ttft_s for o in outcomes if o.ttft_s is not None], 95),
+                    itl_p95_s=percentile([o.itl_p95_s for o in outcomes if o.itl_p95_s is not None], 95),
+                ))
+        return sorted(summaries, key=lambda s: (s.priority_class, s.tenant))
+
     def recent_events(self, limit: int = 50) -> list[Event]:
         """Newest first."""
         with self._lock:
@@ -199,6 +268,7 @@ class LiveWindow:
             self._hits.clear()
             self._worker_tokens.clear()
             self._events.clear()
+            self._slo.clear()
 
     # ---- internals (lock held) -----------------------------------------------------------------
 

@@ -90,6 +90,19 @@ def format_header(ttft_s: float | None, itl_s: float | None) -> str:
     return ", ".join(parts) or "none"
 
 
+def parse_served(value: str | None) -> Objective | None:
+    """A response's `X-Sluice-Objective` (`format_header`'s output) -> the targets it was served
+    against; "none" -> no target; None when absent or not in that form (another server)."""
+    if value is None:
+        return None
+    if value.strip().lower() == "none":
+        return Objective()
+    try:
+        return parse_header(value)
+    except ValueError:
+        return None
+
+
 def resolve(class_objective: Objective, priority: Priority, tenant: Objective,
             header: Objective | None) -> Objective:
     """A request's objective from its class's, its tenant's and its header's (module docstring)."""
@@ -102,7 +115,8 @@ def resolve(class_objective: Objective, priority: Priority, tenant: Objective,
     return objective if header is None else objective.tightened(header)
 
 
-__all__ = ["HEADER", "MAX_TARGET_S", "Objective", "check_target", "format_header", "parse_header", "resolve"]
+__all__ = ["HEADER", "MAX_TARGET_S", "Objective", "check_target", "format_header", "parse_header", "parse_served",
+           "resolve"]
 
 
 def class_objective(settings: ObjectiveSettings, priority: Priority) -> Objective:

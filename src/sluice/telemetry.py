@@ -417,6 +417,10 @@ def emit_record(record: RequestRecord, token_times: Sequence[float] = ()) -> Non
     observe_record(record, token_times)
     WINDOW.observe_request(record.tenant, ttft_s=record.ttft_s, token_times=token_times,
                            completion_tokens=record.completion_tokens, finish_reason=record.finish_reason)
+    if record.slo_met is not None:
+        WINDOW.observe_slo(class_label(record.priority_class), record.tenant, met=record.slo_met,
+                           ttft_s=record.ttft_s, itl_p95_s=record.itl_p95_s,
+                           ttft_target_s=record.ttft_target_s, itl_target_s=record.itl_target_s)
 
 
 def count_rejection(tenant: str, reason: str, priority_class: str = "") -> None:

@@ -103,8 +103,8 @@ class EngineConfig:
     itl_slow_share: float = 0.0
     """`adaptive` chunk policy: the share of a stream's token gaps that may exceed its ITL target, in
     [0, 1) (1 - the objectives' percentile: 0.05 for p95). While every decoding stream has such gaps
-    left (of max_tokens - 1), a step may take the whole prefill budget, spending one of each; 0 = every
-    step holds the target."""
+    left (of max_tokens - 1, less the slow gaps it has seen), a step may take the whole prefill budget;
+    0 = every step holds the target."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of a prompt prefix computed before (salted per tenant: tenants never share
     blocks)."""

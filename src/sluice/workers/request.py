@@ -66,7 +66,7 @@ class Request:
         "num_committed_blocks",
         "num_computed_tokens",
         "num_preemptions",
-        "num_slow_steps",
+        "num_slow_gaps",
         "output_token_ids",
         "priority",
         "prompt_token_ids",
@@ -117,7 +117,9 @@ class Request:
         # Its inter-token latency target (sluice/objectives.py): while it decodes, the adaptive chunk
         # policy keeps each step within it (workers/step_budget.py). None: best effort.
         self.itl_target_s = itl_target_s
-        self.num_slow_steps = 0  # steps the adaptive policy let exceed its ITL target (its allowance spent)
+        # Gaps between its tokens longer than its ITL target so far, as the engine saw them (a
+        # percentile objective forgives a share of them: workers/chunk_budget.py spends the rest).
+        self.num_slow_gaps = 0
         self.ttft_target_s = ttft_target_s  # a prompt still to prefill may raise the budget to meet it
         self.eos_token_ids = frozenset(eos_token_ids)
         # A resumed request starts as a preempted one would: its earlier output is context to
@@ -193,6 +195,8 @@ class Request:
         self.output_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
+        elif self.itl_target_s is not None and now - self.token_times[-1] > self.itl_target_s:
+            self.num_slow_gaps += 1
         self.token_times.append(now)
 
     def truncate_output(self, num_output_tokens: int) -> None:

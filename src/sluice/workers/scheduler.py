@@ -11,10 +11,10 @@ policies share one mechanism so their trade-offs can be measured on identical lo
 - static: a batch is admitted only when nothing runs; it then decodes until every member finishes.
 
 Chunk policy (chunked only): `fixed` lets prefill chunks fill what the decodes leave of the budget;
-`adaptive` first caps that at the largest prefill whose predicted step time keeps the ITL target of
-every decoding request that has one (workers/step_budget.py: an online cost model the engine feeds
-with each step's measured time via `observe_step_time`), never below `min_prefill_chunk`, and
-raised as far as a prompt with a TTFT target still to prefill needs to meet it.
+`adaptive` first caps that at what workers/chunk_budget.py allows: the largest prefill whose
+predicted step time keeps the ITL targets of the decoding requests (an online cost model, in
+workers/step_budget.py, that the engine feeds with each step's measured time via
+`observe_step_time`), within `min_prefill_chunk` and the TTFT targets of prompts still to prefill.
 
 Speculation (config.num_speculative_tokens > 0, any policy): a running request scheduled for just
 its last token also gets prompt-lookup draft tokens (workers/speculative.py) within the budget and
@@ -29,7 +29,6 @@ are freed and it returns to the waiting queue with its original rank.
 
 from __future__ import annotations
 
-import heapq
 import logging
 from bisect import bisect_left, insort
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from itertools import pairwise
 from sluice.grammar.compiler import TokenRefused
 from sluice.protocol import Priority
 from sluice.workers.block_manager import BlockManager
+from sluice.workers.chunk_budget import AdaptiveChunkBudget
 from sluice.workers.config import SchedulerConfig
 from sluice.workers.request import Request, RequestStatus
 from sluice.workers.scheduler_output import (
@@ -48,14 +48,12 @@ from sluice.workers.scheduler_output import (
     StepBuilder,
 )
 from sluice.workers.speculative import NgramIndex, PromptLookup
-from sluice.workers.step_budget import StepCostModel, StepShape, prefill_budget, ttft_budget
+from sluice.workers.step_budget import StepCostModel, StepShape
+from sluice.workers.waiting_queue import WaitingQueue
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RunnerOutput", "ScheduledChunk", "Scheduler", "SchedulerOutput", "SchedulerStats"]
-
-
-TTFT_LOOKAHEAD = 16  # waiting requests whose TTFT the adaptive budget looks after
 
 
 def _rank(request: Request) -> tuple[int, float, int]:
@@ -67,15 +65,14 @@ class Scheduler:
         self.config = config
         # The step-time model of the adaptive chunk policy; fitted online unless one is given (tests).
         self.cost_model = cost_model if cost_model is not None else StepCostModel()
+        self._adaptive = (AdaptiveChunkBudget(config, self.cost_model)
+                          if config.policy == "chunked" and config.chunk_policy == "adaptive" else None)
         self.block_manager = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         self.stats = SchedulerStats()
         self._requests: dict[str, Request] = {}  # every live (waiting or running) request
-        # Waiting queue: a heap of (priority, arrival_time, arrival_seq, request). Aborted entries
-        # are left in place and skipped when they reach the top (lazy deletion).
-        self._waiting: list[tuple[int, float, int, Request]] = []
-        self._num_waiting = 0
+        self._waiting = WaitingQueue()
         self._running: list[Request] = []  # sorted by rank, most urgent first
         self._next_seq = 0
         self._finished_in_schedule: list[Request] = []  # ended by schedule(), reported by update()
@@ -91,7 +88,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -152,7 +149,7 @@ class Scheduler:
         request.arrival_seq = self._next_seq
         self._next_seq += 1
         self._requests[rid] = request
-        self._push_waiting(request)
+        self._waiting.push(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a request in any state; its blocks are free when this returns."""
@@ -187,11 +184,15 @@ class Scheduler:
         policy = self.config.policy
         if policy == "chunked":
             self._schedule_running(step, now, self._decode)
-            if self.config.chunk_policy == "adaptive":
-                step.budget = self._adaptive_prefill_budget(step, now)
+            capped = False
+            if self._adaptive is not None:
+                budget = self._adaptive.prefill_budget(step, self._running, self._waiting.head, now)
+                capped, step.budget = budget < step.budget, budget
             self._schedule_running(step, now, self._prefill_chunk)
             if not step.resource_preempted:
                 self._admit(step, now, whole=False)
+            if capped and step.budget == 0:  # prefill filled the cap: the cap, not the budget, held it back
+                self.stats.num_itl_capped_steps += 1
         elif policy == "prefill_first":
             if not self._admit(step, now, whole=True):
                 self._schedule_running(step, now, self._whole)
@@ -206,64 +207,6 @@ class Scheduler:
     def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
         """The measured duration of a step this scheduler planned: the cost model learns from it."""
         self.cost_model.observe(StepShape.of(output), seconds)
-
-    def _adaptive_prefill_budget(self, step: StepBuilder, now: float) -> int:
-        """What is left of the budget for prefill once the decodes are in (module docstring)."""
-        target = min((entry[0].itl_target_s for entry in step.decodes.values()
-                      if entry[0].itl_target_s is not None), default=None)
-        if target is None or not self.cost_model.ready:
-            return step.budget  # nobody waits on this step's time, or nothing known yet: full budget
-        decodes = StepShape(
-            decode_rows=len(step.decodes),
-            context_tokens=sum(start + n for _, start, n, _ in step.decodes.values()),
-            verify_rows=sum(len(drafts) for *_, drafts in step.decodes.values()),
-        )
-        # The prefill's position: that of the most urgent running request still prefilling (its
-        # attention reads what it computed so far), else a new admission's (from 0).
-        start = next((r.num_computed_tokens for r in self._running
-                      if not step.has(r) and r.num_tokens - r.num_computed_tokens > 1), 0)
-        budget = prefill_budget(self.cost_model, decodes, target, start=start,
-                                floor=self.config.min_prefill_chunk, budget=step.budget)
-        if budget < step.budget:
-            budget = ttft_budget(self.cost_model, decodes, self._ttft_backlog(step, now), start=start,
-                                 low=budget, budget=step.budget)
-        if budget < step.budget and self._spend_slow_step(step):
-            return step.budget
-        if budget < step.budget:
-            self.stats.num_itl_capped_steps += 1
-        return budget
-
-    def _spend_slow_step(self, step: StepBuilder) -> bool:
-        """An ITL objective at a percentile forgives a share of slow gaps: while every decoding stream
-        with a target has one left (itl_slow_share of its max_tokens - 1 gaps), this step may be a
-        whole-budget one (few long steps finish a prompt sooner than many capped ones), and each of
-        them spends one."""
-        share = self.config.itl_slow_share
-        holders = [entry[0] for entry in step.decodes.values() if entry[0].itl_target_s is not None]
-        if share <= 0 or any(int(share * (r.sampling.max_tokens - 1)) <= r.num_slow_steps for r in holders):
-            return False
-        for request in holders:
-            request.num_slow_steps += 1
-        return True
-
-    def _ttft_backlog(self, step: StepBuilder, now: float) -> list[tuple[int, float]]:
-        """(prefill tokens up to and including it, seconds left to its TTFT target) of each prompt
-        with a target still to prefill, in the order prefill is served: running ones, then the
-        first TTFT_LOOKAHEAD waiting ones (prefix-cache hits ignored: an over-estimate)."""
-        waiting = [entry[3] for entry in heapq.nsmallest(TTFT_LOOKAHEAD, self._waiting)
-                   if entry[3].status == RequestStatus.WAITING]
-        backlog: list[tuple[int, float]] = []
-        tokens = 0
-        for request in [*(r for r in self._running if not step.has(r)), *waiting]:
-            left = request.num_tokens - request.num_computed_tokens
-            if left <= 1:
-                continue
-            tokens += left
-            if request.ttft_target_s is not None and request.first_token_time is None:
-                slack = request.arrival_time + request.ttft_target_s - now
-                if slack > 0:
-                    backlog.append((tokens, slack))
-        return backlog
 
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput, now: float) -> list[Request]:
         """Apply a step's results; return the requests that got a token or finished this step."""
@@ -406,7 +349,7 @@ class Scheduler:
         bm = self.block_manager
         admitted = 0
         while step.budget > 0:
-            request = self._peek_waiting()
+            request = self._waiting.peek()
             if request is None or request.request_id in step.preempted:
                 break
             hits = bm.find_cached_prefix(request)
@@ -426,7 +369,7 @@ class Scheduler:
                 continue
             if not self._make_room(step, request, needed, hits):
                 break
-            self._pop_waiting()
+            self._waiting.pop()
             if not bm.allocate(request, num_cached + n, hits):
                 raise RuntimeError("block accounting error: admission checked room it did not get")
             request.num_computed_tokens = num_cached
@@ -485,7 +428,7 @@ class Scheduler:
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1
         step.preempted[victim.request_id] = None
-        self._push_waiting(victim)
+        self._waiting.push(victim)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         sampling = request.sampling
@@ -515,34 +458,9 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self._remove_running(request)
         elif request.status == RequestStatus.WAITING:
-            self._num_waiting -= 1  # its heap entry is now stale
-            self._compact_waiting()
+            self._waiting.discard(request)
         self.block_manager.free(request)
         request.status = status
-
-    def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self._waiting, (request.priority, request.arrival_time, request.arrival_seq, request))
-        self._num_waiting += 1
-
-    def _peek_waiting(self) -> Request | None:
-        waiting = self._waiting
-        while waiting:
-            request = waiting[0][3]
-            if request.status == RequestStatus.WAITING:
-                return request
-            heapq.heappop(waiting)  # aborted while waiting
-        return None
-
-    def _pop_waiting(self) -> Request:
-        request = heapq.heappop(self._waiting)[3]
-        self._num_waiting -= 1
-        return request
-
-    def _compact_waiting(self) -> None:
-        # Bound the stale entries left by aborts: rebuild once they outnumber the live ones.
-        if len(self._waiting) > 64 and len(self._waiting) > 2 * self._num_waiting:
-            self._waiting = [e for e in self._waiting if e[3].status == RequestStatus.WAITING]
-            heapq.heapify(self._waiting)
 
     def _remove_running(self, request: Request) -> None:
         running = self._running
@@ -563,8 +481,8 @@ class Scheduler:
             raise RuntimeError(f"{len(running)} running requests exceed max_num_seqs")
         if any(_rank(a) >= _rank(b) for a, b in pairwise(running)):
             raise RuntimeError("the running list is not sorted by rank")
-        waiting = [e[3] for e in self._waiting if e[3].status == RequestStatus.WAITING]
-        if len(waiting) != self._num_waiting or len({id(r) for r in waiting}) != len(waiting):
+        waiting = self._waiting.live()
+        if len(waiting) != len(self._waiting) or len({id(r) for r in waiting}) != len(waiting):
             raise RuntimeError("the waiting count disagrees with the waiting queue")
         if len(waiting) + len(running) != len(self._requests):
             raise RuntimeError("live requests are neither waiting nor running")

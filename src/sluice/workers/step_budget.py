@@ -36,6 +36,9 @@ REFIT_EVERY = 16  # steps between fits (a fit costs ~1 ms of Python)
 MIN_STEPS = 16  # steps observed before the model is trusted (before: the fixed budget)
 RIDGE = 1e-3  # pull towards the previous fit, relative to the data's own weight
 ERROR_WINDOW = 2048  # relative prediction errors kept for reporting
+OVERRUN_QUANTILE = 0.95  # the ITL cap allows for mixed steps' overrun at this quantile
+OVERRUN_WINDOW = 256  # mixed steps (decodes with a prefill chunk) whose overrun is kept
+MAX_OVERRUN = 4.0  # a cap never shrinks below a quarter of the target for prediction error
 # The step may take this share of the ITL target: host time between steps (sending the tokens,
 # the worker's loop) comes on top of the measured step, and a fit is never exact.
 ITL_HEADROOM = 0.85
@@ -92,6 +95,11 @@ class StepCostModel:
         self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         self._error_summary: tuple[float, float] | None = None  # recomputed every REFIT_EVERY errors
         self._errors_since_summary = 0
+        # measured / predicted of recent mixed steps, and their OVERRUN_QUANTILE (refreshed like the
+        # error summary): the steps an ITL cap is set for.
+        self._overruns: deque[float] = deque(maxlen=OVERRUN_WINDOW)
+        self._overrun = (1.0, 1.0)  # (median, OVERRUN_QUANTILE)
+        self._overruns_since_summary = 0
 
     @property
     def ready(self) -> bool:
@@ -110,8 +118,11 @@ class StepCostModel:
         if not seconds > 0:
             return
         if self.ready:
-            self._errors.append(abs(self.predict(shape) - seconds) / seconds)
+            predicted = self.predict(shape)
+            self._errors.append(abs(predicted - seconds) / seconds)
             self._errors_since_summary += 1
+            if shape.prefill_tokens and shape.decode_rows and predicted > 0:
+                self._note_overrun(seconds / predicted)
         if self._fixed:
             return
         self._window.append((shape.vector(), seconds))
@@ -128,6 +139,23 @@ class StepCostModel:
             self._error_summary = statistics.median(errors), errors[min(len(errors) - 1, int(0.95 * len(errors)))]
             self._errors_since_summary = 0
         return self._error_summary
+
+    def overrun(self, *, typical: bool = False) -> float:
+        """How much longer than predicted a step with decodes and a prefill chunk ran, at the
+        OVERRUN_QUANTILE of the recent ones (`typical`: their median): at least 1, at most
+        MAX_OVERRUN; 1 until MIN_STEPS such steps were seen. An ITL cap divides its target by the
+        quantile (each step must hold it); a TTFT estimate multiplies its steps by the median (a
+        prompt waits for many steps)."""
+        return self._overrun[0] if typical else self._overrun[1]
+
+    def _note_overrun(self, ratio: float) -> None:
+        self._overruns.append(ratio)
+        self._overruns_since_summary += 1
+        if self._overruns_since_summary >= REFIT_EVERY and len(self._overruns) >= MIN_STEPS:
+            ratios = sorted(self._overruns)
+            median, high = statistics.median(ratios), ratios[min(len(ratios) - 1, int(OVERRUN_QUANTILE * len(ratios)))]
+            self._overrun = (min(MAX_OVERRUN, max(1.0, median)), min(MAX_OVERRUN, max(1.0, high)))
+            self._overruns_since_summary = 0
 
     def _refit(self) -> None:
         """Ridge least squares towards the previous fit: (XᵀX + λI)θ = Xᵀy + λθ_prev; then no
@@ -199,20 +227,21 @@ def prefill_budget(model: StepCostModel, step: StepShape, itl_target_s: float, *
 
 
 def ttft_budget(model: StepCostModel, step: StepShape, backlog: list[tuple[int, float]], *, start: int,
-                low: int, budget: int) -> int:
+                low: int, budget: int, slowdown: float = 1.0) -> int:
     """The smallest prefill budget in [low, budget] at which every prompt in `backlog` that can still
     meet its TTFT target does: (tokens to prefill up to and including that prompt, in the order
     the scheduler serves them; seconds left to its target) pairs. Steps of P prefill tokens take
-    T(P), so a prompt is in time when P * slack / T(P) >= its tokens; P / T(P) grows with P.
+    T(P) (the model's prediction times `slowdown`: how much longer steps typically run here), so a
+    prompt is in time when P * slack / T(P) >= its tokens; P / T(P) grows with P.
     A prompt that would miss even at the whole budget does not raise it (its TTFT is lost; the
     streams' ITL is not spent on it)."""
     def rate(tokens: int) -> float:  # prefill tokens per second at this budget
-        return tokens / max(model.predict(step.with_prefill(tokens, start)), 1e-9)
+        return tokens / max(model.predict(step.with_prefill(tokens, start)) * slowdown, 1e-9)
 
     need = low
     best = rate(budget)
     for tokens, slack_s in backlog:
-        if tokens <= need * slack_s / max(model.predict(step.with_prefill(need, start)), 1e-9):
+        if tokens <= rate(need) * slack_s:
             continue  # in time at what is already granted
         if best * slack_s < tokens:
             continue  # lost even at the whole budget

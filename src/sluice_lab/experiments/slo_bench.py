@@ -13,8 +13,8 @@ neighbour on a shared machine hits every arm of a phase alike):
 
 Arms: the `fixed` chunk policy with each chunk size (step budget = chunk + a decode slot per
 sequence, as `bench chunk-sweep`), `adaptive` (step budget = the largest chunk + the slots; every
-step holds the ITL target) and `adaptive-p95` (the same, spending 5 % of each stream's gaps on
-whole-budget steps: `itl_slow_share = 0.05`).
+step holds the ITL target) and `adaptive-p95` (the same, with whole-budget steps while each stream
+has slow gaps left of the 5 % a p95 objective forgives: `itl_slow_share = 0.05`).
 Per phase and arm: goodput (requests meeting their class's targets per second; batch has none,
 so a finished batch request counts), interactive ITL p95/p99 over token gaps, interactive TTFT
 p95, batch throughput, and the engine cost model's step-time prediction error (median, p95).
@@ -134,7 +134,7 @@ def run_slo_bench(model_dir: Path, chunks: list[int], sizes: Sizes, slo: Slo, *,
     for phase in phases:
         for arm in arms:
             if arm.startswith("adaptive"):
-                # adaptive-p95 may spend 5 % of a stream's gaps on whole-budget steps (a p95 objective).
+                # adaptive-p95: whole-budget steps within the 5 % of slow gaps a p95 objective forgives.
                 options: dict[str, Any] = {"chunk_policy": "adaptive", "max_num_batched_tokens": largest + MAX_SEQS,
                                            "min_prefill_chunk": min(chunks),
                                            "itl_slow_share": 0.05 if arm == "adaptive-p95" else 0.0}
@@ -192,17 +192,25 @@ def verdict(results: dict[str, dict[str, Any]], phases: tuple[str, ...]) -> dict
         best = max(fixed, key=lambda arm: float(results[arm][phase]["goodput_rps"]))
         per_phase[phase] = {"best_fixed": best, "best_fixed_goodput_rps": results[best][phase]["goodput_rps"],
                             "adaptive_goodput_rps": results["adaptive"][phase]["goodput_rps"],
-                            "adaptive_over_best": results["adaptive"][phase]["goodput_rps"]
-                            / max(results[best][phase]["goodput_rps"], 1e-9)}
+                            "adaptive_over_best": _ratio(results["adaptive"][phase]["goodput_rps"],
+                                                         results[best][phase]["goodput_rps"])}
     for phase in phases:
-        per_phase[phase]["adaptive_p95_over_best"] = (results["adaptive-p95"][phase]["goodput_rps"]
-                                                      / max(per_phase[phase]["best_fixed_goodput_rps"], 1e-9))
+        per_phase[phase]["adaptive_p95_over_best"] = _ratio(results["adaptive-p95"][phase]["goodput_rps"],
+                                                            per_phase[phase]["best_fixed_goodput_rps"])
     return {"best_single_fixed": best_fixed, "best_single_fixed_goodput_rps": total_goodput(best_fixed),
             "adaptive_goodput_rps": total_goodput("adaptive"),
-            "adaptive_over_best_single_fixed": total_goodput("adaptive") / max(total_goodput(best_fixed), 1e-9),
-            "adaptive_p95_over_best_single_fixed": total_goodput("adaptive-p95")
-            / max(total_goodput(best_fixed), 1e-9),
+            "adaptive_over_best_single_fixed": _ratio(total_goodput("adaptive"), total_goodput(best_fixed)),
+            "adaptive_p95_over_best_single_fixed": _ratio(total_goodput("adaptive-p95"), total_goodput(best_fixed)),
             "per_phase": per_phase}
+
+
+def _ratio(value: float, best: float) -> float | None:
+    """value / best; None when no fixed size met any objective (no ratio to state)."""
+    return value / best if best > 0 else None
+
+
+def _x(ratio: float | None) -> str:
+    return "- (no fixed size had goodput)" if ratio is None else f"{ratio:.2f}x"
 
 
 def _ms(value: float | None) -> str:
@@ -253,9 +261,9 @@ def run_slo_command(args: argparse.Namespace) -> int:
     plot_slo(summary, args.plot)
     v = summary["verdict"]
     print(f"adaptive / best single fixed ({v['best_single_fixed']}) goodput: "
-          f"{v['adaptive_over_best_single_fixed']:.2f}x; adaptive-p95: {v['adaptive_p95_over_best_single_fixed']:.2f}x")
+          f"{_x(v['adaptive_over_best_single_fixed'])}; adaptive-p95: {_x(v['adaptive_p95_over_best_single_fixed'])}")
     for phase, p in v["per_phase"].items():
-        print(f"  {phase}: adaptive / best fixed ({p['best_fixed']}): {p['adaptive_over_best']:.2f}x, "
-              f"adaptive-p95 {p['adaptive_p95_over_best']:.2f}x")
+        print(f"  {phase}: adaptive / best fixed ({p['best_fixed']}): {_x(p['adaptive_over_best'])}, "
+              f"adaptive-p95 {_x(p['adaptive_p95_over_best'])}")
     print(f"wrote {args.json_out} and {args.plot}")
     return 0

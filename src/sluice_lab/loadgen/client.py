@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from sluice import objectives
 from sluice.client import EventParser, attach_target
+from sluice.objectives import Objective
 from sluice.telemetry import RequestRecord, make_record
 
 RECONNECT_BACKOFF_S = 0.2  # times the attempt number
@@ -59,6 +61,9 @@ class ClientResult:
     error: str = ""  # "" = success; else a short type: http_429, http_500, timeout, connect, stream
     error_detail: str = ""
     reconnects: int = 0  # broken connections it re-attached after (send_streaming's `reconnects`)
+    # The targets the server says it served the request against (sluice's X-Sluice-Objective);
+    # None: the answer had no such header (another server, or an error before it was served).
+    objective: Objective | None = None
 
     @property
     def ok(self) -> bool:
@@ -73,6 +78,8 @@ class ClientResult:
             finish_time=finish, token_times=self.token_times, prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens,
             finish_reason=self.finish_reason or ("error" if self.error else "stop"),
+            ttft_target_s=self.objective.ttft_s if self.objective is not None else None,
+            itl_target_s=self.objective.itl_s if self.objective is not None else None,
         )
 
 
@@ -156,6 +163,8 @@ async def send_streaming(client: httpx.AsyncClient, spec: RequestSpec, *, model:
                     result.error = f"http_{resp.status_code}"
                     result.error_detail = text[:300]
                     break
+                if result.objective is None:
+                    result.objective = objectives.parse_served(resp.headers.get(objectives.HEADER))
                 parser = EventParser()
                 async for line in resp.aiter_lines():
                     event = parser.feed(line.rstrip("\r"))

@@ -7,8 +7,14 @@ Definitions (the same in every sluice report):
   single stall.
 - Percentiles use `sluice.telemetry.percentile` (linear interpolation, numpy's default).
 - Throughput divides by the run's wall time (first send to last reply).
-- Goodput counts successful requests whose TTFT <= the TTFT SLO and whose own ITL p95 <= the ITL
-  SLO (a request with fewer than two tokens meets the ITL SLO trivially).
+- Each request is judged against its own objective: the targets sluice says it served it against
+  (the answer's X-Sluice-Objective: class, tenant and request header resolved, docs/objectives.md),
+  else, from a server that sends none, the scenario's SLO (`--slo`). A request whose objective has
+  no target (batch) is not judged. It meets it when it succeeded, its TTFT <= the TTFT target and
+  its own ITL p95 <= the ITL target (fewer than two tokens meet the ITL target trivially).
+- Goodput: requests that met their objective per second of wall time; SLO attainment: those / the
+  requests judged. A group's `ttft_target_s` / `itl_target_s` are the loosest its requests had
+  (a request header only tightens, so that is the class's or tenant's objective).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from sluice.objectives import Objective
 from sluice.telemetry import percentile
 from sluice_lab.loadgen.client import ClientResult
 from sluice_lab.loadgen.runner import RunResult
@@ -36,13 +43,23 @@ def request_gaps(result: ClientResult) -> list[float]:
     return [b - a for a, b in itertools.pairwise(result.token_times)]
 
 
-def meets_slo(result: ClientResult, slo: Slo) -> bool:
+def objective_of(result: ClientResult, slo: Slo) -> Objective:
+    """The targets a request is judged against (module docstring)."""
+    return result.objective if result.objective is not None else Objective(ttft_s=slo.ttft_s, itl_s=slo.itl_s)
+
+
+def meets_slo(result: ClientResult, slo: Slo) -> bool | None:
+    """Whether the request met its objective; None: it had none (not judged)."""
+    objective = objective_of(result, slo)
+    if objective.ttft_s is None and objective.itl_s is None:
+        return None
     if not result.ok or result.first_token is None:
         return False
-    if result.first_token - result.sent > slo.ttft_s:
-        return False
-    own_p95 = percentile(request_gaps(result), 95)
-    return own_p95 is None or own_p95 <= slo.itl_s
+    return objective.met(result.first_token - result.sent, percentile(request_gaps(result), 95))
+
+
+def _loosest(values: Iterable[float | None]) -> float | None:
+    return max((v for v in values if v is not None), default=None)
 
 
 def summarize(results: Sequence[ClientResult], wall_s: float, slo: Slo) -> dict[str, Any]:
@@ -50,7 +67,9 @@ def summarize(results: Sequence[ClientResult], wall_s: float, slo: Slo) -> dict[
     ttfts = [r.first_token - r.sent for r in ok if r.first_token is not None]
     e2es = [r.finish - r.sent for r in ok]
     gaps = [g for r in ok for g in request_gaps(r)]
-    good = sum(1 for r in ok if meets_slo(r, slo))
+    judged = [m for m in (meets_slo(r, slo) for r in results) if m is not None]
+    good = sum(judged)
+    targets = [objective_of(r, slo) for r in results]
     out_tokens = sum(r.completion_tokens for r in ok)
     wall = max(wall_s, 1e-9)
     summary: dict[str, Any] = {
@@ -67,8 +86,11 @@ def summarize(results: Sequence[ClientResult], wall_s: float, slo: Slo) -> dict[
         "input_token_throughput_tps": sum(r.prompt_tokens for r in ok) / wall,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "completion_tokens": out_tokens,
+        "judged": len(judged),
         "goodput_rps": good / wall,
-        "slo_attainment": good / len(results) if results else None,
+        "slo_attainment": good / len(judged) if judged else None,
+        "ttft_target_s": _loosest(t.ttft_s for t in targets),
+        "itl_target_s": _loosest(t.itl_s for t in targets),
     }
     return summary
 
@@ -119,7 +141,8 @@ def request_row(result: ClientResult, model: str, started: float) -> dict[str, A
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """A compact text table: one row per class and per tenant."""
+    """A compact text table: one row per class and per tenant, with its objective (targets in ms)
+    and goodput against it ("good" is the SLO attainment)."""
 
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value * 1000:.0f}"
@@ -127,7 +150,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"scenario {report['scenario']}: {report['summary']['requests']} requests in "
              f"{report['wall_s']:.1f} s against {report['base_url']}",
              f"{'group':<28}{'n':>6}{'err':>5}{'ttft p50/p95/p99 ms':>22}{'itl p50/p95/p99 ms':>21}"
-             f"{'max itl':>9}{'tok/s':>9}{'good':>7}"]
+             f"{'max itl':>9}{'tok/s':>9}{'target ttft/itl':>17}{'good':>7}{'goodput/s':>11}"]
     rows = [("all", report["summary"])]
     rows += [(f"class {k}", v) for k, v in report["by_class"].items()]
     rows += [(f"tenant {k}", v) for k, v in report["by_tenant"].items()]
@@ -135,8 +158,11 @@ def format_table(report: dict[str, Any]) -> str:
         ttft = "/".join(ms(s[f"ttft_s_p{q}"]) for q in QUANTILES)
         itl = "/".join(ms(s[f"itl_s_p{q}"]) for q in QUANTILES)
         good = "-" if s["slo_attainment"] is None else f"{s['slo_attainment']:.0%}"
+        target = f"{ms(s['ttft_target_s'])}/{ms(s['itl_target_s'])}"
+        goodput = "-" if s["slo_attainment"] is None else f"{s['goodput_rps']:.2f}"
         lines.append(f"{name[:27]:<28}{s['requests']:>6}{sum(s['errors'].values()):>5}{ttft:>22}{itl:>21}"
-                     f"{ms(s['max_itl_s']):>9}{s['output_token_throughput_tps']:>9.1f}{good:>7}")
+                     f"{ms(s['max_itl_s']):>9}{s['output_token_throughput_tps']:>9.1f}{target:>17}{good:>7}"
+                     f"{goodput:>11}")
     for batch in report["batches"]:
         done = "-" if batch["completion_s"] is None else f"{batch['completion_s']:.1f} s"
         lines.append(f"batch {batch['workload']}: {batch['status'] or 'not started'} {batch['completed']}/"

@@ -180,6 +180,9 @@ def test_queue_fills_under_load_and_the_charts_draw(page: Page, server: Serve, t
         page.wait_for_function(
             "() => parseFloat(document.querySelector('#workers tr[data-worker=local-0] td:nth-child(6)')"
             ".textContent) > 0", timeout=WAIT_MS)
+        # Latency objectives: the finished streams of demo-chat judged against their class's targets.
+        expect(page.locator("#slo tr[data-tenant=demo-chat] td.attained").first).to_have_text(
+            re.compile(r"^\d+%$"), timeout=WAIT_MS)
         page.wait_for_timeout(2500)  # one more refresh, so every panel shows the load
         shot = tmp_path / "console.png"
         page.screenshot(path=str(shot), full_page=True)

@@ -179,3 +179,23 @@ def test_sign_out_and_expiry_end_the_session(gateway) -> None:
     with gateway.admin() as admin:
         audit = admin.get("/admin/audit", params={"target": "console"}).json()["data"]
     assert {"console.sign_in", "console.sign_out"} <= {a["action"] for a in audit}
+
+
+def test_the_objectives_section_shows_attainment_per_class_and_tenant(gateway) -> None:
+    """A tenant's interactive requests (targets from [objectives]) appear in the live objectives
+    section with the share that met them and the targets; batch has no objective and no row."""
+    tenant, key = gateway.tenant(priority_ceiling="interactive", default_class="interactive")
+    with gateway.client(key) as app:
+        for tier in ({}, {}, {"service_tier": "flex"}):  # the tenant's default class (interactive) twice, batch
+            answer = app.post("/v1/chat/completions", json={"model": "demo", "max_tokens": 3, **tier,
+                                                             "messages": [{"role": "user", "content": "hi"}]})
+            assert answer.status_code == 200, answer.text
+    client, _ = signed_in(gateway)
+    live = client.get("/console/live", headers={"hx-request": "true"}).text
+    assert '<div id="slo" hx-swap-oob="innerHTML">' in live
+    row = re.search(rf'<tr data-class="interactive" data-tenant="{tenant["name"]}">(.*?)</tr>', live, re.S)
+    assert row is not None, live[live.find('id="slo"'):][:2000]
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row.group(1), re.S)
+    assert cells[2] == "2" and cells[3] in ("100%", "50%", "0%")  # two requests judged
+    assert (cells[6], cells[8]) == ("3.0 s", "300 ms")  # the interactive class's targets
+    assert f'data-class="batch" data-tenant="{tenant["name"]}"' not in live

@@ -71,3 +71,32 @@ def test_the_console_form_edits_a_tenant_s_targets() -> None:
     with pytest.raises(OpenAIError) as exc:
         tenant_patch({**form, "itl_target_s": "quick"})
     assert exc.value.param == "itl_target_s"
+
+
+def test_the_load_generator_judges_each_request_by_the_objective_it_was_served_against(gateway) -> None:
+    """`sluice bench serve`'s client reads X-Sluice-Objective off the real answer, and its report
+    judges interactive against the tenant's targets and leaves batch (no objective) unjudged."""
+    import asyncio
+
+    import httpx
+
+    from sluice_lab.loadgen.client import RequestSpec, send_streaming
+    from sluice_lab.loadgen.report import summarize
+    from sluice_lab.loadgen.scenario import Slo
+
+    _, key = gateway.tenant(priority_ceiling="interactive", default_class="interactive", ttft_target_s=60.0,
+                            itl_target_s=30.0)
+
+    async def send(tier: str | None) -> Any:
+        spec = RequestSpec(local_id=str(tier), workload="w", tenant="t", api_key=key, prompt="hi", max_tokens=3,
+                           service_tier=tier, ignore_eos=True, temperature=0.0)
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as client:
+            return await send_streaming(client, spec, model="demo", endpoint="chat")
+
+    interactive, batch = asyncio.run(send(None)), asyncio.run(send("flex"))
+    assert interactive.ok and batch.ok, (interactive.error_detail, batch.error_detail)
+    assert (interactive.objective.ttft_s, interactive.objective.itl_s) == (60.0, 30.0)
+    assert (batch.objective.ttft_s, batch.objective.itl_s) == (None, None)
+    summary = summarize([interactive, batch], wall_s=1.0, slo=Slo(ttft_s=1e-6, itl_s=1e-6))  # the SLO is not used
+    assert summary["judged"] == 1 and summary["slo_attainment"] == 1.0
+    assert (summary["ttft_target_s"], summary["itl_target_s"]) == (60.0, 30.0)

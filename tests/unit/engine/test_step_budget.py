@@ -83,17 +83,69 @@ def test_a_prompt_that_would_miss_its_ttft_raises_the_budget_as_far_as_it_needs(
         assert expected[0] <= prefill_of(step(s)) <= expected[1], ttft
 
 
+def timed_step(s: Scheduler, now: float) -> tuple[SchedulerOutput, float]:
+    """A step that takes what the scheduler's own (hand-made) model predicts; returns it and its end."""
+    out = s.schedule(now)
+    end = now + s.cost_model.predict(StepShape.of(out))
+    s.update(out, RunnerOutput({c.request.request_id: (5,) * c.num_sample_rows for c in out.chunks if c.sample}), end)
+    s.check_invariants()
+    return out, end
+
+
 def test_a_percentile_objective_spends_its_slow_gaps_on_whole_budget_steps() -> None:
     """itl_slow_share 0.05 of 101 tokens: 5 slow gaps per stream (of 100). The long prompt's first 5
-    steps take the whole budget (508 prefill tokens next to 4 decodes), then the cap holds again."""
+    steps take the whole budget (508 prefill tokens next to 4 decodes: 526 ms, over the 100 ms
+    target), each a gap every stream sees as slow; then the cap holds again (85 ms steps)."""
     s = make(slow_share=0.05)
     for i in range(4):
         s.add_request(req(f"stream{i}", 4, itl=0.1, max_tokens=101))
-    step(s)
+    _, now = timed_step(s, 0.0)
     s.add_request(req("long", 4000, itl=None))
-    sizes = [prefill_of(step(s)) for _ in range(7)]
+    sizes = []
+    for _ in range(7):
+        out, now = timed_step(s, now)
+        sizes.append(prefill_of(out))
     assert sizes == [BUDGET - 4] * 5 + [documented_budget(4, 0.1)] * 2
-    assert all(s.get_request(f"stream{i}").num_slow_steps == 5 for i in range(4))  # type: ignore[union-attr]
+    assert all(s.get_request(f"stream{i}").num_slow_gaps == 5 for i in range(4))  # type: ignore[union-attr]
+
+
+def test_slow_gaps_the_streams_saw_anyway_spend_the_allowance() -> None:
+    """A stalled host (a 1 s gap between steps) costs each stream a slow gap like a whole-budget
+    step does, so after 5 stalls no whole-budget step is left; a whole-budget step that comes in
+    on time (a loose target) costs nothing."""
+    s = make(slow_share=0.05)
+    for i in range(4):
+        s.add_request(req(f"stream{i}", 4, itl=0.1, max_tokens=101))
+    _, now = timed_step(s, 0.0)
+    for _ in range(5):
+        _, now = timed_step(s, now + 1.0)  # nothing to prefill: decode-only steps after a stall
+    s.add_request(req("long", 4000, itl=None))
+    assert prefill_of(timed_step(s, now)[0]) == documented_budget(4, 0.1)
+    t = make(slow_share=0.05)
+    for i in range(4):
+        t.add_request(req(f"stream{i}", 4, itl=0.6, max_tokens=101))  # capped at 492; a whole step takes 526 ms
+    _, now = timed_step(t, 0.0)
+    t.add_request(req("long", 4000, itl=None))
+    for _ in range(7):  # the whole prompt but its last 444 tokens
+        out, now = timed_step(t, now)
+        assert prefill_of(out) == BUDGET - 4 > documented_budget(4, 0.6)
+    assert all(t.get_request(f"stream{i}").num_slow_gaps == 0 for i in range(4))  # type: ignore[union-attr]
+
+
+def test_the_cap_allows_for_how_far_mixed_steps_overran_their_prediction() -> None:
+    """Mixed steps measured 1.5x their prediction (at the 95th percentile) lower the cap to what a
+    1.5x slower step keeps within the target; decode-only steps do not count."""
+    model = StepCostModel(HAND_MADE)
+    assert model.overrun() == 1.0
+    mixed = StepShape(decode_rows=4).with_prefill(64, 0)
+    for i in range(100):
+        model.observe(mixed, model.predict(mixed) * (1.5 if i % 10 else 1.0))
+        model.observe(StepShape(decode_rows=4), 1.0)  # a wildly slow decode-only step: ignored
+    assert model.overrun() == pytest.approx(1.5) and model.overrun(typical=True) == pytest.approx(1.5)
+    s = make(cost_model=model)
+    decoding(s, 4, itl=0.1)
+    s.add_request(req("long", 1000, itl=None))
+    assert prefill_of(step(s)) == documented_budget(4, 0.1 / 1.5) == 38
 
 
 def test_the_tightest_decoding_target_sets_the_budget() -> None:
@@ -189,3 +241,16 @@ def test_a_bad_itl_target_is_refused() -> None:
     for bad in (0.0, -1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match="itl_target_s"):
             req("r", 4, itl=bad)
+
+
+def test_a_stream_the_whole_budget_step_keeps_in_time_needs_no_slow_gap() -> None:
+    """A short answer (max_tokens 8: no slow gap to spend) with a loose 1 s target does not stop
+    whole-budget steps (526 ms keeps it in time); with a 0.5 s target it does."""
+    for loose_itl, expected in ((1.0, BUDGET - 5), (0.5, documented_budget(5, 0.1))):
+        s = make(slow_share=0.05)
+        for i in range(4):
+            s.add_request(req(f"stream{i}", 4, itl=0.1, max_tokens=101))
+        s.add_request(req("short", 4, itl=loose_itl, max_tokens=8))
+        _, now = timed_step(s, 0.0)
+        s.add_request(req("long", 4000, itl=None))
+        assert prefill_of(timed_step(s, now)[0]) == expected, loose_itl

@@ -74,3 +74,22 @@ def test_samples_per_bucket_are_bounded() -> None:
 def test_bad_window_shape_is_refused() -> None:
     with pytest.raises(ValueError, match="bucket_s"):
         LiveWindow(horizon_s=5, bucket_s=10)
+
+
+def test_objective_outcomes_per_class_and_tenant() -> None:
+    """Attainment, the loosest target seen (a header only tightens) and the p95s, within the horizon."""
+    window = LiveWindow(horizon_s=60, bucket_s=10)
+    for i in range(20):  # 19 of 20 met; TTFT 0.1..2.0 s; one request tightened its TTFT target to 1 s
+        window.observe_slo("interactive", "alice", met=i != 19, ttft_s=0.1 * (i + 1), itl_p95_s=0.05,
+                           ttft_target_s=1.0 if i == 0 else 3.0, itl_target_s=0.3, now=10.0 + i)
+    window.observe_slo("standard", "alice", met=False, ttft_s=None, itl_p95_s=None, ttft_target_s=10.0,
+                       itl_target_s=None, now=5.0)
+    interactive, standard = window.slo_summaries(now=40.0)
+    assert (interactive.priority_class, interactive.tenant, interactive.requests, interactive.met) == (
+        "interactive", "alice", 20, 19)
+    assert interactive.attained == pytest.approx(0.95)
+    assert (interactive.ttft_target_s, interactive.itl_target_s) == (3.0, 0.3)
+    assert interactive.ttft_p95_s == pytest.approx(1.905) and interactive.itl_p95_s == pytest.approx(0.05)
+    assert standard.attained == 0.0 and standard.ttft_p95_s is None and standard.itl_target_s is None
+    assert [s.priority_class for s in window.slo_summaries(now=66.0)] == ["interactive"]  # standard aged out
+    assert window.slo_summaries(now=200.0) == []

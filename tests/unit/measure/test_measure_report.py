@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from sluice.objectives import format_header, parse_served
 from sluice_lab.loadgen.client import ClientResult, RequestSpec
 from sluice_lab.loadgen.report import meets_slo, summarize
 from sluice_lab.loadgen.scenario import Slo
@@ -41,3 +42,25 @@ def test_the_record_of_a_client_result_carries_no_key_or_prompt() -> None:
     record = _result(0.0, [0.5, 0.6]).to_record("m")
     encoded = repr(record)
     assert "sk-secret" not in encoded and record.ttft_s == pytest.approx(0.5)
+
+
+def test_each_request_is_judged_against_the_objective_it_was_served_against() -> None:
+    """The answer's X-Sluice-Objective wins over the scenario's SLO; "none" (batch) is not judged;
+    a server without the header falls back to the SLO. Targets per group: the loosest seen."""
+    slo = Slo(ttft_s=1.0, itl_s=0.2)
+    tight = _result(0.0, [0.5, 0.6, 0.7])  # TTFT 0.5 s: over its tightened 0.4 s target
+    tight.objective = parse_served("ttft=0.4, itl=0.3")
+    loose = _result(0.0, [1.5, 1.6])  # TTFT 1.5 s: within its class's 3 s
+    loose.objective = parse_served(format_header(3.0, 0.3))
+    batch = _result(0.0, [9.0, 9.5])
+    batch.objective = parse_served("none")
+    plain = _result(0.0, [0.5, 0.6])  # no header: the scenario's SLO
+    assert [meets_slo(r, slo) for r in (tight, loose, batch, plain)] == [False, True, None, True]
+    summary = summarize([tight, loose, batch, plain], wall_s=2.0, slo=slo)
+    assert summary["judged"] == 3 and summary["slo_attainment"] == pytest.approx(2 / 3)
+    assert summary["goodput_rps"] == pytest.approx(1.0)
+    assert (summary["ttft_target_s"], summary["itl_target_s"]) == (3.0, 0.3)
+    assert summarize([batch], wall_s=1.0, slo=slo)["slo_attainment"] is None
+    assert parse_served(None) is None and parse_served("garbage") is None
+    record = loose.to_record("m")
+    assert (record.ttft_target_s, record.itl_target_s, record.slo_met) == (3.0, 0.3, True)

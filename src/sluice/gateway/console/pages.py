@@ -79,6 +79,8 @@ async def live_context(request: AnyRequest) -> dict[str, Any]:
         "class_rows": class_rows, "tenant_rows": tenant_rows,
         "workers": views.worker_rows(snapshot, WINDOW),
         "charts": views.tenant_charts(WINDOW),
+        "slo_rows": views.slo_rows(WINDOW),
+        "slo_percentile": services(request).settings.objectives.percentile,
         "horizon_min": round(WINDOW.horizon_s / 60), "bucket_s": round(WINDOW.bucket_s),
         "batches": batches, "names": names,
         "events": WINDOW.recent_events(30),

@@ -1,7 +1,7 @@
 """What the console's live fragments show, as plain records built from the live sources.
 
 Sources: `backend.snapshot()` (gateway/queueing/snapshot.py: queues, running jobs, workers), the rolling
-telemetry window (`sluice.live_window.WINDOW`: rates, latency series, recent events) and the
+telemetry window (`sluice.live_window.WINDOW`: rates, latency series, objectives' outcomes, recent events) and the
 tenant list (for names: the scheduler knows tenants by id, telemetry by name).
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.gateway.console.charts import Sparkline, sparkline
-from sluice.live_window import LiveWindow
+from sluice.live_window import LiveWindow, SloSummary
 from sluice.protocol import Priority
 
 
@@ -154,3 +154,41 @@ def tenant_charts(window: LiveWindow, limit: int = 60) -> list[TenantCharts]:
             throughput=sparkline([p.tokens_per_s for p in points[:-1]]),  # the partial bucket would dip
         ))
     return charts
+
+
+@dataclass(frozen=True, slots=True)
+class SloRow:
+    """One (class, tenant) against its latency objective over the window (docs/objectives.md)."""
+
+    priority_class: str
+    tenant: str
+    requests: int
+    attained_percent: int  # requests that met both targets / requests judged
+    goodput_per_min: float  # requests that met both targets, per minute over the window
+    ttft_target_s: float | None
+    ttft_p95_s: float | None
+    ttft_missed: bool  # the p95 is over the target
+    itl_target_s: float | None
+    itl_p95_s: float | None
+    itl_missed: bool
+
+
+def slo_rows(window: LiveWindow) -> list[SloRow]:
+    """Per class and tenant with requests judged in the window: the objective, the share that met it,
+    goodput, and TTFT / ITL p95 beside their targets."""
+
+    def over(value: float | None, target: float | None) -> bool:
+        return value is not None and target is not None and value > target
+
+    def row(s: SloSummary) -> SloRow:
+        return SloRow(
+            priority_class=s.priority_class, tenant=s.tenant, requests=s.requests,
+            attained_percent=int(100 * s.attained),  # floor: 99.6 % met is not shown as 100
+            goodput_per_min=s.met * 60.0 / window.horizon_s,
+            ttft_target_s=s.ttft_target_s, ttft_p95_s=s.ttft_p95_s, ttft_missed=over(s.ttft_p95_s, s.ttft_target_s),
+            itl_target_s=s.itl_target_s, itl_p95_s=s.itl_p95_s, itl_missed=over(s.itl_p95_s, s.itl_target_s),
+        )
+
+    order = {p.label: p.value for p in Priority}
+    rows = [row(s) for s in window.slo_summaries()]
+    return sorted(rows, key=lambda r: (order.get(r.priority_class, len(order)), r.tenant))
