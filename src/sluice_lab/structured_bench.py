@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three arms")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--no-kernel-build", action="store_true",
+                        help="use the native CPU kernels only if they are already built (no C++ compile)")
     bench_peer.add_peer_arguments(parser)
     parser.add_argument("--peer-structured-backend", default=None,
                         help="vLLM's structured outputs backend (xgrammar, guidance, ...; default: its own, auto)")
@@ -138,11 +140,11 @@ def _stall_during_cold_compile(engine: Any, prompts: list[list[int]]) -> dict[st
             "large_schema_cold_compile_ms": round(compile_s * 1e3, 1)}
 
 
-def _write_partial(path: Path, arms: dict[str, list[dict[str, Any]]], compile_times: dict[str, float],
-                   stall: dict[str, float]) -> None:
+def _write_partial(path: Path, arms: dict[str, list[dict[str, Any]]], peer_arms: dict[str, list[dict[str, Any]]],
+                   measured: dict[str, Any]) -> None:
     """The runs so far (a long run on a shared host keeps what it measured if it is stopped)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"partial": True, "compile": compile_times, "stall": stall, "runs": _public(arms)},
+    path.write_text(json.dumps({"partial": True, **measured, "runs": _public(arms), "peer_runs": peer_arms},
                                indent=2) + "\n", encoding="utf-8")
 
 
@@ -156,6 +158,14 @@ def _peer_workloads(prompts: list[list[int]], lengths: list[int], max_tokens: in
 
     n = len(prompts)
     return {"100%": arm([True] * n), "50%": arm([i % 2 == 0 for i in range(n)]), "0%": arm([False] * n)}
+
+
+def _peer_round(peer: bench_peer.VllmPeer, order: list[str], peer_arms: dict[str, list[dict[str, Any]]]) -> None:
+    """One run of each arm by vLLM; a run keeps how many of its constrained outputs are not valid."""
+    for name in order:
+        run = peer.call(f"throughput {name}")
+        run["constrained_outputs_not_schema_valid"] = _invalid(run.pop("constrained_texts"))
+        peer_arms[name].append(run)
 
 
 def _invalid(texts: list[str]) -> int:
@@ -204,7 +214,8 @@ def run_structured(args: argparse.Namespace) -> int:
         raise CLIError(f"model directory {args.model} does not exist")
     bench_peer.check_peer_arguments(args)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    kernels = native.build_all()  # outside every timing (a C++ compile the first time on a machine)
+    # Outside every timing (a C++ compile the first time on a machine).
+    kernels = native.build_all(compile_missing=not args.no_kernel_build)
     engine = LLMEngine(engine_config(args, args.model))
     prompts = _prompts(engine.tokenizer, args.num_requests)
     spec = StructuredOutput(kind="json", spec=json.dumps(NESTED_SCHEMA))
@@ -218,7 +229,9 @@ def run_structured(args: argparse.Namespace) -> int:
     peer_arms: dict[str, list[dict[str, Any]]] = {"0%": [], "50%": [], "100%": []}
     peer: bench_peer.VllmPeer | None = None
     peer_info: dict[str, Any] = {}
-    invalid = peer_invalid = 0
+    invalid = 0
+    peer_error = ""
+    measured = {"compile": compile_times, "stall": stall, "mask_cost_ms_per_step": mask_cost}
     try:
         for r in range(args.rounds):
             full = _arm(engine, prompts, [constrained] * len(prompts))
@@ -227,23 +240,24 @@ def run_structured(args: argparse.Namespace) -> int:
             half = [constrained if i % 2 == 0 else twins[i] for i in range(len(prompts))]
             order = ["0%", "50%"] if r % 2 == 0 else ["50%", "0%"]
             arms["100%"].append(full)
-            _write_partial(args.json_out, arms, compile_times, stall)
+            _write_partial(args.json_out, arms, peer_arms, measured)
             for name in order:
                 arms[name].append(_arm(engine, prompts, twins if name == "0%" else half))
-                _write_partial(args.json_out, arms, compile_times, stall)
-            if args.peer == "vllm":
-                if peer is None:  # started once the twins' lengths are known; nothing is timed meanwhile
-                    max_len = max(len(p) for p in prompts) + args.max_tokens + 1
-                    peer = bench_peer.VllmPeer(
-                        args.peer_venv, args.model, _peer_workloads(prompts, full["_lengths"], args.max_tokens),
-                        None, torch.get_num_threads(), max_len, args.peer_speculative_tokens,
-                        engine.config.resolved_dtype, args.peer_structured_backend)
-                    peer_info = peer.call("info")
-                    print(f"vllm {peer_info['version']} loaded in {peer_info['load_seconds']:.0f} s")
-                for name in ["100%", *order]:
-                    run = peer.call(f"throughput {name}")
-                    peer_invalid += _invalid(run.pop("constrained_texts"))
-                    peer_arms[name].append(run)
+                _write_partial(args.json_out, arms, peer_arms, measured)
+            if args.peer == "vllm" and not peer_error:
+                try:
+                    if peer is None:  # started once the twins' lengths are known; nothing is timed meanwhile
+                        max_len = max(len(p) for p in prompts) + args.max_tokens + 1
+                        peer = bench_peer.VllmPeer(
+                            args.peer_venv, args.model, _peer_workloads(prompts, full["_lengths"], args.max_tokens),
+                            None, torch.get_num_threads(), max_len, args.peer_speculative_tokens,
+                            engine.config.resolved_dtype, args.peer_structured_backend)
+                        peer_info = peer.call("info")
+                        print(f"vllm {peer_info['version']} loaded in {peer_info['load_seconds']:.0f} s")
+                    _peer_round(peer, ["100%", *order], peer_arms)
+                except CLIError as exc:  # the peer died (its output is on stderr): sluice's figures go on
+                    peer_error = str(exc)
+                _write_partial(args.json_out, arms, peer_arms, measured)
             print(f"round {r + 1}: " + ", ".join(f"{name} {runs[-1]['output_tokens_per_s']:.1f} tok/s"
                                                   for name, runs in arms.items())
                   + "".join(f", vllm {name} {runs[-1]['output_tokens_per_s']:.1f} tok/s"
@@ -273,11 +287,15 @@ def run_structured(args: argparse.Namespace) -> int:
         "stall": stall,
         "runs": _public(arms),
     }
-    if peer_info:
+    if peer_error:
+        report["peer_error"] = peer_error
+    if peer_info and peer_arms["0%"]:
         peer_summary = _summary(peer_arms, ("output_tokens_per_s", "output_tokens_per_cpu_s"))
         report["peers"] = {"vllm": {
             "info": peer_info, "arms": peer_summary, "ratio_100_vs_0": _ratio(peer_summary, "100%"),
-            "ratio_50_vs_0": _ratio(peer_summary, "50%"), "constrained_outputs_not_schema_valid": peer_invalid,
+            "ratio_50_vs_0": _ratio(peer_summary, "50%"),
+            "constrained_outputs_not_schema_valid": sum(r["constrained_outputs_not_schema_valid"]
+                                                        for runs in peer_arms.values() for r in runs),
             "runs": peer_arms}}
         report["sluice_vs_vllm"] = {arm: round(summary[arm]["output_tokens_per_s"]
                                                / peer_summary[arm]["output_tokens_per_s"], 4) for arm in summary}
@@ -288,5 +306,5 @@ def run_structured(args: argparse.Namespace) -> int:
                                              "ratio_50_vs_0", "ratio_100_vs_0_per_cpu_s",
                                              "constrained_outputs_not_schema_valid", "stall") }
                      | ({"vllm": {k: v for k, v in report["peers"]["vllm"].items() if k != "runs"},
-                         "sluice_vs_vllm": report["sluice_vs_vllm"]} if peer_info else {}), indent=2))
+                         "sluice_vs_vllm": report["sluice_vs_vllm"]} if "peers" in report else {}), indent=2))
     return 0
