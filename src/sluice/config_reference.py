@@ -283,8 +283,8 @@ example `[gateway] record_log_path = "var/records.jsonl"`).
 _OTHER_VARIABLES = (
     ("`SLUICE_CONFIG_DIR`", "every command that reads settings", "the config directory (`--config` wins)"),
     ("the variable an upstream's `api_key_env` names", "the gateway, at start", "that upstream's API key"),
-    ("`SLUICE_CPU_DECODE_KERNEL`, `SLUICE_CPU_PREFILL_KERNEL`, `SLUICE_CPU_GEMV_KERNEL`, `SLUICE_CPU_GLUE_KERNEL`",
-     "CPU workers", "`0` turns that native CPU kernel off (the torch path runs)"),
+    ("`SLUICE_CPU_DECODE_KERNEL`, `SLUICE_CPU_PREFILL_KERNEL`, `SLUICE_CPU_GEMV_KERNEL`, `SLUICE_CPU_GLUE_KERNEL`, "
+     "`SLUICE_CPU_GRAMMAR_MASK_KERNEL`", "CPU workers", "`0` turns that native CPU kernel off (the torch path runs)"),
     ("`SLUICE_KERNEL_CACHE`", "CPU workers",
      "where the native CPU kernels are built and cached (default `~/.cache/sluice/kernels`)"),
     ("`OMP_NUM_THREADS`", "CPU workers",

@@ -77,10 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # other work keeps the numbers from swinging with it.
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads for every engine (default 0 = all cores)")
-    parser.add_argument("--peer", choices=("vllm",), default=None,
-                        help="also run this peer engine on the same requests (its own virtualenv)")
-    parser.add_argument("--peer-venv", type=Path, default=bench_peer.DEFAULT_VLLM_VENV,
-                        help="the peer's virtualenv (default .peers/vllm, made by `make bench-peers`)")
+    bench_peer.add_peer_arguments(parser)
     parser.add_argument("--skip-latency", action="store_true", help="skip the latency points")
     parser.add_argument("--latency-prompt-len", type=int, default=512, help="prompt tokens of a latency point")
     parser.add_argument("--latency-output-len", type=int, default=128, help="output tokens of a latency point")
@@ -88,9 +85,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent streams of each latency point")
     parser.add_argument("--no-kernel-build", action="store_true",
                         help="use the native CPU kernels only if they are already built (no C++ compile)")
-    parser.add_argument("--peer-speculative-tokens", type=int, default=0,
-                        help="run the peer with its own prompt-lookup speculation, this many draft tokens "
-                             "(default 0: the peer's defaults, no speculation)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved rounds of sluice and the peer; each reports its median run")
     parser.add_argument("--also-speculation-off", action="store_true",
@@ -249,8 +243,6 @@ def run_bench(args: argparse.Namespace) -> int:
         raise CLIError("--num-requests must be positive")
     if args.repeat < 1:
         raise CLIError("--repeat must be positive")
-    if args.peer_speculative_tokens < 0:
-        raise CLIError("--peer-speculative-tokens must be 0 (off) or positive")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or any(p not in POLICIES for p in policies):
         raise CLIError(f"--policies must be a comma-separated subset of {', '.join(POLICIES)}")
@@ -264,8 +256,7 @@ def run_bench(args: argparse.Namespace) -> int:
     config = engine_config(args, args.model)  # unset flags: EngineConfig's defaults
     if args.threads < 0:
         raise CLIError("--threads must be 0 (all cores) or positive")
-    if args.peer == "vllm":
-        bench_peer.vllm_python(args.peer_venv)  # fail before anything runs
+    bench_peer.check_peer_arguments(args)  # fail before anything runs
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     if args.kv_events_ab:
         from sluice_lab.kv_events_ab import run_kv_events_ab

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -109,6 +110,25 @@ class LatencyPoints:
         return out
 
 
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a bench that can run vLLM beside sluice (`bench engine`, `bench structured`)."""
+    parser.add_argument("--peer", choices=("vllm",), default=None,
+                        help="also run this peer engine on the same requests (its own virtualenv)")
+    parser.add_argument("--peer-venv", type=Path, default=DEFAULT_VLLM_VENV,
+                        help="the peer's virtualenv (default .peers/vllm, made by `make bench-peers`)")
+    parser.add_argument("--peer-speculative-tokens", type=int, default=0,
+                        help="run the peer with its own prompt-lookup speculation, this many draft tokens "
+                             "(default 0: the peer's defaults, no speculation)")
+
+
+def check_peer_arguments(args: argparse.Namespace) -> None:
+    """Raises CLIError for bad peer flags or a missing peer virtualenv, before anything runs."""
+    if args.peer_speculative_tokens < 0:
+        raise CLIError("--peer-speculative-tokens must be 0 (off) or positive")
+    if args.peer == "vllm":
+        vllm_python(args.peer_venv)
+
+
 def vllm_python(venv: Path) -> Path:
     python = venv / "bin" / "python"
     if not python.is_file():
@@ -121,13 +141,16 @@ class VllmPeer:
 
     def __init__(self, venv: Path, model_dir: str, workloads: dict[str, dict[str, Any]],
                  latency: LatencyPoints | None, threads: int, max_model_len: int, speculative_tokens: int = 0,
-                 dtype: str = "float32") -> None:
-        """`workloads`: name -> {"requests": [[prompt ids, output tokens], ...], "temperature", "top_p"}."""
+                 dtype: str = "float32", structured_backend: str | None = None) -> None:
+        """`workloads`: name -> {"requests": [[prompt ids, output tokens], ...], "temperature", "top_p"},
+        and for structured outputs "json_schema" and "constrained" (one flag per request);
+        `structured_backend`: vLLM's structured outputs backend (None: its default, "auto")."""
         python = vllm_python(venv)
         self._tmp = tempfile.TemporaryDirectory(prefix="sluice-vllm-")
         spec_path = Path(self._tmp.name) / "spec.json"
         spec = {"model": str(Path(model_dir).resolve()), "threads": threads, "max_model_len": max_model_len,
                 "speculative_tokens": speculative_tokens, "dtype": dtype, "workloads": workloads,
+                "structured_backend": structured_backend,
                 "latency_output_tokens": latency.output_tokens if latency else 0,
                 "latency_sampling": {"temperature": latency.temperature if latency else 0.0,
                                      "top_p": latency.top_p if latency else 1.0},

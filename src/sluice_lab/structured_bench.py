@@ -9,7 +9,13 @@ grammar alone. Rounds interleave the arms (their order rotates) and the medians 
 tokens per CPU-second (the machine may be shared) and the runner's per-step mask figures: mask fill
 time (beside the forward pass), the wait for masks after it, and the apply time. Cold and warm
 compile times of the schema, and the worst step gap of unconstrained streams while a cold compile
-of a large schema runs, complete the report.
+of a large schema runs, complete the report, with the engine's mask cost per step (fill and apply)
+at 1, 16 and 64 constrained rows, measured apart (experiments/grammar_libs.py).
+
+With `--peer vllm`, vLLM's CPU build runs the same arms in its own interpreter (sluice_lab/peer.py):
+the same prompts and schema through its structured outputs, its unconstrained requests with the
+lengths of sluice's constrained twins. It is started once sluice's first 100% arm has given those
+lengths, runs its three arms after sluice's in every round, and is frozen while sluice is timed.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from typing import Any
 
 from sluice.errors import CLIError
 from sluice.protocol import SamplingParams, StructuredOutput
-from sluice_lab.experiments.grammar_libs import NESTED_SCHEMA
+from sluice_lab import peer as bench_peer
+from sluice_lab.experiments.grammar_libs import NESTED_SCHEMA, engine_mask_cost
 
 SUBJECTS = ["a hardware store order", "a bakery delivery", "a bicycle repair", "an office supply restock",
             "a garden centre purchase", "a plumbing job", "a school book order", "a cafe's weekly supplies"]
@@ -38,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three arms")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--no-kernel-build", action="store_true",
+                        help="use the native CPU kernels only if they are already built (no C++ compile)")
+    bench_peer.add_peer_arguments(parser)
+    parser.add_argument("--peer-structured-backend", default=None,
+                        help="vLLM's structured outputs backend (xgrammar, guidance, ...; default: its own, auto)")
 
 
 def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
@@ -128,20 +140,71 @@ def _stall_during_cold_compile(engine: Any, prompts: list[list[int]]) -> dict[st
             "large_schema_cold_compile_ms": round(compile_s * 1e3, 1)}
 
 
-def _write_partial(path: Path, arms: dict[str, list[dict[str, Any]]], compile_times: dict[str, float],
-                   stall: dict[str, float]) -> None:
+def _write_partial(path: Path, arms: dict[str, list[dict[str, Any]]], peer_arms: dict[str, list[dict[str, Any]]],
+                   measured: dict[str, Any]) -> None:
     """The runs so far (a long run on a shared host keeps what it measured if it is stopped)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    runs = {name: [{k: v for k, v in run.items() if not k.startswith("_")} for run in runs]
-            for name, runs in arms.items()}
-    path.write_text(json.dumps({"partial": True, "compile": compile_times, "stall": stall, "runs": runs},
+    path.write_text(json.dumps({"partial": True, **measured, "runs": _public(arms), "peer_runs": peer_arms},
                                indent=2) + "\n", encoding="utf-8")
 
 
-def run_structured(args: argparse.Namespace) -> int:
+def _peer_workloads(prompts: list[list[int]], lengths: list[int], max_tokens: int) -> dict[str, dict[str, Any]]:
+    """The three arms for vLLM (sluice_lab/vllm_runner.py): constrained requests run free up to
+    max_tokens; unconstrained ones get the lengths of sluice's constrained twins."""
+    def arm(constrained: list[bool]) -> dict[str, Any]:
+        requests = [[p, max_tokens if c else n] for p, n, c in zip(prompts, lengths, constrained, strict=True)]
+        return {"requests": requests,
+                "temperature": 0.0, "top_p": 1.0, "json_schema": NESTED_SCHEMA, "constrained": constrained}
+
+    n = len(prompts)
+    return {"100%": arm([True] * n), "50%": arm([i % 2 == 0 for i in range(n)]), "0%": arm([False] * n)}
+
+
+def _peer_round(peer: bench_peer.VllmPeer, order: list[str], peer_arms: dict[str, list[dict[str, Any]]]) -> None:
+    """One run of each arm by vLLM; a run keeps how many of its constrained outputs are not valid."""
+    for name in order:
+        run = peer.call(f"throughput {name}")
+        run["constrained_outputs_not_schema_valid"] = _invalid(run.pop("constrained_texts"))
+        peer_arms[name].append(run)
+
+
+def _invalid(texts: list[str]) -> int:
+    """How many texts are not schema-valid JSON (those cut by max_tokens among them)."""
     import jsonschema
+
+    invalid = 0
+    for text in texts:
+        try:
+            jsonschema.validate(json.loads(text), NESTED_SCHEMA)
+        except (ValueError, jsonschema.ValidationError):
+            invalid += 1
+    return invalid
+
+
+def _summary(arms: dict[str, list[dict[str, Any]]], keys: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Per arm: the median of each key over the rounds, and the first run's output tokens."""
+    def median(runs: list[dict[str, Any]], key: str) -> float | None:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return round(statistics.median(values), 4) if values else None
+
+    return {name: {key: median(runs, key) for key in keys} | {"output_tokens": runs[0]["output_tokens"]}
+            for name, runs in arms.items() if runs}
+
+
+def _ratio(summary: dict[str, dict[str, Any]], arm: str, key: str = "output_tokens_per_s") -> float | None:
+    base, value = summary["0%"][key], summary[arm][key]
+    return round(value / base, 4) if base and value else None
+
+
+def _public(arms: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    return {name: [{k: v for k, v in run.items() if not k.startswith("_")} for run in runs]
+            for name, runs in arms.items()}
+
+
+def run_structured(args: argparse.Namespace) -> int:
     import torch
 
+    from sluice.kernels import native
     from sluice.workers.cli import engine_config
     from sluice.workers.engine import LLMEngine
 
@@ -149,60 +212,99 @@ def run_structured(args: argparse.Namespace) -> int:
         raise CLIError("--num-requests must be at least 2, --rounds positive, --max-tokens at least 8")
     if not Path(args.model).is_dir():
         raise CLIError(f"model directory {args.model} does not exist")
+    bench_peer.check_peer_arguments(args)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    # Outside every timing (a C++ compile the first time on a machine).
+    kernels = native.build_all(compile_missing=not args.no_kernel_build)
     engine = LLMEngine(engine_config(args, args.model))
     prompts = _prompts(engine.tokenizer, args.num_requests)
     spec = StructuredOutput(kind="json", spec=json.dumps(NESTED_SCHEMA))
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=spec)
     compile_times = _compile_times(engine)
     stall = _stall_during_cold_compile(engine, prompts)
+    mask_cost = engine_mask_cost(engine.tokenizer, engine.runner.model_config.vocab_size, [1, 16, 64], steps=40)
     engine.generate(prompts[:2], constrained)  # warm-up (and the schema's compile) outside the timing
 
     arms: dict[str, list[dict[str, Any]]] = {"0%": [], "50%": [], "100%": []}
+    peer_arms: dict[str, list[dict[str, Any]]] = {"0%": [], "50%": [], "100%": []}
+    peer: bench_peer.VllmPeer | None = None
+    peer_info: dict[str, Any] = {}
     invalid = 0
-    for r in range(args.rounds):
-        full = _arm(engine, prompts, [constrained] * len(prompts))
-        for text in full["_texts"]:
-            try:
-                jsonschema.validate(json.loads(text), NESTED_SCHEMA)
-            except (ValueError, jsonschema.ValidationError):
-                invalid += 1  # cut by max_tokens: reported
-        twins = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in full["_lengths"]]
-        half = [constrained if i % 2 == 0 else twins[i] for i in range(len(prompts))]
-        order = [("0%", twins), ("50%", half)] if r % 2 == 0 else [("50%", half), ("0%", twins)]
-        arms["100%"].append(full)
-        _write_partial(args.json_out, arms, compile_times, stall)
-        for name, params in order:
-            arms[name].append(_arm(engine, prompts, params))
-            _write_partial(args.json_out, arms, compile_times, stall)
-
-    def median(name: str, key: str) -> float | None:
-        values = [a[key] for a in arms[name] if a[key] is not None]
-        return round(statistics.median(values), 4) if values else None
+    peer_error = ""
+    measured = {"compile": compile_times, "stall": stall, "mask_cost_ms_per_step": mask_cost}
+    try:
+        for r in range(args.rounds):
+            full = _arm(engine, prompts, [constrained] * len(prompts))
+            invalid += _invalid(full["_texts"])  # cut by max_tokens: reported
+            twins = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in full["_lengths"]]
+            half = [constrained if i % 2 == 0 else twins[i] for i in range(len(prompts))]
+            order = ["0%", "50%"] if r % 2 == 0 else ["50%", "0%"]
+            arms["100%"].append(full)
+            _write_partial(args.json_out, arms, peer_arms, measured)
+            for name in order:
+                arms[name].append(_arm(engine, prompts, twins if name == "0%" else half))
+                _write_partial(args.json_out, arms, peer_arms, measured)
+            if args.peer == "vllm" and not peer_error:
+                try:
+                    if peer is None:  # started once the twins' lengths are known; nothing is timed meanwhile
+                        max_len = max(len(p) for p in prompts) + args.max_tokens + 1
+                        peer = bench_peer.VllmPeer(
+                            args.peer_venv, args.model, _peer_workloads(prompts, full["_lengths"], args.max_tokens),
+                            None, torch.get_num_threads(), max_len, args.peer_speculative_tokens,
+                            engine.config.resolved_dtype, args.peer_structured_backend)
+                        peer_info = peer.call("info")
+                        print(f"vllm {peer_info['version']} loaded in {peer_info['load_seconds']:.0f} s")
+                    _peer_round(peer, ["100%", *order], peer_arms)
+                except CLIError as exc:  # the peer died (its output is on stderr): sluice's figures go on
+                    peer_error = str(exc)
+                _write_partial(args.json_out, arms, peer_arms, measured)
+            print(f"round {r + 1}: " + ", ".join(f"{name} {runs[-1]['output_tokens_per_s']:.1f} tok/s"
+                                                  for name, runs in arms.items())
+                  + "".join(f", vllm {name} {runs[-1]['output_tokens_per_s']:.1f} tok/s"
+                            for name, runs in peer_arms.items() if runs))
+    finally:
+        if peer is not None:
+            peer.close()
 
     keys = ("output_tokens_per_s", "output_tokens_per_cpu_s", "ms_per_step", "mask_fill_ms_per_masked_step",
             "mask_wait_ms_per_masked_step", "mask_apply_ms_per_masked_step")
-    summary = {name: {key: median(name, key) for key in keys} | {"output_tokens": runs[0]["output_tokens"]}
-               for name, runs in arms.items()}
-    base = summary["0%"]["output_tokens_per_s"]
-    report = {
+    summary = _summary(arms, keys)
+    report: dict[str, Any] = {
         "what": "structured outputs: output tok/s at 0/50/100% constrained by a nested JSON Schema",
         "config": {"model": args.model, "num_requests": args.num_requests, "max_tokens": args.max_tokens,
                    "rounds": args.rounds, "threads": torch.get_num_threads(),
                    "policy": engine.config.policy,
                    "speculative_tokens": engine.config.resolved_num_speculative_tokens,
+                   "mask_fill_beside_forward": engine.runner._masks.overlap, **kernels,
                    "load_average_at_start": os.getloadavg()[0]},
         "compile": compile_times,
+        "mask_cost_ms_per_step": mask_cost,
         "arms": summary,
-        "ratio_100_vs_0": round(summary["100%"]["output_tokens_per_s"] / base, 4) if base else None,
-        "ratio_50_vs_0": round(summary["50%"]["output_tokens_per_s"] / base, 4) if base else None,
+        "ratio_100_vs_0": _ratio(summary, "100%"),
+        "ratio_50_vs_0": _ratio(summary, "50%"),
+        "ratio_100_vs_0_per_cpu_s": _ratio(summary, "100%", "output_tokens_per_cpu_s"),
         "constrained_outputs_not_schema_valid": invalid,
         "stall": stall,
-        "runs": {name: [{k: v for k, v in run.items() if not k.startswith("_")} for run in runs]
-                 for name, runs in arms.items()},
+        "runs": _public(arms),
     }
+    if peer_error:
+        report["peer_error"] = peer_error
+    if peer_info and peer_arms["0%"]:
+        peer_summary = _summary(peer_arms, ("output_tokens_per_s", "output_tokens_per_cpu_s"))
+        report["peers"] = {"vllm": {
+            "info": peer_info, "arms": peer_summary, "ratio_100_vs_0": _ratio(peer_summary, "100%"),
+            "ratio_50_vs_0": _ratio(peer_summary, "50%"),
+            "constrained_outputs_not_schema_valid": sum(r["constrained_outputs_not_schema_valid"]
+                                                        for runs in peer_arms.values() for r in runs),
+            "runs": peer_arms}}
+        report["sluice_vs_vllm"] = {arm: round(summary[arm]["output_tokens_per_s"]
+                                               / peer_summary[arm]["output_tokens_per_s"], 4) for arm in summary}
+    report["config"]["load_average_at_end"] = os.getloadavg()[0]
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps({k: report[k] for k in ("compile", "arms", "ratio_100_vs_0", "ratio_50_vs_0",
-                                             "constrained_outputs_not_schema_valid", "stall")}, indent=2))
+    print(json.dumps({k: report[k] for k in ("compile", "mask_cost_ms_per_step", "arms", "ratio_100_vs_0",
+                                             "ratio_50_vs_0", "ratio_100_vs_0_per_cpu_s",
+                                             "constrained_outputs_not_schema_valid", "stall") }
+                     | ({"vllm": {k: v for k, v in report["peers"]["vllm"].items() if k != "runs"},
+                         "sluice_vs_vllm": report["sluice_vs_vllm"]} if "peers" in report else {}), indent=2))
     return 0

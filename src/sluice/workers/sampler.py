@@ -32,7 +32,7 @@ import torch
 
 from sluice.protocol import PositionLogprobs, SamplingParams, TokenLogprob
 from sluice.workers.candidates import sample_from_candidates
-from sluice.workers.grammar_mask import apply_bitmask
+from sluice.workers.grammar_mask import apply_bitmask_to_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,13 +203,15 @@ def _logprobs(logprobs: torch.Tensor, chosen: list[int], rows: Sequence[SampleRo
 
 
 def apply_bias_and_mask(logits: torch.Tensor, rows: Sequence[SampleRow], mask_rows: Sequence[int] = (),
-                        bitmask: torch.Tensor | None = None) -> torch.Tensor:
+                        bitmask: torch.Tensor | None = None, *, in_place: bool = False) -> torch.Tensor:
     """logit_bias, then the grammar masks (bitmask row j for logits row mask_rows[j]); returns
-    `logits` itself when neither applies, else a modified copy."""
+    `logits` itself when neither applies, else a modified copy (or `logits` modified, `in_place`:
+    a caller that owns them saves the copy of [N, V])."""
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     if not biased and not mask_rows:
         return logits
-    logits = logits.clone()
+    if not in_place:
+        logits = logits.clone()
     for i in biased:
         ids, biases = zip(*rows[i].params.logit_bias, strict=True)
         index = torch.tensor(ids, device=logits.device)
@@ -217,13 +219,7 @@ def apply_bias_and_mask(logits: torch.Tensor, rows: Sequence[SampleRow], mask_ro
     if mask_rows:
         if bitmask is None or bitmask.shape[0] != len(mask_rows):
             raise ValueError(f"{len(mask_rows)} constrained rows need as many bitmask rows")
-        if len(mask_rows) == len(rows):  # every row constrained, in order: in place
-            apply_bitmask(logits, bitmask)
-        else:
-            index = torch.tensor(mask_rows, device=logits.device)
-            sub = logits.index_select(0, index)
-            apply_bitmask(sub, bitmask)
-            logits.index_copy_(0, index, sub)
+        apply_bitmask_to_rows(logits, mask_rows, bitmask)
     return logits
 
 

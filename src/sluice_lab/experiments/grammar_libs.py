@@ -116,10 +116,11 @@ class _Guidance(_Lib):
 
     def apply(self, logits: Any, bitmask: Any) -> None:
         # llguidance's own CPU apply is a torch.compile'd function (an inductor build in the worker);
-        # the engine uses sluice's (workers/grammar_mask.py), so that is what is measured.
-        from sluice.workers.grammar_mask import apply_bitmask
+        # the engine uses sluice's (workers/grammar_mask.py: its native kernel where built), so
+        # that is what is measured.
+        from sluice.workers.grammar_mask import apply_bitmask_to_rows
 
-        apply_bitmask(logits, bitmask)
+        apply_bitmask_to_rows(logits, range(logits.shape[0]), bitmask)
 
     def advance(self, matcher: Any, token: int) -> None:
         if not matcher.consume_token(token):
@@ -191,6 +192,19 @@ def _mask_cost(lib: _Lib, compiled: Any, path: list[int], rows: int, steps: int,
             lib.advance(matchers[i], path[offsets[i]])
             offsets[i] += 1
     return fills, applies
+
+
+def engine_mask_cost(tokenizer: Any, vocab: int, rows: list[int], steps: int) -> dict[str, dict[str, float]]:
+    """The engine's per-step mask cost (llguidance's parallel fill, sluice's apply) at each row
+    count, walking NESTED_EXAMPLE as `run` does: median ms per step, by row count."""
+    lib = _Guidance(tokenizer, vocab)
+    path = [*tokenizer.encode(NESTED_EXAMPLE), tokenizer.eos_token_id]
+    compiled = lib.cold(json.dumps(NESTED_SCHEMA))
+    out = {}
+    for n in rows:
+        fill, apply = _mask_cost(lib, compiled, path, n, steps, vocab)
+        out[str(n)] = {"fill_ms": _median_ms(fill), "apply_ms": _median_ms(apply)}
+    return out
 
 
 def run(model_dir: Path, rows: list[int], steps: int, rounds: int, json_out: Path) -> dict[str, Any]:
