@@ -253,7 +253,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], mask_rows: Sequence[
             if r.seed is None:
                 raise ValueError("a sampling (non-greedy) request needs a seed")
             uniforms.append(uniform(r.seed, len(r.output_token_ids)))
-        sub = scaled[random_idx]
+        sub = scaled if len(random_idx) == len(rows) else scaled[random_idx]  # all sampled: no copy
         top_k = torch.tensor([r.params.top_k for r in sub_rows], device=device)
         top_p = torch.tensor([r.params.top_p for r in sub_rows], device=device)
         min_p = torch.tensor([r.params.min_p for r in sub_rows], device=device)
@@ -264,7 +264,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], mask_rows: Sequence[
         if not bool(decided.all()):
             rest = (~decided).nonzero()[:, 0]
             picked[rest] = _sample_sorted(sub[rest], top_k[rest], top_p[rest], min_p[rest], u[rest])
-        chosen[random_idx] = picked
+        if len(random_idx) == len(rows):
+            chosen = picked
+        else:
+            chosen[random_idx] = picked
     token_ids = chosen.tolist()
     logprob_rows: list[PositionLogprobs | None] = [None] * len(rows)
     if want_logprobs:
