@@ -67,7 +67,9 @@ async def test_a_second_deployment_on_the_same_prefix_refuses_to_start(deploymen
     async with deployment("one", redis_url, prefix) as one, deployment("one", redis_url, prefix) as replica:
         assert (await one.get("/ready")).status_code == 200
         assert (await replica.get("/ready")).status_code == 200  # a replica of the same deployment: welcome
-        message = await _refused(deployment("two", redis_url, prefix))
+        refused = deployment("two", redis_url, prefix)
+        message = await _refused(refused)
+        assert refused.app.state.services.shared.refused is not None  # what `sluice serve` ends with
         assert "SLUICE_SHARED_PREFIX" in message and prefix in message and "\n" not in message
         assert redis_url not in message  # the URL may hold a password
         async with deployment("two", redis_url, f"{prefix}-two") as two:  # the fix the message names
