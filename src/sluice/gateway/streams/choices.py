@@ -59,10 +59,11 @@ async def _events(flights: list[Flight], tokenizer: ModelTokenizer) -> AsyncGene
     """The flights are listened to from the first read."""
     queue: asyncio.Queue[bytes] = asyncio.Queue()
     framers = [Framer(flight.state, tokenizer, index=i) for i, flight in enumerate(flights)]
-    for flight, framer in zip(flights, framers, strict=True):
+    for framer in framers:  # every choice's role chunk first, then their deltas as they come
         opening = framer.opening()
         if opening is not None:
             queue.put_nowait(opening)
+    for flight, framer in zip(flights, framers, strict=True):
         flight.listen(_listener(framer, queue))
     watchers = [asyncio.ensure_future(_watch(flight, framer, queue))
                 for flight, framer in zip(flights, framers, strict=True)]
