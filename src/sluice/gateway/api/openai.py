@@ -33,7 +33,7 @@ from sluice.gateway.generation.service import PREDICTED_TTFT_HEADER, predicted_t
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.quotas.service import QuotaService
 from sluice.gateway.services import Injected, Services
-from sluice.gateway.streams.choices import stream_choices
+from sluice.gateway.streams.choices import ChoicesStream
 from sluice.gateway.streams.frames import Framer
 from sluice.gateway.streams.hub import (
     StreamHub,
@@ -234,7 +234,7 @@ async def _answer_choices_stream(request: Request[Any, Any, Any], services: Serv
         for flight in flights:
             flight.finish(aborted=True)
         raise
-    events = stream_choices(flights, generation.tokenizers.get(state.request.model))
+    events = ChoicesStream(flights, generation.tokenizers.get(state.request.model))
     return SSEResponse(events, {**services.quotas.headers(tenant), **_class_header(state), **_SSE_HEADERS})
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from sluice.gateway.generation.choices import answer_usage
 from sluice.gateway.generation.flight import Flight, RequestTimedOut
@@ -32,14 +32,38 @@ class _Failed(bytes):
     """The event that ends the whole stream (a choice failed): nothing follows it."""
 
 
-async def stream_choices(flights: list[Flight], tokenizer: ModelTokenizer) -> AsyncGenerator[bytes, None]:
-    """The answer's events (module docstring); the flights are listened to from the first call."""
+class ChoicesStream:
+    """An answer's events (module docstring), for `SSEResponse`. `aclose()` aborts the choices not
+    finished whether or not the events were read (a client gone before the first byte)."""
+
+    def __init__(self, flights: list[Flight], tokenizer: ModelTokenizer) -> None:
+        self._flights = flights
+        self._events = _events(flights, tokenizer)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._events
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            _abort_unfinished(self._flights)
+
+
+def _abort_unfinished(flights: list[Flight]) -> None:
+    for flight in flights:  # the others of a failed answer, or all when the client went away
+        flight.finish(aborted=flight.state.finish_reason is None)
+
+
+async def _events(flights: list[Flight], tokenizer: ModelTokenizer) -> AsyncGenerator[bytes, None]:
+    """The flights are listened to from the first read."""
     queue: asyncio.Queue[bytes] = asyncio.Queue()
     framers = [Framer(flight.state, tokenizer, index=i) for i, flight in enumerate(flights)]
-    for flight, framer in zip(flights, framers, strict=True):
+    for framer in framers:  # every choice's role chunk first, then their deltas as they come
         opening = framer.opening()
         if opening is not None:
             queue.put_nowait(opening)
+    for flight, framer in zip(flights, framers, strict=True):
         flight.listen(_listener(framer, queue))
     watchers = [asyncio.ensure_future(_watch(flight, framer, queue))
                 for flight, framer in zip(flights, framers, strict=True)]
@@ -64,8 +88,7 @@ async def stream_choices(flights: list[Flight], tokenizer: ModelTokenizer) -> As
     finally:
         for watcher in watchers:
             watcher.cancel()
-        for flight in flights:  # the others of a failed answer, or all when the client went away
-            flight.finish(aborted=flight.state.finish_reason is None)
+        _abort_unfinished(flights)
 
 
 def _listener(framer: Framer, queue: asyncio.Queue[bytes]) -> Callable[[RequestDelta], None]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncGenerator, Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from litestar import Response
 from litestar.response.base import ASGIResponse
@@ -26,12 +26,22 @@ if TYPE_CHECKING:
     from litestar.types import HTTPResponseBodyEvent, Receive, Scope, Send, TypeEncodersMap
 
 
+class Events(Protocol):
+    """What a response writes: its chunks, and `aclose()`, which the response always calls at its
+    end (read to the end or not, started or not: an async generator that never started skips its
+    `finally`, so a source that must clean up then is an object of its own, streams/choices.py)."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
 class SSEResponse(Response[bytes]):
     """A Litestar response (handlers and hooks see a `Response`) whose ASGI response is `_SSEBody`."""
 
     __slots__ = ("events",)
 
-    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
+    def __init__(self, events: Events, headers: dict[str, str]) -> None:
         super().__init__(b"", media_type="text/event-stream", headers=headers)
         self.events = events
 
@@ -67,7 +77,7 @@ class _SSEBody(ASGIResponse):
 
     _should_set_content_length: ClassVar[bool] = False
 
-    def __init__(self, events: AsyncGenerator[bytes, None], **kwargs: Any) -> None:
+    def __init__(self, events: Events, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.events = events
 
@@ -83,7 +93,7 @@ class _SSEBody(ASGIResponse):
             await send(end)
 
 
-async def _write(events: AsyncGenerator[bytes, None], receive: Receive, send: Send) -> bool:
+async def _write(events: Events, receive: Receive, send: Send) -> bool:
     """Each chunk of `events` as one body message, until they end (True) or the client goes away
     (False)."""
     task = asyncio.current_task()
