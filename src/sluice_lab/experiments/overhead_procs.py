@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from sluice.errors import CLIError
-from sluice_lab.experiments.stack import Stack, free_port, start_stack
+from sluice_lab.experiments.stack import STARTUP_TIMEOUT_S, Stack, free_port, start_stack
 
 FAKE_SERVER = Path(__file__).resolve().parent.parent / "fake_openai.py"
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -236,7 +236,8 @@ def start_vllm_server(venv: Path, model_dir: Path, workdir: Path, *, served_name
 
 def start_sluice_upstream(config_dir: str | Path, workdir: Path, cores: tuple[int, ...], backend_url: str,
                           model: str, model_dir: Path, max_concurrency: int, nice: int = 0,
-                          env: dict[str, str] | None = None, upstream_toml: str = "") -> Stack:
+                          env: dict[str, str] | None = None, upstream_toml: str = "",
+                          startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Stack:
     """`sluice serve` with no local workers and one `[[upstreams]]` entry: the fake backend.
 
     The copied config serves one model (`model`, tokenized with `model_dir`'s tokenizer; the
@@ -252,4 +253,5 @@ def start_sluice_upstream(config_dir: str | Path, workdir: Path, cores: tuple[in
         f"max_concurrency = {max_concurrency}\n{upstream_toml}", encoding="utf-8")
     (source / "tenants.toml").unlink(missing_ok=True)  # the bench makes its own tenant
     return start_stack(source, workdir / "sluice", None, workers=0, model_name=model,
-                       env={"SLUICE_ADMIN_DEMO_TENANT": "", **(env or {})}, prefix=pinned([], cores, nice))
+                       env={"SLUICE_ADMIN_DEMO_TENANT": "", **(env or {})}, prefix=pinned([], cores, nice),
+                       startup_timeout_s=startup_timeout_s)

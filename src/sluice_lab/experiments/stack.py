@@ -86,7 +86,7 @@ class Stack:
 
 def start_stack(config_dir: str | Path, workdir: Path, model_dir: Path | None, *, workers: int = 1,
                 env: dict[str, str] | None = None, worker_threads: int = 1, model_name: str | None = None,
-                prefix: list[str] | None = None) -> Stack:
+                prefix: list[str] | None = None, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Stack:
     """Start `sluice serve` and wait until the gateway answers and a worker has registered.
 
     model_dir None: serve the config dir's models.toml (named `model_name`); `prefix` goes before
@@ -122,14 +122,14 @@ def start_stack(config_dir: str | Path, workdir: Path, model_dir: Path | None, *
     name = model_name or (model_dir.resolve().name if model_dir else "")
     stack = Stack(base_url=f"http://127.0.0.1:{port}", admin_token=admin_token, model=name, workdir=workdir,
                   record_log=record_log, process=process)
-    deadline = time.time() + STARTUP_TIMEOUT_S
+    deadline = time.time() + startup_timeout_s
     try:
         while True:
             if process.poll() is not None:
                 raise CLIError(f"`sluice serve` exited with status {process.returncode} during startup:\n"
                                f"{stack.log_tail()}")
             if time.time() > deadline:
-                raise CLIError(f"`sluice serve` was not ready within {STARTUP_TIMEOUT_S:.0f} s:\n"
+                raise CLIError(f"`sluice serve` was not ready within {startup_timeout_s:.0f} s:\n"
                                f"{stack.log_tail()}")
             try:
                 ready = httpx.get(f"{stack.base_url}/ready", timeout=5).status_code == 200

@@ -129,7 +129,8 @@ def run_parity(plan: ParityPlan, venv: Path, model_dir: Path, config_dir: str, w
         cores = tuple(sorted(os.sched_getaffinity(0)))
         upstream = f'kind = "vllm"\nmax_num_seqs = {plan.max_num_seqs}\nrequest_timeout_s = 1800\n'
         with procs.start_sluice_upstream(config_dir, workdir, cores, vllm.url, served, model_dir,
-                                         max_concurrency=max(plan.concurrency) * 2, upstream_toml=upstream) as stack:
+                                         max_concurrency=max(plan.concurrency) * 2, upstream_toml=upstream,
+                                         startup_timeout_s=900) as stack:  # a loaded host: minutes
             key = stack.create_tenant_key("parity", ceiling="interactive", default_class="interactive")
             targets = {"direct": (vllm.url, "none"), "sluice": (stack.base_url, key)}
 

@@ -69,7 +69,7 @@ class Framer:
     stream whose earlier events another replica sent (no second role chunk); `index`: the choice's
     index in an answer of n > 1 choices (streams/choices.py)."""
 
-    __slots__ = ("_chat", "_index", "_template", "_text_event", "_tools", "resumed", "state", "tokenizer")
+    __slots__ = ("_chars", "_chat", "_index", "_template", "_text_event", "_tools", "resumed", "state", "tokenizer")
 
     def __init__(self, state: RequestState, tokenizer: ModelTokenizer, *, resumed: bool = False,
                  index: int = 0) -> None:
@@ -77,6 +77,11 @@ class Framer:
         self._index = index
         self.tokenizer = tokenizer
         self.resumed = resumed
+        # Characters of the completion framed so far (text offsets of completion logprobs), counted
+        # here: the deltas that came before the stream's listener are framed after the state folded
+        # them all in, so its running count is ahead of the delta being framed. A resumed stream
+        # goes on after the text its log holds.
+        self._chars = state.text_chars if resumed else 0
         envelope = state.envelope
         self._chat = envelope.endpoint == "chat"
         # A request with tools: its text goes through the family's parser (content and tool_calls
@@ -120,6 +125,8 @@ class Framer:
     def frames(self, delta: RequestDelta, emit: Emit) -> None:
         """The events of one delta (folded into the state already). An error's event is `error()`."""
         text = delta.text
+        offset = self._chars  # of this delta's text in the whole completion
+        self._chars += len(text)
         finish = None if delta.finish_reason is None else str(delta.finish_reason)
         sampling = self.state.request.sampling
         with_logprobs = sampling.logprobs and bool(delta.logprobs)
@@ -141,7 +148,6 @@ class Framer:
             return
         text_logprobs = None
         if with_logprobs:
-            offset = self.state.text_chars - len(text)  # of this delta's text in the whole completion
             text_logprobs = completion_logprobs(self.tokenizer, delta.logprobs, sampling.top_logprobs, offset)
         emit(self._text_chunk(text, finish, text_logprobs), len(text), finish)
 
