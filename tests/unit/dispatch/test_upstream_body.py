@@ -1,4 +1,4 @@
-"""What an upstream is sent for a request: `completion_body` (gateway/dispatch/links/upstream.py)."""
+"""What an upstream is sent for a request: `completion_body` (gateway/dispatch/links/upstream_body.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sluice.gateway.dispatch.links.upstream import UnsupportedByUpstream, completion_body
+from sluice.gateway.dispatch.links.upstream_body import UnsupportedByUpstream, completion_body
 from sluice.protocol import GenerateRequest, Priority, SamplingParams, StructuredOutput
 from sluice.settings import UpstreamSpec, upstream_root
 

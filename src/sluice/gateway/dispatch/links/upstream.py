@@ -13,7 +13,7 @@ dispatcher's room rule (`dispatch.max_worker_waiting`) applies to that estimate 
 report, so the server's queue stays short and priority is decided here (the TNG lever). Kind
 "openai": the cap alone (such a server reports no queue).
 
-Requests: POST /v1/completions with the gateway's token ids as the prompt (so usage, prefix salts
+Requests (upstream_body.py): POST /v1/completions with the gateway's token ids as the prompt (so usage, prefix salts
 and templates stay sluice's), the sampling parameters mapped, `stream: true` with usage. Each
 streamed chunk becomes a RequestDelta (token ids when the server returns them, vLLM's
 `return_token_ids`; logprobs from kind "vllm", checked as upstream_chunks.py says); the final one
@@ -52,12 +52,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.gateway.dispatch.cache_index import CacheIndex
 from sluice.gateway.dispatch.links.base import LinkHost
+from sluice.gateway.dispatch.links.upstream_body import UpstreamError, completion_body
 from sluice.gateway.dispatch.links.upstream_chunks import MalformedChunk, billed_completion, read_choice
 from sluice.gateway.dispatch.links.upstream_http import StreamedResponse, TransportError, UpstreamHTTP
 from sluice.gateway.dispatch.links.vllm_kv_events import UpstreamKvEvents
 from sluice.gateway.dispatch.slots import has_room
 from sluice.gateway.dispatch.ttft import WorkerLoad
-from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams, StructuredOutput
+from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta
 from sluice.settings import Settings, UpstreamSpec, upstream_root
 
 if TYPE_CHECKING:
@@ -80,10 +81,6 @@ _decode = msgspec.json.Decoder().decode  # msgspec.DecodeError (a ValueError) on
 REFUSAL_STATUSES = frozenset({400, 413, 422})
 
 
-class UpstreamError(Exception):
-    """A failure of one request at the upstream; the message is fit for the client."""
-
-
 class UpstreamRefused(UpstreamError):
     """The upstream refused this request as invalid (`REFUSAL_STATUSES`); its own message."""
 
@@ -102,68 +99,6 @@ def upstream_api_key(spec: UpstreamSpec) -> str:
         raise ValueError(f"upstream {spec.name!r}: the environment variable {spec.api_key_env} "
                          "(its api_key_env) is not set")
     return key
-
-
-def completion_body(request: GenerateRequest, spec: UpstreamSpec, *, priority_enabled: bool) -> dict[str, Any]:
-    """The /v1/completions body for `request`: standard OpenAI fields, and vLLM's sampling
-    extensions only where they differ from their defaults (a plain OpenAI server need not know them)."""
-    s: SamplingParams = request.sampling
-    body: dict[str, Any] = {
-        "model": spec.served_names.get(request.model, request.model),
-        "prompt": list(request.prompt_token_ids),
-        "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-        "stream": True, "stream_options": {"include_usage": True},
-    }
-    if s.seed is not None:
-        body["seed"] = s.seed
-    if s.stop:
-        body["stop"] = list(s.stop)
-    defaults = SamplingParams()
-    for key in ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "ignore_eos"):
-        if getattr(s, key) != getattr(defaults, key):
-            body[key] = getattr(s, key)
-    if s.stop_token_ids:
-        body["stop_token_ids"] = list(s.stop_token_ids)
-    if s.logit_bias:
-        body["logit_bias"] = {str(token_id): bias for token_id, bias in s.logit_bias}
-    if s.structured is not None:
-        if spec.kind != "vllm":
-            raise UnsupportedByUpstream(f"upstream {spec.name!r} (kind {spec.kind}) cannot enforce structured "
-                                        "outputs; only a vllm upstream can")
-        body["structured_outputs"] = vllm_structured_outputs(s.structured)
-    if s.logprobs:
-        if spec.kind != "vllm":
-            raise UnsupportedByUpstream(f"upstream {spec.name!r} (kind {spec.kind}) cannot return logprobs "
-                                        "by token id; only a vllm upstream can")
-        # Tokens named by id ("token_id:ID"): the gateway renders them with its own tokenizer.
-        body["logprobs"] = s.top_logprobs
-        body["return_tokens_as_token_ids"] = True
-    if spec.kind == "vllm":
-        body["return_token_ids"] = True  # exact ids in each chunk (vLLM >= 0.10.2; ignored before)
-        body["cache_salt"] = request.cache_salt  # tenants never share prefix-cache blocks there either
-    if spec.priority and priority_enabled:
-        body["priority"] = int(request.priority)  # vLLM: lower runs first, as our classes
-    return body
-
-
-class UnsupportedByUpstream(UpstreamError):
-    """A request the upstream's kind cannot serve as asked: the job ends with an error naming why."""
-
-
-def vllm_structured_outputs(structured: StructuredOutput) -> dict[str, Any]:
-    """vLLM's `structured_outputs` for a constraint. A `tagged` one (a forced tool call) becomes a
-    structural tag triggered by its begin: vLLM enforces the call's format once the model begins
-    one, but does not force it to begin (its completions API has no stronger form)."""
-    if structured.kind == "json":
-        return {"json": json.loads(structured.spec)}
-    if structured.kind == "choice":
-        return {"choice": json.loads(structured.spec)}
-    if structured.kind in ("regex", "grammar"):
-        return {structured.kind: structured.spec}
-    tagged = json.loads(structured.spec)
-    tag = {"type": "structural_tag", "triggers": [tagged["begin"]] if tagged["begin"] else [],
-           "structures": [{"begin": tagged["begin"], "schema": tagged["schema"], "end": tagged["end"]}]}
-    return {"structural_tag": json.dumps(tag)}
 
 
 def _headers(request_id: str, traceparent: str | None) -> dict[str, str]:
