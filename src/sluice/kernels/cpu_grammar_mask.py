@@ -8,6 +8,8 @@ OpenMP hand-off, and the apply took ~0.25 ms per row. The kernel reads each row'
 skips all-ones words, writes 32 plain -inf stores for an all-zeros word and tests bits only in
 mixed words, writing straight into the rows it is given. An allowed logit is never written, so it
 keeps its bits exactly (the result equals `apply_bitmask`, tests/kernels/test_cpu_grammar_mask.py).
+One thread: the pass is memory-bound, and a split over OpenMP threads was 9x slower at 64 rows on
+the loaded 2-core host (the region waits for its descheduled thread).
 
 The C++ is kernels/csrc/cpu_grammar_mask.cpp, built and loaded like kernels/cpu_decode.py
 (kernels/native.py lists it); not built yet, or SLUICE_CPU_GRAMMAR_MASK_KERNEL=0: the torch path.
