@@ -22,7 +22,9 @@ import time
 
 from redis.asyncio import Redis
 
-from sluice.gateway.streams.log import LocalStreamLog, RedisStreamLog, StreamLog
+from sluice.gateway.streams.local_log import LocalStreamLog
+from sluice.gateway.streams.log import StreamLog
+from sluice.gateway.streams.redis_log import RedisStreamLog
 from sluice.telemetry import percentile
 
 FRAME = (

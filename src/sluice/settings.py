@@ -415,6 +415,13 @@ class UpstreamSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """One request, connection to last byte."""
     connect_timeout_s: float = 5.0
     """Connecting to the server."""
+    kv_events_endpoint: str = ""
+    """Kind `vllm`: the ZMQ endpoint where the server publishes its KV events
+    (`--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    "tcp://*:5557"}'`), e.g. `tcp://vllm-0:5557`: cache-aware routing then knows exactly what it
+    caches. Empty: an approximate index from what this gateway sent there (docs/routing.md)."""
+    kv_events_topic: str = ""
+    """The topic the server publishes its KV events under (its `--kv-events-config` `topic`)."""
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -644,6 +651,12 @@ def _check_upstreams(upstreams: tuple[UpstreamSpec, ...], models: list[str], sou
         for key in ("request_timeout_s", "connect_timeout_s"):
             if not getattr(up, key) > 0:
                 raise ConfigError(f"{where}: {key} must be positive, got {getattr(up, key)}")
+        if up.kv_events_endpoint:
+            events = urlsplit(up.kv_events_endpoint)
+            if up.kind != "vllm":
+                raise ConfigError(f"{where}: kv_events_endpoint needs kind = \"vllm\" (only vLLM publishes KV events)")
+            if events.scheme not in ("tcp", "ipc") or (events.scheme == "tcp" and not events.hostname):
+                raise ConfigError(f"{where}: kv_events_endpoint must be tcp://HOST:PORT or ipc://PATH")
 
 
 def load_settings(config_dir: str | Path | None = None, environ: dict[str, str] | None = None) -> Settings:

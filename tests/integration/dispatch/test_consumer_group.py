@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from sluice.gateway.queueing.kafka import ClassConsumer, RecordRef, RequestLog, ensure_topics, group_base, topic_name
+from sluice.gateway.queueing.consumer import ClassConsumer, RecordRef
+from sluice.gateway.queueing.kafka import RequestLog, ensure_topics, group_base, topic_name
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 from sluice.settings import KafkaSettings
 
@@ -75,7 +76,7 @@ def partitions(consumer: ClassConsumer) -> set[int]:
 # nothing new arrived for a second (its commits went out) prints what it read, then waits to be killed.
 MEMBER = textwrap.dedent("""
     import asyncio, json, sys, msgspec
-    from sluice.gateway.queueing.kafka import ClassConsumer
+    from sluice.gateway.queueing.consumer import ClassConsumer
     from sluice.protocol import Priority
     from sluice.settings import KafkaSettings
 

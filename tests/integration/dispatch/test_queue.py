@@ -7,7 +7,8 @@ import uuid
 
 import pytest
 
-from sluice.gateway.queueing.kafka import ClassConsumer, QueueUnavailable, RecordRef, RequestLog, ensure_topics
+from sluice.gateway.queueing.consumer import ClassConsumer, RecordRef
+from sluice.gateway.queueing.kafka import QueueUnavailable, RequestLog, ensure_topics
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 from sluice.settings import KafkaSettings
 

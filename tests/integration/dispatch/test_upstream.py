@@ -154,6 +154,9 @@ def test_upstream_config_errors_are_one_line(tmp_path: Path, demo_model_dir: Pat
         'name = "a"\nbase_url = "http://x"\nmodels = ["demo"]\nkind = "tgi"\n': "upstreams",
         'name = "a"\nbase_url = "http://x"\nmodels = ["demo"]\nmax_concurrency = 0\n': "max_concurrency",
         'name = "a"\nbase_url = "http://x"\nmodels = ["demo"]\napi_key = "k"\n': "api_key",
+        'name = "a"\nbase_url = "http://x"\nmodels = ["demo"]\nkv_events_endpoint = "tcp://x:5557"\n': "needs kind",
+        'name = "a"\nbase_url = "http://x"\nmodels = ["demo"]\nkind = "vllm"\nkv_events_endpoint = "http://x"\n':
+            "tcp://HOST:PORT",
     }
     for body, expected in cases.items():
         (config / "upstreams.toml").write_text("[[upstreams]]\n" + body)

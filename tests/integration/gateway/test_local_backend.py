@@ -20,7 +20,7 @@ from sluice.gateway.quotas.service import QuotaLimits, QuotaService
 from sluice.gateway.quotas.usage import UsageService
 from sluice.gateway.streams.frames import Framer
 from sluice.gateway.streams.hub import StreamHub
-from sluice.gateway.streams.log import LocalStreamLog
+from sluice.gateway.streams.local_log import LocalStreamLog
 from sluice.protocol import FinishReason, GenerateRequest, Priority, SamplingParams
 
 pytestmark = pytest.mark.integration

@@ -20,12 +20,13 @@ from sluice.gateway.generation.service import GenerationService
 from sluice.gateway.generation.state import Envelope, RequestState, RequestTable
 from sluice.gateway.generation.tokenization import ModelTokenizer
 from sluice.gateway.queueing.backend import QueuedSubmission
-from sluice.gateway.queueing.kafka import RecordRef
+from sluice.gateway.queueing.consumer import RecordRef
 from sluice.gateway.quotas.redis_ledger import RedisLedger
 from sluice.gateway.streams.frames import Framer
 from sluice.gateway.streams.holder import ALIVE, CLAIMED, ENDED, GONE, Claimed, StreamHolder
 from sluice.gateway.streams.hub import StreamHub
-from sluice.gateway.streams.log import EventKind, Mark, RedisStreamLog, pack_tokens
+from sluice.gateway.streams.log import EventKind, Mark, pack_tokens
+from sluice.gateway.streams.redis_log import RedisStreamLog
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
 
 pytestmark = [pytest.mark.integration]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.gateway.queueing.kafka import PartitionWatermark, decode_request, encode_request
+from sluice.gateway.queueing.consumer import PartitionWatermark
+from sluice.gateway.queueing.kafka import decode_request, encode_request
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 
 pytestmark = pytest.mark.unit

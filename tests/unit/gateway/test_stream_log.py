@@ -26,7 +26,8 @@ from sluice.gateway.streams.hub import (
     disconnect_grace,
     parse_last_event_id,
 )
-from sluice.gateway.streams.log import Keyed, LocalStreamLog, LogTrimmed
+from sluice.gateway.streams.local_log import LocalStreamLog
+from sluice.gateway.streams.log import Keyed, LogTrimmed
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -28,7 +28,8 @@ from sluice.gateway.queueing.backend import QueuedSubmission
 from sluice.gateway.streams.frames import DONE, Framer, sse
 from sluice.gateway.streams.holder import MAX_TAKEOVERS, Claimed
 from sluice.gateway.streams.hub import StreamHub
-from sluice.gateway.streams.log import EventKind, LocalStreamLog, Mark
+from sluice.gateway.streams.local_log import LocalStreamLog
+from sluice.gateway.streams.log import EventKind, Mark
 from sluice.gateway.streams.resumer import Step, plan, rebuild, tail
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams
 

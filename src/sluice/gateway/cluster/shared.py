@@ -19,7 +19,9 @@ from sluice.gateway.dispatch.fair_shared import RedisFairness
 from sluice.gateway.dispatch.slots import LocalSlots, RedisSlots, WorkerSlots
 from sluice.gateway.quotas.ledger import LocalLedger, QuotaLedger
 from sluice.gateway.quotas.redis_ledger import RedisLedger
-from sluice.gateway.streams.log import DEFAULT_RETENTION_S, LocalStreamLog, RedisStreamLog, StreamLog
+from sluice.gateway.streams.local_log import LocalStreamLog
+from sluice.gateway.streams.log import DEFAULT_RETENTION_S, StreamLog
+from sluice.gateway.streams.redis_log import RedisStreamLog
 from sluice.settings import SharedSettings
 
 # A Redis that does not answer within this long fails the admission (503), not the event loop.

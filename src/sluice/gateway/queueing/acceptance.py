@@ -40,9 +40,10 @@ from sluice.gateway.dispatch.jobs import Job
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.queueing.backend import BackendUnavailable, LinkLimits, QueuedSubmission, ServedModel
 from sluice.gateway.queueing.batch_lines import BatchLineHandler, BatchLines
-from sluice.gateway.queueing.kafka import ClassConsumer, QueueUnavailable, RecordRef, RequestLog, ensure_topics
+from sluice.gateway.queueing.consumer import ClassConsumer, RecordRef
+from sluice.gateway.queueing.kafka import QueueUnavailable, RequestLog, ensure_topics
 from sluice.gateway.streams.holder import StreamHolder
-from sluice.gateway.streams.log import RedisStreamLog
+from sluice.gateway.streams.redis_log import RedisStreamLog
 from sluice.protocol import GenerateRequest, Priority, RequestDelta, ServedModelInfo, tokenizer_identity
 from sluice.settings import Settings
 
@@ -120,7 +121,7 @@ class KafkaBackend:
             # Small fetches keep the in-memory backlog near its bound when the consumer pauses.
             max_records = max(1, min(500, self.settings.scheduler.max_backlog_per_class // 4))
             # Replicas (a shared store) split the partitions through the consumer group; a lone
-            # gateway assigns itself all of them and skips the join (queueing/kafka.py).
+            # gateway assigns itself all of them and skips the join (queueing/consumer.py).
             consumer = ClassConsumer(self.settings.kafka, priority, self._on_record, max_records=max_records,
                                      group_assigned=bool(self.settings.shared.url))
             await consumer.start()

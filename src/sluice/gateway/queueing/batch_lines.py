@@ -2,7 +2,7 @@
 group gave it (all of them for a lone gateway), through the `BatchLineHandler` (the Batch API's
 runner, batches/runner.py: de-duplication by (batch_id, custom_id), quota admission, results).
 
-A line's result is persisted before its offset may be committed (queueing/kafka.py). A second
+A line's result is persisted before its offset may be committed (queueing/consumer.py). A second
 record of a line held here (being routed, deferred, queued or running, being stored) is a
 duplicate (Kafka delivers at least once; a rebalance gave its partition back; the audit may
 re-enqueue a line): nothing runs twice, and its offset is finished when the line is. A partition
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from sluice import telemetry
 from sluice.gateway.dispatch.jobs import DeltaSink, Job
 from sluice.gateway.generation.state import RequestState
-from sluice.gateway.queueing.kafka import RecordRef
+from sluice.gateway.queueing.consumer import RecordRef
 from sluice.protocol import GenerateRequest, Priority
 
 if TYPE_CHECKING:

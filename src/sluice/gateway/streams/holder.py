@@ -33,16 +33,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from sluice.gateway.generation.state import Envelope
-from sluice.gateway.queueing.kafka import RecordRef
-from sluice.gateway.streams.log import (
-    READ_BATCH,
-    EventKind,
-    Mark,
-    RedisStreamLog,
-    decode_envelope,
-    decode_mark,
-    unpack_tokens,
-)
+from sluice.gateway.queueing.consumer import RecordRef
+from sluice.gateway.streams.log import EventKind, Mark, decode_envelope, decode_mark, unpack_tokens
+from sluice.gateway.streams.redis_log import READ_BATCH, RedisStreamLog
 from sluice.protocol import GenerateRequest
 
 log = logging.getLogger(__name__)

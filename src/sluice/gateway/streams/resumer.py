@@ -28,7 +28,8 @@ from sluice.gateway.quotas.service import Reservation
 from sluice.gateway.streams.frames import DONE, Framer
 from sluice.gateway.streams.holder import MAX_TAKEOVERS, TAKEOVER_FAILED, Claimed, StreamHolder
 from sluice.gateway.streams.hub import ABANDONED, StreamHub
-from sluice.gateway.streams.log import EventKind, Mark, RedisStreamLog
+from sluice.gateway.streams.log import EventKind, Mark
+from sluice.gateway.streams.redis_log import RedisStreamLog
 from sluice.protocol import FinishReason, GenerateRequest
 
 log = logging.getLogger(__name__)

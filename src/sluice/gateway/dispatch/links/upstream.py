@@ -53,6 +53,7 @@ from sluice.gateway.dispatch.cache_index import CacheIndex
 from sluice.gateway.dispatch.links.base import LinkHost
 from sluice.gateway.dispatch.links.upstream_chunks import MalformedChunk, billed_completion, read_choice
 from sluice.gateway.dispatch.links.upstream_http import StreamedResponse, TransportError, UpstreamHTTP
+from sluice.gateway.dispatch.links.vllm_kv_events import UpstreamKvEvents
 from sluice.gateway.dispatch.slots import has_room
 from sluice.gateway.dispatch.ttft import WorkerLoad
 from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelta, SamplingParams, StructuredOutput
@@ -204,8 +205,11 @@ class UpstreamLink:
         self.inflight: dict[str, Job] = {}
         self.last_seen = time.monotonic()
         self.sent = 0
-        # Approximate: filled from the prompts sent here (it publishes no KV events to sluice).
-        self.cache = CacheIndex(settings.routing.max_index_blocks, approximate=True)
+        # Exact from the server's own KV events where it publishes them (vllm_kv_events.py); else
+        # approximate, filled from the prompts sent here.
+        self.cache = CacheIndex(settings.routing.max_index_blocks, approximate=not spec.kv_events_endpoint)
+        self.kv_events = (UpstreamKvEvents(spec.kv_events_endpoint, spec.kv_events_topic, self.cache, name=spec.name)
+                          if spec.kv_events_endpoint else None)
         self._host = host
         self._priority_enabled = settings.scheduler.priority_enabled
         self._probe_interval_s = METRICS_INTERVAL_S if spec.kind == "vllm" else settings.dispatch.heartbeat_interval_s
@@ -297,6 +301,8 @@ class UpstreamLink:
             "total_kv_blocks": 0, "free_kv_blocks": 0,
             "last_heartbeat_age_s": round(time.monotonic() - self.last_seen, 3), "draining": draining,
             "cache_index_blocks": len(self.cache),
+            # Where the index comes from: the server's own KV events, or what this gateway sent.
+            "cache_index": "kv_events" if self.kv_events is not None else "approximate",
         }
 
     # ---- requests ------------------------------------------------------------------------------
@@ -438,8 +444,12 @@ class UpstreamLink:
 
     def start(self) -> None:
         self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop(), name=f"probe-{self.worker_id}")
+        if self.kv_events is not None:
+            self.kv_events.start()
 
     async def shutdown(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         if self._probe_task is not None:
             self._probe_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
