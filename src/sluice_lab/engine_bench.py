@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -310,10 +312,17 @@ def run_bench(args: argparse.Namespace) -> int:
         max_len = max(len(p) + o for w in workloads for p, o in w.requests) + 1
         if latency is not None:
             max_len = max(max_len, latency.longest() + 1)
+        # A terminated bench (`kill`, a timeout) unwinds as an exit, so the peer is closed below
+        # rather than left behind, frozen by SIGSTOP, with its engine's processes.
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
         peer = bench_peer.VllmPeer(args.peer_venv, args.model, {w.name: w.peer_spec() for w in workloads}, latency,
                                    torch.get_num_threads(), max_len, args.peer_speculative_tokens,
                                    config.resolved_dtype)
-        info = peer.call("info")  # waits for its load and warm-up: nothing is timed beside it
+        try:
+            info = peer.call("info")  # waits for its load and warm-up: nothing is timed beside it
+        except BaseException:
+            peer.close()
+            raise
         peer_info = {"version": info["version"], "dtype": info["dtype"], "load_seconds": info["load_seconds"],
                      "speculative_config": info.get("speculative_config")}
         print(f"vllm {info['version']} loaded in {info['load_seconds']:.0f} s")

@@ -13,7 +13,7 @@ import hashlib
 import json
 import shutil
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pytest
@@ -105,16 +105,30 @@ class Reference:
 
     token_ids: list[int]
     runner_up_ids: list[int]  # the second-best token at each position
-    gaps: list[float]  # top-1 minus top-2 logit at each position (float32)
+    gaps: list[float]  # top-1 minus top-2 logit at each position (as float32)
+    # The TOP_CHOICES best tokens at each position and their logits' distance below the best one
+    # (bfloat16 logits tie three or four ways at a multiple of 1/8, where the runner-up alone is
+    # not enough to tell a tie from an error); empty in references stored before they were kept.
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_gaps: list[list[float]] = field(default_factory=list)
+
+    def near_tie(self, position: int, token: int, margin: float) -> bool:
+        """Whether `token`, where HF chose another at `position`, is within `margin` of HF's best logit."""
+        if self.top_ids:
+            return any(t == token and gap < margin
+                       for t, gap in zip(self.top_ids[position], self.top_gaps[position], strict=True))
+        return token == self.runner_up_ids[position] and self.gaps[position] < margin
 
 
 HFGreedy = Callable[..., list[Reference]]
+TOP_CHOICES = 8
 
 
-def _hf_generate(model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Reference]:
+def _hf_generate(model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 dtype: torch.dtype = torch.float32) -> list[Reference]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     references = []
     with torch.inference_mode():
         for prompt in prompts:  # each prompt alone: no padding
@@ -122,18 +136,21 @@ def _hf_generate(model_dir: Path, prompts: Sequence[Sequence[int]], max_new_toke
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=None,
                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            top2 = torch.cat(out.logits).float().topk(2, dim=-1)  # [new tokens, 2]
+            top = torch.cat(out.logits).float().topk(TOP_CHOICES, dim=-1)  # [new tokens, TOP_CHOICES]
             references.append(Reference(
                 token_ids=out.sequences[0, len(prompt):].tolist(),
-                runner_up_ids=top2.indices[:, 1].tolist(),
-                gaps=(top2.values[:, 0] - top2.values[:, 1]).tolist(),
+                runner_up_ids=top.indices[:, 1].tolist(),
+                gaps=(top.values[:, 0] - top.values[:, 1]).tolist(),
+                top_ids=top.indices.tolist(),
+                top_gaps=(top.values[:, :1] - top.values).tolist(),
             ))
     return references
 
 
 @pytest.fixture(scope="session")
 def hf_greedy(shared_cache_dir: Path) -> HFGreedy:
-    """(model_dir, prompts, max_new_tokens, persist=False) -> one Reference per prompt.
+    """(model_dir, prompts, max_new_tokens, persist=False, dtype=torch.float32) -> one Reference
+    per prompt (HF's model loaded in `dtype`).
 
     Computed once per session; with persist=True also stored in the run's shared cache (under a
     file lock), keyed by the model's config and provenance files and the prompts, so xdist
@@ -143,8 +160,10 @@ def hf_greedy(shared_cache_dir: Path) -> HFGreedy:
     memo: dict[str, list[Reference]] = {}
 
     def get(model_dir: Path, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-            persist: bool = False) -> list[Reference]:
+            persist: bool = False, dtype: torch.dtype = torch.float32) -> list[Reference]:
         identity = [str(model_dir) if not persist else ""]
+        if dtype != torch.float32:  # float32 keys stay as they were (references already stored)
+            identity.append(f"{dtype} top {TOP_CHOICES}")
         for name in ("config.json", "sluice_import.json"):
             if (model_dir / name).is_file():
                 identity.append((model_dir / name).read_text())
@@ -152,17 +171,16 @@ def hf_greedy(shared_cache_dir: Path) -> HFGreedy:
         if key in memo:
             return memo[key]
         if not persist:
-            memo[key] = _hf_generate(model_dir, prompts, max_new_tokens)
+            memo[key] = _hf_generate(model_dir, prompts, max_new_tokens, dtype)
             return memo[key]
         path = shared_cache_dir / f"hf-greedy-{key[:24]}.json"
         with FileLock(str(path) + ".lock"):
             if path.is_file():
                 memo[key] = [Reference(**r) for r in json.loads(path.read_text())]
             else:
-                memo[key] = _hf_generate(model_dir, prompts, max_new_tokens)
+                memo[key] = _hf_generate(model_dir, prompts, max_new_tokens, dtype)
                 tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps([{"token_ids": r.token_ids, "runner_up_ids": r.runner_up_ids,
-                                            "gaps": r.gaps} for r in memo[key]]))
+                tmp.write_text(json.dumps([asdict(r) for r in memo[key]]))
                 tmp.rename(path)
         return memo[key]
 

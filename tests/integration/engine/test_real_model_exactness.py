@@ -7,9 +7,12 @@ KV pool small enough to force preemptions; the second pass is served largely fro
 cache. The HF reference (ids plus each position's top-2 logit gap) is computed once per test run
 and shared by the xdist workers.
 
-A differing position is accepted only as a float near-tie: the engine's token must be HF's
-runner-up and HF's top-2 logit gap there below NEAR_TIE_LOGIT_GAP; the rest of that sequence is
-then not comparable (its context differs) and the test says so in a warning. Anything else fails.
+A differing position is accepted only as a float near-tie: the engine's token must be one of HF's
+best few whose logit is within NEAR_TIE_LOGIT_GAP of HF's best there (references stored before the
+best few were kept: HF's runner-up, with the top-2 gap under it); the rest of that sequence is then
+not comparable (its context differs) and the test says so in a warning. Anything else fails.
+bfloat16 is compared the same way with HF's model in bfloat16, under a margin sized to bf16's
+rounding (BF16_NEAR_TIE_LOGIT_GAP).
 
 CI runs every policy on the small pool (preemptions) with a second pass over the prompts that
 share prefixes (prefix-cache hits), about ten minutes on two cores. The full set (second pass
@@ -88,14 +91,15 @@ def test_prompts_cover_what_the_exactness_rule_needs(prompts: list[list[int]]) -
     assert sum(length > 64 for length in lengths) >= 6  # beyond the prefill chunk
 
 
-def _compare(label: str, got: list[list[int]], references) -> None:
+def _compare(label: str, got: list[list[int]], references, near_tie_gap: float = NEAR_TIE_LOGIT_GAP,
+             max_near_ties: int = MAX_NEAR_TIES) -> None:
     ties, failures = [], []
     for i, (ids, ref) in enumerate(zip(got, references, strict=True)):
         if ids == ref.token_ids:
             continue
         common = min(len(ids), len(ref.token_ids))
         pos = next((k for k in range(common) if ids[k] != ref.token_ids[k]), common)
-        if pos < common and ids[pos] == ref.runner_up_ids[pos] and ref.gaps[pos] < NEAR_TIE_LOGIT_GAP:
+        if pos < common and ref.near_tie(pos, ids[pos], near_tie_gap):
             ties.append(f"prompt {i} position {pos}: top-2 logit gap {ref.gaps[pos]:.2e} (HF {ref.token_ids[pos]}, "
                         f"engine {ids[pos]}); later tokens not compared")
         else:
@@ -103,7 +107,7 @@ def _compare(label: str, got: list[list[int]], references) -> None:
             failures.append(f"prompt {i} differs at position {pos} (HF top-2 gap {gap:.3g}): "
                             f"engine {ids[pos:pos + 8]} vs HF {ref.token_ids[pos:pos + 8]}")
     assert not failures, f"{label}: " + "; ".join(failures)
-    assert len(ties) <= MAX_NEAR_TIES, f"{label}: too many near-ties: " + "; ".join(ties)
+    assert len(ties) <= max_near_ties, f"{label}: too many near-ties: " + "; ".join(ties)
     if ties:
         warnings.warn(f"{label}: accepted float near-ties: " + "; ".join(ties), stacklevel=2)
 
@@ -153,3 +157,27 @@ def test_real_model_greedy_matches_hf_with_adaptive_chunks(real_model_dir: Path,
         got = [r.token_ids for r in engine.generate(prompts, sampling, itl_target_s=1e-6)]
         _compare(f"adaptive/small-pool {label}", got, references)
     assert engine.scheduler.stats.num_itl_capped_steps > 0
+
+
+# bfloat16 (an engine dtype for CPUs with AVX512-BF16 / AMX, where oneDNN's bf16 GEMMs run several
+# times faster than float32) is checked against HF's model loaded in bfloat16, not against float32.
+# A bf16 logit near 20 is rounded to a multiple of 1/8, and the two implementations round
+# intermediate results in different places (GEMM blocking, float32 accumulators cast back, the
+# attention's float32 softmax), so a tie here is any choice within a few such steps of HF's best
+# (HF's top-2 gap is often 0: a three- or four-way tie). Over 64 tokens most prompts meet one such
+# tie (13 of 16 in the first run, at gaps of 0 to 0.25, first divergence at position 0 to 36), and
+# after it the sequences part, so every prompt may end its comparison at one; a divergence at a
+# wider gap (a real error: a wrong rotary or norm moves logits by whole units) still fails.
+BF16_NEAR_TIE_LOGIT_GAP = 0.5
+
+
+def test_real_model_bf16_greedy_matches_hf_in_bf16(real_model_dir: Path, prompts: list[list[int]],
+                                                   hf_greedy) -> None:
+    import torch
+
+    references = hf_greedy(real_model_dir, prompts, MAX_NEW_TOKENS, persist=True, dtype=torch.bfloat16)
+    engine = LLMEngine(EngineConfig(model=str(real_model_dir), policy="chunked", dtype="bfloat16",
+                                    **CONFIGS["small-pool"]))
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    _compare("bfloat16 chunked/small-pool", _run(engine, prompts), references, BF16_NEAR_TIE_LOGIT_GAP,
+             max_near_ties=len(prompts))
