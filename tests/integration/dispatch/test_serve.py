@@ -188,7 +188,11 @@ def test_batch_survives_gateway_sigkill_and_worker_death(tmp_path: Path, serve_e
         assert done.status == "completed"
         ids = custom_ids(client, done)
         assert len(ids) == 80 and sorted(ids) == sorted(f"line-{i}" for i in range(80))
-        workers = second.worker_pids()
+        # The restarted worker registers on its own schedule (a busy host can be between its
+        # heartbeats when the batch ends): wait for it rather than read the list once.
+        deadline = time.monotonic() + 60
+        while not (workers := second.worker_pids()) and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert workers and victim not in workers
     finally:
         code = second.stop()
