@@ -99,6 +99,14 @@ def start_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartWork
         terminate_group(process)
 
 
+def wait_until(predicate: Callable[[], object], what: str, timeout: float = 120) -> None:
+    """Blocking: until `predicate()` is true, at most `timeout` s (then the test fails naming `what`)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 async def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

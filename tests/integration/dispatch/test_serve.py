@@ -25,7 +25,7 @@ import pytest
 from sluice.broker import free_port, free_ports
 from sluice.cli import main
 
-from .conftest import REPO
+from .conftest import REPO, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -190,9 +190,8 @@ def test_batch_survives_gateway_sigkill_and_worker_death(tmp_path: Path, serve_e
         assert len(ids) == 80 and sorted(ids) == sorted(f"line-{i}" for i in range(80))
         # The restarted worker registers on its own schedule (a busy host can be between its
         # heartbeats when the batch ends): wait for it rather than read the list once.
-        deadline = time.monotonic() + 60
-        while not (workers := second.worker_pids()) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        wait_until(second.worker_pids, "the restarted worker to register", timeout=60)
+        workers = second.worker_pids()
         assert workers and victim not in workers
     finally:
         code = second.stop()

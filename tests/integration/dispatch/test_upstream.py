@@ -28,6 +28,7 @@ from sluice.cli import main
 from sluice.errors import ConfigError
 from sluice.settings import load_settings
 
+from .conftest import wait_until
 from .test_serve import Serve, serve_environment, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -80,13 +81,6 @@ def six_at_once(client: openai.OpenAI, prompt: str, *, max_tokens: int) -> list[
     for thread in threads:
         thread.join(180)
     return finished
-
-
-def wait_until(predicate: Any, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 class Pair:

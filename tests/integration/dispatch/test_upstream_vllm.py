@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import pytest
 from sluice.broker import free_port
 from sluice_lab.experiments.overhead_procs import Proc, start_vllm_server
 
-from .conftest import REPO
+from .conftest import REPO, wait_until
 from .test_serve import Serve, serve_environment, write_config
 from .test_upstream import tenant_key
 
@@ -182,13 +181,14 @@ def test_the_front_reads_vllm_s_kv_events(deployment: Deployment) -> None:
     assert deployment.front is not None
     prompt = " ".join(f"word{i}" for i in range(200))  # several hundred tokens: at least two full blocks
     deployment.through().completions.create(model="demo", prompt=prompt, **GREEDY)
-    deadline = time.monotonic() + 60
-    while True:
-        worker = next(w for w in deployment.front.admin("GET", "/admin/workers").json()["workers"]
-                      if w["worker_id"] == "upstream/vllm")
-        if worker["cache_block_size"] == VLLM_CPU_BLOCK or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    front = deployment.front
+
+    def upstream() -> dict[str, Any]:
+        return next(w for w in front.admin("GET", "/admin/workers").json()["workers"]
+                    if w["worker_id"] == "upstream/vllm")
+
+    wait_until(lambda: upstream()["cache_block_size"] == VLLM_CPU_BLOCK, "vLLM's KV events", timeout=60)
+    worker = upstream()
     # The gateway's guess before the first event is 16-token blocks; vLLM's events name its own size.
     assert worker["cache_index"] == "kv_events"
     assert worker["cache_block_size"] == VLLM_CPU_BLOCK and worker["cache_index_blocks"] >= 2, worker
