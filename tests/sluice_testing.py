@@ -1,5 +1,5 @@
-"""Helpers the integration tests share: a backend's request from a bare `GenerateRequest`, and the
-deltas of a submission (importable as `sluice_testing`: tests/conftest.py puts tests/ on the path)."""
+"""Helpers the tests share: a backend's request from a bare `GenerateRequest`, the deltas of a
+submission, usage records kept in memory (importable as `sluice_testing`: tests/conftest.py puts tests/ on the path)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,24 @@ import uvicorn
 from sluice.gateway.generation.prepare import CLASS_TO_TIER
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.queueing.backend import GenerationBackend, Submission
+from sluice.gateway.quotas.usage import UsageService
 from sluice.protocol import GenerateRequest, RequestDelta
+
+
+class MemoryUsage:
+    """`UsageService` without its database, for the unit tests of what records usage: each record
+    kept as (tenant, model, prompt, completion, requests), written at once."""
+
+    written = staticmethod(UsageService.written)
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[Any, ...]] = []
+
+    def record(self, request_id: str, *args: object, **kwargs: object) -> asyncio.Future[None]:
+        self.rows.append((*args, kwargs.get("requests", 1)))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
 
 
 def state_of(request: GenerateRequest, *, stream: bool = True) -> RequestState:

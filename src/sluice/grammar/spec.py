@@ -16,12 +16,15 @@ Limits (documented in docs/structured-outputs.md):
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llguidance import LLMatcher, LLParserLimits
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from sluice.protocol import MAX_STRUCTURED_SPEC_CHARS, StructuredOutput
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 MAX_SPEC_CHARS = MAX_STRUCTURED_SPEC_CHARS
 MAX_SCHEMA_DEPTH = 32
@@ -33,7 +36,7 @@ LIMITS = LLParserLimits(max_grammar_size=500_000, max_lexer_states=250_000)
 
 # JSON is generated without free whitespace: a model (a random one above all) could otherwise
 # emit spaces forever inside an object. The separators are OpenAI's and Python's json.dumps'.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):

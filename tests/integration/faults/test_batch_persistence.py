@@ -19,7 +19,9 @@ from .conftest import FaultGateway, jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-FAULT_S = 8.0  # longer than SQLite's 5 s busy timeout, so writes really fail
+# Longer than a line's wait for its usage write (5 s, quotas/usage.py WAIT_S) plus SQLite's 5 s
+# busy timeout, so the result's own write really fails too.
+FAULT_S = 12.0
 
 
 def _lock_sqlite(path: str, seconds: float, locked: threading.Event) -> None:

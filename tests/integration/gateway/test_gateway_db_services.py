@@ -115,8 +115,8 @@ async def test_delete_disables_when_usage_exists(services) -> None:
         await admin.get_tenant(unused.id)
 
     used = await admin.create_tenant(TenantCreate(name="used"))
-    await usage.record(used.id, "demo", 10, 5)
-    await usage.record(used.id, "demo", 1, 2)
+    await usage.record("used-1", used.id, "demo", 10, 5)
+    await usage.record("used-2", used.id, "demo", 1, 2)
     result = await admin.delete_tenant(used.id)
     assert result.disabled and not result.deleted
     assert not (await admin.get_tenant(used.id)).enabled
@@ -227,7 +227,7 @@ async def test_daily_budget_survives_restart(services) -> None:
     first = QuotaService(usage.day_total)
     reservation = await first.admit(context, 30, 30, Priority.STANDARD)
     first.settle(reservation, 30, 30)
-    await usage.record(created.id, "demo", 30, 30)
+    await usage.record("created-1", created.id, "demo", 30, 30)
 
     restarted = QuotaService(usage.day_total)
     with pytest.raises(QuotaExceeded) as exc:
@@ -237,8 +237,9 @@ async def test_daily_budget_survives_restart(services) -> None:
 
 
 async def test_usage_is_written_behind_in_one_row_per_day(services) -> None:
-    """Requests ending within one interval become one upsert; what arrives later is written too,
-    without a read to force it; close() writes the rest."""
+    """Requests ending within one interval become one upsert (their futures done when it is
+    committed); what arrives later is written too, without a read to force it; close() writes the
+    rest."""
     sessions, _, admin, _ = services
     usage = UsageService(sessions, flush_interval_s=0.2)
     tenant = await admin.create_tenant(TenantCreate(name="written-behind"))
@@ -248,23 +249,35 @@ async def test_usage_is_written_behind_in_one_row_per_day(services) -> None:
             rows = (await session.execute(select(UsageDaily).where(UsageDaily.tenant_id == tenant.id))).scalars()
             return [(r.prompt_tokens, r.completion_tokens, r.requests) for r in rows]
 
-    await usage.record(tenant.id, "demo", 3, 4)
-    await usage.record(tenant.id, "demo", 1, 1)
-    assert await stored() == []  # nothing written per request
-    for _ in range(100):
-        if await stored():
-            break
-        await asyncio.sleep(0.05)
+    first = usage.record("r1", tenant.id, "demo", 3, 4)
+    second = usage.record("r2", tenant.id, "demo", 1, 1)
+    assert await stored() == [] and not first.done()  # nothing written per request
+    await asyncio.gather(first, second)
     assert await stored() == [(4, 5, 2)]
-    await usage.record(tenant.id, "demo", 10, 0)
+    third = usage.record("r3", tenant.id, "demo", 10, 0)
     for _ in range(100):
         if await stored() != [(4, 5, 2)]:
             break
         await asyncio.sleep(0.05)
-    assert await stored() == [(14, 5, 3)]
-    await usage.record(tenant.id, "demo", 0, 1)
+    assert await stored() == [(14, 5, 3)] and third.done()
+    last = usage.record("r4", tenant.id, "demo", 0, 1)
     await usage.close()
+    assert last.done()
     assert await stored() == [(14, 6, 4)]
+
+
+async def test_a_request_recorded_twice_counts_once(services) -> None:
+    """A stream's usage is recorded by its replica and again by the replica that took it over
+    (streams/resumer.py); two processes, one database: the id counts once, in one flush or two."""
+    sessions, _, admin, _ = services
+    tenant = await admin.create_tenant(TenantCreate(name="recorded-twice"))
+    lost, taker = UsageService(sessions), UsageService(sessions)
+    await lost.record("chatcmpl-1", tenant.id, "demo", 7, 40)
+    await taker.record("chatcmpl-1", tenant.id, "demo", 7, 38)  # the tokens its log held: not added
+    twice = [taker.record("chatcmpl-2", tenant.id, "demo", 1, 1) for _ in range(2)]  # within one flush
+    await asyncio.gather(*twice, lost.record("chatcmpl-3", tenant.id, "demo", 2, 0))
+    rows = await taker.query(tenant.id, None, None)
+    assert [(r.prompt_tokens, r.completion_tokens, r.requests) for r in rows] == [(10, 41, 3)]
 
 
 async def test_usage_survives_a_database_that_refuses_writes(tmp_path) -> None:
@@ -282,17 +295,18 @@ async def test_usage_survives_a_database_that_refuses_writes(tmp_path) -> None:
         tenant = await AdminService(sessions, AuthService(sessions)).create_tenant(TenantCreate(name="t"))
         async with engine.begin() as conn:
             await conn.run_sync(UsageDaily.__table__.drop)
-        await usage.record(tenant.id, "demo", 5, 6)
+        written = usage.record("r1", tenant.id, "demo", 5, 6)
         with pytest.raises(Exception, match="usage_daily"):
             await usage.flush()
         assert telemetry.REGISTRY.get_sample_value("sluice:usage_write_failures_total") == failures + 1
         assert telemetry.REGISTRY.get_sample_value("sluice:usage_pending_rows") == 1
-        await usage.record(tenant.id, "demo", 1, 0)
+        assert not written.done()
+        usage.record("r2", tenant.id, "demo", 1, 0)
         async with engine.begin() as conn:
             await conn.run_sync(UsageDaily.__table__.create)
         rows = await usage.query(tenant.id, None, None)
         assert [(r.prompt_tokens, r.completion_tokens, r.requests) for r in rows] == [(6, 6, 2)]
-        assert telemetry.REGISTRY.get_sample_value("sluice:usage_pending_rows") == 0
+        assert telemetry.REGISTRY.get_sample_value("sluice:usage_pending_rows") == 0 and written.done()
     finally:
         await usage.close()
         await engine.dispose()

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import asyncpg
+import httpx
 import jsonschema
 import pytest
 from redis.asyncio import Redis
@@ -300,3 +301,31 @@ async def test_a_stream_whose_replica_dies_before_its_first_event_is_run_from_th
     await until(recorded, 30, "the usage row", interval_s=0.2)
     assert await usage_rows(cluster.spec.database_url, tenant_id) == [
         (usage["prompt_tokens"], usage["completion_tokens"], 1)]
+
+
+@pytest.mark.timeout(300)
+async def test_usage_is_written_before_an_answer_ends(cluster: Cluster) -> None:
+    """A stream's [DONE] and a whole answer's response come after their usage row is committed, so
+    the replica SIGKILLed the moment its client has both loses neither. (Usage written behind a
+    quarter second after the answer was lost this way when a taker was killed just after its
+    stream ended: nothing was left to take over.)"""
+    index = next((i for i in range(len(cluster.replicas)) if cluster.replicas[i].process.alive), None)
+    if index is None:
+        alive(cluster, [0])
+        index = 0
+    tenant_id, _, key = cluster.new_tenant(f"usage-at-end-{secrets.token_hex(3)}")
+    url = cluster.replicas[index].base_url
+    body = {**COMPLETION, "max_tokens": 24}
+    reader = Reader([url], key, body, "/v1/completions")
+    await reader.done()
+    streamed = summary(reader.events)[2]
+    async with httpx.AsyncClient(timeout=120) as client:
+        answer = await client.post(f"{url}/v1/completions", headers={"authorization": f"Bearer {key}"},
+                                   json={k: v for k, v in body.items() if k != "stream_options"})
+    assert answer.status_code == 200, answer.text
+    cluster.replicas[index].process.kill()
+    whole = answer.json()["usage"]
+    assert streamed is not None
+    assert await usage_rows(cluster.spec.database_url, tenant_id) == [
+        (streamed["prompt_tokens"] + whole["prompt_tokens"],
+         streamed["completion_tokens"] + whole["completion_tokens"], 2)]

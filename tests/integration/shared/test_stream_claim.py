@@ -13,6 +13,7 @@ from typing import cast
 import pytest
 from aiokafka import TopicPartition
 from redis.asyncio import Redis
+from sluice_testing import MemoryUsage
 
 from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.generation.flight import Flight
@@ -224,18 +225,14 @@ async def test_a_record_is_held_while_its_stream_is_not_filed_yet_and_claimed_on
         await taker_lease.stop()
 
 
-class _Usage:
-    async def record(self, *args: object, **kwargs: object) -> None:
-        return None
-
-
 async def test_a_pumped_streams_marks_let_a_taker_rebuild_its_state(redis: Redis, prefix: str) -> None:
     """A real pump over the Redis log, its deltas fed by hand as the dispatcher folds and delivers
     them: what a taker reads back is the state, typed (no SSE text parsed). The usage rows stand in
     for the database."""
     _, stream_log = await _replica(redis, prefix, "acceptor")
     flights: RequestTable[Flight] = RequestTable()
-    service = SimpleNamespace(flights=flights, spawn=asyncio.ensure_future, usage=_Usage(), request_timeout_s=600.0)
+    service = SimpleNamespace(flights=flights, spawn=asyncio.ensure_future, usage=MemoryUsage(),
+                              request_timeout_s=600.0)
     hub = StreamHub(stream_log, flights, asyncio.ensure_future)
     envelope = Envelope(id="chatcmpl-p", created=1, model="demo", service_tier="default", endpoint="chat",
                         include_usage=True)

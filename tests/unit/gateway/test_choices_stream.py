@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import msgspec
 import pytest
+from sluice_testing import MemoryUsage
 
 from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.generation.flight import Flight
@@ -25,20 +26,12 @@ from sluice.protocol import FinishReason, GenerateRequest, Priority, RequestDelt
 pytestmark = pytest.mark.unit
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.rows: list[tuple[Any, ...]] = []
-
-    async def record(self, *args: object, **kwargs: object) -> None:
-        self.rows.append((*args, kwargs.get("requests", 1)))
-
-
 class Answer:
     """n choices in flight, each on a submission the test feeds; `aborted` lists those aborted."""
 
     def __init__(self, n: int) -> None:
         self.aborted: list[str] = []
-        self.usage = _Recorder()
+        self.usage = MemoryUsage()
         service = SimpleNamespace(flights=RequestTable(), spawn=asyncio.ensure_future, usage=self.usage,
                                   request_timeout_s=600.0)
         envelope = Envelope(id="a", created=1, model="m", service_tier="default", endpoint="chat",

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import cast
 
 import pytest
+from sluice_testing import MemoryUsage
 
 from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.edge.errors import OpenAIError
@@ -137,16 +138,6 @@ def test_header_rules() -> None:
             check_idempotency_key(bad)
 
 
-class _Usage:
-    """Usage rows, counted (the fault below needs no database)."""
-
-    def __init__(self) -> None:
-        self.recorded = 0
-
-    async def record(self, *args: object, **kwargs: object) -> None:
-        self.recorded += 1
-
-
 @pytest.mark.parametrize("how", ["stop", "abandon"])
 async def test_a_pump_cancelled_before_its_first_step_still_cleans_up(how: str) -> None:
     """A shutdown landing between a stream's start and its task's first step cannot be provoked at
@@ -154,7 +145,7 @@ async def test_a_pump_cancelled_before_its_first_step_still_cleans_up(how: str) 
     usage rows, check that the cleanup (the abort at the worker, the log's end) still runs."""
     log = LocalStreamLog()
     flights: RequestTable[Flight] = RequestTable()
-    usage = _Usage()
+    usage = MemoryUsage()
     service = SimpleNamespace(flights=flights, spawn=asyncio.ensure_future, usage=usage, request_timeout_s=600.0)
     hub = StreamHub(log, flights, asyncio.ensure_future)
     await log.create("r1", "tenant-a", None)
@@ -177,7 +168,7 @@ async def test_a_pump_cancelled_before_its_first_step_still_cleans_up(how: str) 
         pump.cancel()
         await asyncio.gather(pump.task, return_exceptions=True)
     await asyncio.sleep(0.01)  # the flight's end runs in the background
-    assert flight.finished and aborted == ["r1"] and len(flights) == 0 and usage.recorded == 1
+    assert flight.finished and aborted == ["r1"] and len(flights) == 0 and len(usage.rows) == 1
     assert state.finish_reason == "abort"
     page = await log.read("r1", -1, wait_s=0)
     assert page is not None and page.ended

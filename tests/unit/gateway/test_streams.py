@@ -10,6 +10,7 @@ from typing import cast
 
 import msgspec
 import pytest
+from sluice_testing import MemoryUsage
 
 from sluice.gateway.auth.service import TenantContext
 from sluice.gateway.edge.schemas import (
@@ -95,17 +96,13 @@ def test_completion_frames_carry_the_finish_reason_with_the_text() -> None:
     assert framer.opening() is None and framer.usage() is None
 
 
-class _Usage:
-    async def record(self, *args: object, **kwargs: object) -> None:
-        return None
-
-
 async def test_the_pump_logs_each_delta_at_its_delivery_and_ends_once() -> None:
     """The deltas are folded into the state and delivered as the dispatcher does it; the quota
     hold is left out (no reservation), the usage rows stand in for the database."""
     log = LocalStreamLog()
     flights: RequestTable[Flight] = RequestTable()
-    service = SimpleNamespace(flights=flights, spawn=asyncio.ensure_future, usage=_Usage(), request_timeout_s=600.0)
+    service = SimpleNamespace(flights=flights, spawn=asyncio.ensure_future, usage=MemoryUsage(),
+                              request_timeout_s=600.0)
     hub = StreamHub(log, flights, asyncio.ensure_future)
     state = _state("c2")
     submission = QueuedSubmission("c2", lambda rid: None)

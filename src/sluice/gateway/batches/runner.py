@@ -195,19 +195,17 @@ class BatchRunner:
             prompt = state.num_prompt_tokens if ran else 0
             completion = state.num_output_tokens
             ok, result = self._result_line(state, line)
+            if prompt or completion:  # written before the row: a line re-run after a kill counts once
+                written = self.usage.record(request.request_id, request.tenant_id, request.model, prompt, completion)
+                await self.usage.written(written, request.request_id)
             line.stored = await self._insert(request, ok, result)
-            # Settled (and billed) once, by the call that stored the row; a line that never ran
-            # (cancelled or failed before dispatch) costs nothing.
+            # Settled once, by the call that stored the row; a line that never ran (cancelled or
+            # failed before dispatch) costs nothing.
             if line.reservation is not None:
                 if ran:
                     self.quotas.settle(line.reservation, prompt, completion)
                 else:
                     self.quotas.release(line.reservation)
-            if line.stored and (prompt or completion):
-                try:
-                    await self.usage.record(request.tenant_id, request.model, prompt, completion)
-                except Exception:
-                    log.error("could not record usage of %s", request.request_id, exc_info=True)
         assert request.batch_id is not None  # batch lines only
         await self.service.maybe_finalize(request.batch_id)
         del self._lines[request.request_id]

@@ -99,6 +99,17 @@ class UsageDaily(Base):
     requests: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
+class UsageApplied(Base):
+    """The requests (and choices) whose usage is in usage_daily: a replica that takes over a stream
+    records its usage again, and this table makes the second record count nothing. Rows older than
+    two days are deleted (a takeover happens within seconds of the loss)."""
+
+    __tablename__ = "usage_applied"
+
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    day: Mapped[dt.date] = mapped_column(Date, index=True)  # UTC, when it was applied
+
+
 class AuditLog(Base):
     __tablename__ = "audit_log"
 

@@ -6,8 +6,9 @@ acceptance, the wait for a worker included), and its settlement. Whoever reads t
 stream's pump, streams/hub.py; a whole answer's collector, generation/answers.py) listens to it
 and awaits `ended()`; however the request ends (its final delta, the deadline, a disconnect, a
 shutdown), `finish()` runs exactly once: it settles the quota reservation to the tokens actually
-produced (or releases it when the request timed out before producing any), and records usage and
-the telemetry record in the background.
+produced (or releases it when the request timed out before producing any), records usage (written
+in the next group commit; `settled()` waits for it, so an answer ends only once its usage is
+durable), and the abort and the telemetry record in the background.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class RequestTimedOut(OpenAIError):
 class Flight:
     """One accepted request in this process (module docstring)."""
 
-    __slots__ = ("_deadline", "_ended", "_running", "_timer", "finished", "pump", "service", "state",
+    __slots__ = ("_deadline", "_ended", "_running", "_timer", "_usage", "finished", "pump", "service", "state",
                  "submission", "tenant", "timed_out")
 
     def __init__(self, service: GenerationService, state: RequestState, tenant: TenantContext,
@@ -62,6 +63,7 @@ class Flight:
         self.pump: Any = None  # a streamed answer's pump while it runs (streams/hub.py)
         self._running = False  # the quota ledger was told it runs (its first output)
         self._ended: asyncio.Future[None] | None = None
+        self._usage: asyncio.Future[None] | None = None  # its usage written (`finish`)
         loop = asyncio.get_running_loop()
         # One timer per request resolves `_deadline`; every wait races it (no timer per wait).
         self._deadline: asyncio.Future[None] = loop.create_future()
@@ -141,13 +143,18 @@ class Flight:
                 service.quotas.release(reservation)  # it never ran: nothing is charged
             else:
                 service.quotas.settle(reservation, state.billed_prompt_tokens, state.num_output_tokens)
+        self._usage = service.usage.record(self.request_id, self.tenant.id, state.request.model,
+                                           state.billed_prompt_tokens, state.num_output_tokens,
+                                           requests=int(state.bills_request))
         service.spawn(self._after(aborted))
 
     async def settled(self) -> None:
         """After `finish()`: waits until the quota ledger has applied it (a shared ledger applies
-        it in the background), so the client's next request, on any replica, finds it ended."""
+        it in the background), so the client's next request, on any replica, finds it ended; and
+        until its usage is written (`UsageService.written`)."""
         if self.state.reservation is not None:
             await self.service.quotas.settled(self.state.reservation)
+        await self.service.usage.written(self._usage, self.request_id)
 
     async def _after(self, aborted: bool) -> None:
         state = self.state
@@ -156,11 +163,6 @@ class Flight:
                 await self.submission.abort()
             except Exception:
                 log.warning("abort of %s failed", self.request_id, exc_info=True)
-        try:
-            await self.service.usage.record(self.tenant.id, state.request.model, state.billed_prompt_tokens,
-                                            state.num_output_tokens, requests=int(state.bills_request))
-        except Exception:
-            log.error("could not record usage of %s", self.request_id, exc_info=True)
         try:
             telemetry.emit_record(state.record(), state.token_times)
         except Exception:

@@ -1,21 +1,24 @@
-"""Token usage per tenant, model and UTC day (table usage_daily), upserted in batches as requests end."""
+"""Token usage per tenant, model and UTC day (table usage_daily), upserted in group commits as requests
+end, once per request however often it is recorded (table usage_applied)."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
 import functools
+import hashlib
 import logging
+import time
 from typing import Any
 
 import msgspec
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from sluice import telemetry
-from sluice.gateway.db.models import UsageDaily
+from sluice.gateway.db.models import UsageApplied, UsageDaily
 
 log = logging.getLogger(__name__)
 
@@ -35,27 +38,52 @@ class UsageRow(msgspec.Struct, frozen=True):
 
 _Key = tuple[str, str, dt.date]  # (tenant_id, model, day)
 
+WAIT_S = 5.0  # `written` waits this long (then the usage stays pending, retried: no answer is held back)
+RETRY_MAX_S = 1.0  # the longest wait between two tries of a failing write
+PRUNE_EVERY_S = 3600.0  # how often a process deletes usage_applied rows older than KEEP_APPLIED
+KEEP_APPLIED = dt.timedelta(days=2)
+
+
+class _Entry(msgspec.Struct):
+    """One request's (or choice's) usage, until a flush has written it."""
+
+    request_id: str
+    key: _Key
+    prompt_tokens: int
+    completion_tokens: int
+    requests: int
+    written: asyncio.Future[None]
+
 
 class UsageService:
-    """Usage is coalesced in memory and written behind: every `flush_interval_s` one transaction
-    upserts one row per (tenant, model, day) touched since the last flush, however many requests
-    ended meanwhile. Per request, an upsert of its own cost more gateway CPU than the rest of the
-    request's handling together (profiled at 200 concurrent streams).
+    """Usage is written behind in group commits: every `flush_interval_s` (while anything is
+    pending) one transaction upserts one usage_daily row per (tenant, model, day) touched since
+    the last flush, however many requests ended meanwhile. Per request, an upsert of its own cost
+    more gateway CPU than the rest of the request's handling together (profiled at 200 concurrent
+    streams).
 
-    Every read flushes first, so it sees every recorded request. A crash loses at most the last
-    interval's increments: usage is bookkeeping written after the response, never what decides
-    whether a request is served (quotas keep their own counters in memory).
+    Exactly once, through any SIGKILL: `record` returns a future that is done once the usage is
+    committed, and a request's answer ends only after it (the stream's [DONE] and its log's end,
+    the non-streamed response: `Flight.settled`); a replica that takes a stream over records its
+    usage again, and the same transaction that adds a request's tokens inserts its id into
+    usage_applied, so a second record of an id already there adds nothing.
+
+    Every read flushes first, so it sees every recorded request. A failed write keeps everything
+    for the next flush (usage is bookkeeping, never what decides whether a request is served:
+    quotas keep their own counters; `Flight.settled` stops waiting for it after a while).
     """
 
-    def __init__(self, session_factory: async_sessionmaker[AsyncSession], flush_interval_s: float = 0.25) -> None:
+    def __init__(self, session_factory: async_sessionmaker[AsyncSession], flush_interval_s: float = 0.02) -> None:
         self._sessions = session_factory
         self._interval = flush_interval_s
-        self._pending: dict[_Key, list[int]] = {}  # key -> [prompt, completion, requests]
+        self._pending: list[_Entry] = []
         self._lock = asyncio.Lock()
         self._timer: asyncio.Task[None] | None = None
+        self._pruned_at = 0.0
 
-    async def record(
+    def record(
         self,
+        request_id: str,
         tenant_id: str,
         model: str,
         prompt_tokens: int,
@@ -63,51 +91,91 @@ class UsageService:
         *,
         day: dt.date | None = None,
         requests: int = 1,
-    ) -> None:
-        """Adds one finished (or aborted) request to its day's row (written within the interval);
-        `requests` 0 for a further choice of an n > 1 answer (its tokens count, the request once)."""
-        key = (tenant_id, model, day or dt.datetime.now(dt.UTC).date())
-        totals = self._pending.setdefault(key, [0, 0, 0])
-        totals[0] += prompt_tokens
-        totals[1] += completion_tokens
-        totals[2] += requests
+    ) -> asyncio.Future[None]:
+        """Adds one finished (or aborted) request to its day's row, once per `request_id` however
+        often it is recorded; `requests` 0 for a further choice of an n > 1 answer (its tokens count,
+        the request once). The future is done when the row is committed."""
+        loop = asyncio.get_running_loop()
+        if len(request_id) > 128:
+            request_id = hashlib.sha256(request_id.encode()).hexdigest()
+        entry = _Entry(request_id, (tenant_id, model, day or dt.datetime.now(dt.UTC).date()), prompt_tokens,
+                       completion_tokens, requests, loop.create_future())
+        self._pending.append(entry)
         telemetry.USAGE_PENDING.set(len(self._pending))
         if self._timer is None or self._timer.done():
-            self._timer = asyncio.get_running_loop().create_task(self._flush_later())
+            self._timer = loop.create_task(self._flush_later())
+        return entry.written
 
     async def _flush_later(self) -> None:
-        """Flushes every interval while anything is pending (including what arrived mid-flush)."""
+        """Flushes every interval while anything is pending (including what arrived mid-flush);
+        after a failed write, waits twice as long each time, up to `RETRY_MAX_S`."""
+        delay = self._interval
         while True:
-            await asyncio.sleep(self._interval)
+            await asyncio.sleep(delay)
             try:
                 await self.flush()
+                delay = self._interval
             except Exception:
-                log.error("could not write usage; kept for the next flush", exc_info=True)
+                log.error("could not write usage; kept for the next flush", exc_info=delay == self._interval)
+                delay = min(max(delay * 2, self._interval), RETRY_MAX_S)
             if not self._pending:
                 return
 
     async def flush(self) -> None:
         """Writes everything recorded so far (on failure it stays pending and the error propagates)."""
         async with self._lock:
-            pending, self._pending = self._pending, {}
+            pending, self._pending = self._pending, []
             if not pending:
                 return
-            rows = [{"tenant_id": t, "model": m, "day": d, "prompt_tokens": p, "completion_tokens": c,
-                     "requests": n} for (t, m, d), (p, c, n) in pending.items()]
             try:
                 async with self._sessions() as session, session.begin():
                     dialect = session.bind.dialect.name if session.bind is not None else "sqlite"
-                    await session.execute(_upsert(dialect), rows)
+                    await self._write(session, dialect, pending)
             except BaseException:
-                for key, (p, c, n) in pending.items():  # merge back: nothing recorded is dropped
-                    totals = self._pending.setdefault(key, [0, 0, 0])
-                    totals[0] += p
-                    totals[1] += c
-                    totals[2] += n
+                self._pending[:0] = pending  # nothing recorded is dropped
                 telemetry.USAGE_WRITE_FAILURES.inc()
                 raise
             finally:
                 telemetry.USAGE_PENDING.set(len(self._pending))
+            for entry in pending:
+                if not entry.written.done():
+                    entry.written.set_result(None)
+
+    async def _write(self, session: AsyncSession, dialect: str, pending: list[_Entry]) -> None:
+        """In one transaction: the ids not applied yet are inserted into usage_applied, and their
+        tokens are added to usage_daily, the rows in key order (two replicas' flushes lock them in
+        the same order: no deadlock)."""
+        ids = {entry.request_id: entry.key[2] for entry in pending}
+        inserted = await session.scalars(_mark(dialect), [{"request_id": r, "day": d} for r, d in ids.items()])
+        fresh = set(inserted.all())
+        totals: dict[_Key, list[int]] = {}
+        for entry in pending:
+            if entry.request_id in fresh:
+                fresh.discard(entry.request_id)  # recorded twice within this flush: once
+                row = totals.setdefault(entry.key, [0, 0, 0])
+                row[0] += entry.prompt_tokens
+                row[1] += entry.completion_tokens
+                row[2] += entry.requests
+        if totals:
+            rows = [{"tenant_id": t, "model": m, "day": d, "prompt_tokens": p, "completion_tokens": c,
+                     "requests": n} for (t, m, d), (p, c, n) in sorted(totals.items())]
+            await session.execute(_upsert(dialect), rows)
+        now = time.monotonic()
+        if now - self._pruned_at > PRUNE_EVERY_S:
+            self._pruned_at = now
+            oldest = dt.datetime.now(dt.UTC).date() - KEEP_APPLIED
+            await session.execute(delete(UsageApplied).where(UsageApplied.day < oldest))
+
+    @staticmethod
+    async def written(future: asyncio.Future[None] | None, request_id: str) -> None:
+        """Until `record`'s future is done, for `WAIT_S` at most (a database that refuses writes
+        does not hold answers back; the usage stays pending and is retried)."""
+        if future is None or future.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(future), WAIT_S)
+        except TimeoutError:
+            log.warning("usage of %s not written within %.0f s; kept pending", request_id, WAIT_S)
 
     async def close(self) -> None:
         """Final flush at shutdown."""
@@ -144,6 +212,14 @@ class UsageService:
             UsageRow(r.tenant_id, r.model, r.day, r.prompt_tokens, r.completion_tokens, r.requests)
             for r in rows
         ]
+
+
+@functools.cache
+def _mark(dialect: str) -> Any:
+    """Inserts request ids into usage_applied; returns those that were not there."""
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    return insert(UsageApplied).on_conflict_do_nothing(index_elements=["request_id"]).returning(
+        UsageApplied.request_id)
 
 
 @functools.cache

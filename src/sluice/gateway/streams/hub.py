@@ -197,10 +197,15 @@ class _Pump:
             self._log(self.framer.error(), EventKind.ERROR)
         finally:
             flight.finish(aborted=aborted and flight.state.finish_reason is None)
-            self.hub.log.end(self.response_id)
-            self.done = True
+            self.done = True  # nothing more is logged (an abort's late final delta included)
             self._disarm()
-            flight.pump = None
+            try:
+                await flight.settled()  # the log ends after its usage is written (a taker records it again)
+            except asyncio.CancelledError:
+                pass  # cancelled again (shutdown) while waiting: the log still ends
+            finally:
+                self.hub.log.end(self.response_id)
+                flight.pump = None
 
     def attach(self) -> None:
         self.followers += 1

@@ -6,10 +6,15 @@ The log's typed checkpoints say where the stream stands: its `Envelope` (what ev
 and, per event, the output token ids first sent with it, its text characters, its finish reason
 and its kind. The request's state is rebuilt from them; the request is admitted again against the
 tenant's quotas (the lost replica's hold was released by the lease sweep, charged as nothing: this
-admission and its settlement, to the whole completion, are the request's only charge; its usage is
-recorded once, here), dispatched with `resume_token_ids` = the tokens logged, and a pump continues
-the log at its next sequence number with the same envelope and no second role chunk. Followers on
-any replica see the rest. The pump's disconnect grace applies as on the acceptor.
+admission and its settlement, to the whole completion, are the request's only charge), dispatched
+with `resume_token_ids` = the tokens logged, and a pump continues the log at its next sequence
+number with the same envelope and no second role chunk. Followers on any replica see the rest. The
+pump's disconnect grace applies as on the acceptor.
+
+Usage: whoever ends a stream's log records its usage first. A claimed stream whose generation had
+ended (or that is not continued) may or may not have had its usage written by the lost replica, so
+the taker records it (the prompt and the tokens logged) before it ends the log; the usage table
+counts a request id once (quotas/usage.py), so neither a loss nor a double count can happen.
 """
 
 from __future__ import annotations
@@ -76,8 +81,7 @@ def rebuild(request: GenerateRequest, envelope: Envelope, claimed: Claimed) -> R
 def tail(claimed: Claimed, framer: Framer) -> list[tuple[bytes, Mark]]:
     """The last events of a stream whose generation had ended before its replica was lost (a kill
     between the finishing chunk and [DONE]): the finishing chunk if it is missing, the usage chunk
-    if it was asked for and is missing, [DONE]. Usage was recorded by the lost replica, or is
-    missing (it was lost before): never recorded twice."""
+    if it was asked for and is missing, [DONE]."""
     events: list[tuple[bytes, Mark]] = []
 
     def emit(frame: bytes, chars: int, finish: str | None) -> None:
@@ -118,6 +122,8 @@ class StreamResumer:
         step = plan(request, claimed)
         if step is Step.NOTHING:
             return  # its end marker came late: the holder releases it at the next check
+        if step is not Step.CONTINUE:  # it ends here: its usage first (a continued one's pump records it)
+            await self._record_usage(request, claimed)
         if step is Step.ABANDON:  # `X-Sluice-Disconnect: abort`: its client's connection went with the replica
             log.info("stream %s: its replica was lost and it has no disconnect grace; not continued", rid)
             self.holder.end_with(claimed, ABANDONED)
@@ -140,6 +146,13 @@ class StreamResumer:
             self.log.end(rid)
             return
         await self._continue(claimed, state, framer)
+
+    async def _record_usage(self, request: GenerateRequest, claimed: Claimed) -> None:
+        """The usage of a stream that ends here, as its log holds it (counted once: module docstring)."""
+        usage = self.generation.usage
+        written = usage.record(request.request_id, request.tenant_id, request.model,
+                               len(request.prompt_token_ids), len(claimed.token_ids))
+        await usage.written(written, request.request_id)
 
     async def _continue(self, claimed: Claimed, state: RequestState, framer: Framer) -> None:
         request = state.request
