@@ -2,10 +2,14 @@
 
 One engine (the real model by default), 64 concurrent chat requests asking for JSON, in three arms:
 0%, 50% and 100% of them constrained by a nested JSON Schema (lists of objects, enums, optional
-fields). Greedy decoding, so the arms generate the same number of tokens per request: the 100% arm
-runs first in each round, and every unconstrained request then gets `max_tokens` = the length its
-constrained twin produced (with `ignore_eos`); the ratio of output tok/s is then the cost of the
-grammar alone. Rounds interleave the arms (their order rotates) and the medians are reported, with
+fields). Greedy decoding, so the arms generate the same number of tokens per request: the first
+round's 100% arm runs first, and every unconstrained request then gets `max_tokens` = the length its
+constrained twin produced there (with `ignore_eos`); the ratio of output tok/s is then the cost of
+the grammar alone. Every arm of every round asks about its own documents (the number in each prompt
+differs), so each arm prefills its prompts cold, as an extraction job's new documents are; with
+one prompt set for all arms, the first arm of a round prefilled while the others found the prompts
+in the prefix cache (the 100% arm, always first, was timed against warm arms). Rounds rotate the
+arms' order and the medians are reported, with
 tokens per CPU-second (the machine may be shared) and the runner's per-step mask figures: mask fill
 time (beside the forward pass), the wait for masks after it, and the apply time. Cold and warm
 compile times of the schema, and the worst step gap of unconstrained streams while a cold compile
@@ -13,8 +17,10 @@ of a large schema runs, complete the report, with the engine's mask cost per ste
 at 1, 16 and 64 constrained rows, measured apart (experiments/grammar_libs.py).
 
 With `--peer vllm`, vLLM's CPU build runs the same arms in its own interpreter (sluice_lab/peer.py):
-the same prompts and schema through its structured outputs, its unconstrained requests with the
-lengths of sluice's constrained twins. It is started once sluice's first 100% arm has given those
+the same prompts and schema through its structured outputs (`disable_any_whitespace`, as sluice's
+grammar allows no whitespace the schema does not need: with free whitespace vLLM's greedy outputs
+ran to `max_tokens` in newlines, not valid JSON), its unconstrained requests with the lengths of
+sluice's constrained twins. It is started once sluice's first 100% arm has given those
 lengths, runs its three arms after sluice's in every round, and is frozen while sluice is timed.
 """
 
@@ -52,12 +58,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's structured outputs backend (xgrammar, guidance, ...; default: its own, auto)")
 
 
-def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
+ARMS = ("100%", "0%", "50%")
+
+
+def _prompts(tokenizer: Any, n: int, first: int = 0) -> list[list[int]]:
+    """n requests, documents numbered from `first` (each set of numbers is a set of new documents)."""
     schema_hint = "customer, priority (low/normal/high), items (name, kind, quantity, note), tags, total"
     return [list(tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"Write {SUBJECTS[i % len(SUBJECTS)]} (number {i}) as JSON with "
-                                     f"{schema_hint}."}],
+        [{"role": "user", "content": f"Write {SUBJECTS[i % len(SUBJECTS)]} (number {first + i}) as JSON "
+                                     f"with {schema_hint}."}],
         add_generation_prompt=True, tokenize=True, return_dict=False)) for i in range(n)]
+
+
+def _prompt_sets(tokenizer: Any, n: int, rounds: int) -> dict[str, list[list[int]]]:
+    """The prompts of each arm of each round ("100%@0", ...), no two sharing a document."""
+    return {f"{name}@{r}": _prompts(tokenizer, n, 1000 * (1 + r * len(ARMS) + a))
+            for r in range(rounds) for a, name in enumerate(ARMS)}
 
 
 def _arm(engine: Any, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
@@ -148,22 +164,29 @@ def _write_partial(path: Path, arms: dict[str, list[dict[str, Any]]], peer_arms:
                                indent=2) + "\n", encoding="utf-8")
 
 
-def _peer_workloads(prompts: list[list[int]], lengths: list[int], max_tokens: int) -> dict[str, dict[str, Any]]:
-    """The three arms for vLLM (sluice_lab/vllm_runner.py): constrained requests run free up to
-    max_tokens; unconstrained ones get the lengths of sluice's constrained twins."""
-    def arm(constrained: list[bool]) -> dict[str, Any]:
+def _constrained_rows(name: str, n: int) -> list[bool]:
+    return [name == "100%" or (name == "50%" and i % 2 == 0) for i in range(n)]
+
+
+def _peer_workloads(prompt_sets: dict[str, list[list[int]]], lengths: list[int],
+                    max_tokens: int) -> dict[str, dict[str, Any]]:
+    """Every arm of every round for vLLM (sluice_lab/vllm_runner.py), with sluice's prompts:
+    constrained requests run free up to max_tokens; unconstrained ones get the lengths of sluice's
+    constrained twins."""
+    def arm(prompts: list[list[int]], constrained: list[bool]) -> dict[str, Any]:
         requests = [[p, max_tokens if c else n] for p, n, c in zip(prompts, lengths, constrained, strict=True)]
-        return {"requests": requests,
-                "temperature": 0.0, "top_p": 1.0, "json_schema": NESTED_SCHEMA, "constrained": constrained}
+        return {"requests": requests, "temperature": 0.0, "top_p": 1.0, "json_schema": NESTED_SCHEMA,
+                "constrained": constrained}
 
-    n = len(prompts)
-    return {"100%": arm([True] * n), "50%": arm([i % 2 == 0 for i in range(n)]), "0%": arm([False] * n)}
+    return {key: arm(prompts, _constrained_rows(key.partition("@")[0], len(prompts)))
+            for key, prompts in prompt_sets.items()}
 
 
-def _peer_round(peer: bench_peer.VllmPeer, order: list[str], peer_arms: dict[str, list[dict[str, Any]]]) -> None:
+def _peer_round(peer: bench_peer.VllmPeer, order: list[str], r: int,
+                peer_arms: dict[str, list[dict[str, Any]]]) -> None:
     """One run of each arm by vLLM; a run keeps how many of its constrained outputs are not valid."""
     for name in order:
-        run = peer.call(f"throughput {name}")
+        run = peer.call(f"throughput {name}@{r}")
         run["constrained_outputs_not_schema_valid"] = _invalid(run.pop("constrained_texts"))
         peer_arms[name].append(run)
 
@@ -217,7 +240,8 @@ def run_structured(args: argparse.Namespace) -> int:
     # Outside every timing (a C++ compile the first time on a machine).
     kernels = native.build_all(compile_missing=not args.no_kernel_build)
     engine = LLMEngine(engine_config(args, args.model))
-    prompts = _prompts(engine.tokenizer, args.num_requests)
+    prompts = _prompts(engine.tokenizer, args.num_requests)  # the untimed measurements' (warm-up, stall)
+    prompt_sets = _prompt_sets(engine.tokenizer, args.num_requests, args.rounds)
     spec = StructuredOutput(kind="json", spec=json.dumps(NESTED_SCHEMA))
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=spec)
     compile_times = _compile_times(engine)
@@ -232,29 +256,32 @@ def run_structured(args: argparse.Namespace) -> int:
     invalid = 0
     peer_error = ""
     measured = {"compile": compile_times, "stall": stall, "mask_cost_ms_per_step": mask_cost}
+    lengths: list[int] = []
     try:
         for r in range(args.rounds):
-            full = _arm(engine, prompts, [constrained] * len(prompts))
-            invalid += _invalid(full["_texts"])  # cut by max_tokens: reported
-            twins = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in full["_lengths"]]
-            half = [constrained if i % 2 == 0 else twins[i] for i in range(len(prompts))]
-            order = ["0%", "50%"] if r % 2 == 0 else ["50%", "0%"]
-            arms["100%"].append(full)
-            _write_partial(args.json_out, arms, peer_arms, measured)
+            # The first round's 100% arm first (the twins' lengths); then the order rotates.
+            order = list(ARMS) if r == 0 else [ARMS[(r + i) % len(ARMS)] for i in range(len(ARMS))]
             for name in order:
-                arms[name].append(_arm(engine, prompts, twins if name == "0%" else half))
+                rows = _constrained_rows(name, args.num_requests)
+                params = [constrained if c else SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)
+                          for i, c in enumerate(rows)]
+                run = _arm(engine, prompt_sets[f"{name}@{r}"], params)
+                if name == "100%":
+                    invalid += _invalid(run["_texts"])  # cut by max_tokens: reported
+                    lengths = lengths or run["_lengths"]
+                arms[name].append(run)
                 _write_partial(args.json_out, arms, peer_arms, measured)
             if args.peer == "vllm" and not peer_error:
                 try:
                     if peer is None:  # started once the twins' lengths are known; nothing is timed meanwhile
-                        max_len = max(len(p) for p in prompts) + args.max_tokens + 1
+                        max_len = max(len(p) for ps in prompt_sets.values() for p in ps) + args.max_tokens + 1
                         peer = bench_peer.VllmPeer(
-                            args.peer_venv, args.model, _peer_workloads(prompts, full["_lengths"], args.max_tokens),
+                            args.peer_venv, args.model, _peer_workloads(prompt_sets, lengths, args.max_tokens),
                             None, torch.get_num_threads(), max_len, args.peer_speculative_tokens,
                             engine.config.resolved_dtype, args.peer_structured_backend)
                         peer_info = peer.call("info")
                         print(f"vllm {peer_info['version']} loaded in {peer_info['load_seconds']:.0f} s")
-                    _peer_round(peer, ["100%", *order], peer_arms)
+                    _peer_round(peer, order, r, peer_arms)
                 except CLIError as exc:  # the peer died (its output is on stderr): sluice's figures go on
                     peer_error = str(exc)
                 _write_partial(args.json_out, arms, peer_arms, measured)

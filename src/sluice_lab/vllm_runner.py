@@ -57,8 +57,10 @@ def _params(max_tokens: int, sampling: dict[str, Any], constrained: bool = False
     if constrained:
         from vllm.sampling_params import StructuredOutputsParams
 
+        # No whitespace the schema does not need, as sluice's grammar (its JSON_OPTIONS).
         return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                              structured_outputs=StructuredOutputsParams(json=sampling["json_schema"]))
+                              structured_outputs=StructuredOutputsParams(json=sampling["json_schema"],
+                                                                         disable_any_whitespace=True))
     return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, min_tokens=max_tokens,
                           ignore_eos=True)
 
