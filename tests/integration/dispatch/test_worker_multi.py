@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 _ids = itertools.count()
 PROMPTS = {"a": tuple(range(40, 57)), "b": tuple(range(300, 311))}
+RUNNING_TOKENS = 1500  # the request whose id the other gateway sends again
 
 
 def request(prompt: tuple[int, ...], max_tokens: int, request_id: str | None = None) -> GenerateRequest:
@@ -103,13 +104,15 @@ async def test_one_worker_serves_two_gateways(bootstrap_servers: str, demo_model
                    and b.dispatcher.workers["multi"].capacity.num_received == 1, 30, "per-link num_received")
 
     # An id already running, sent by the other gateway: refused on that link; the running one goes on.
-    running = await submit(a, request(PROMPTS["a"], 48, request_id="same-id"))
+    # Long enough (seconds) to be seen started by a 20 ms poll and to be running still when the other
+    # gateway's copy arrives (48 tokens ended between two polls on a slow CI host).
+    running = await submit(a, request(PROMPTS["a"], RUNNING_TOKENS, request_id="same-id"))
     await wait_for(lambda: "same-id" in a.dispatcher.workers["multi"].inflight
                    and a.dispatcher.workers["multi"].inflight["same-id"].started, 60, "same-id to start")
     refused = await drain(await submit(b, request(PROMPTS["b"], 4, request_id="same-id")))
     assert refused[-1].finish_reason == FinishReason.ERROR and "already running" in (refused[-1].error or "")
     kept = await drain(running)
-    assert kept[-1].finish_reason == FinishReason.LENGTH and kept[-1].num_output_tokens == 48
+    assert kept[-1].finish_reason == FinishReason.LENGTH and kept[-1].num_output_tokens == RUNNING_TOKENS
     assert worker.poll() is None
 
     # Gateway A goes away while both gateways' requests run: B's request finishes normally.
