@@ -259,8 +259,8 @@ def run_structured(args: argparse.Namespace) -> int:
     lengths: list[int] = []
     try:
         for r in range(args.rounds):
-            # The first round's 100% arm first (the twins' lengths); then the order rotates.
-            order = list(ARMS) if r == 0 else [ARMS[(r + i) % len(ARMS)] for i in range(len(ARMS))]
+            # The order rotates; round 0's starts with the 100% arm (the twins' lengths).
+            order = [ARMS[(r + i) % len(ARMS)] for i in range(len(ARMS))]
             for name in order:
                 rows = _constrained_rows(name, args.num_requests)
                 params = [constrained if c else SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)

@@ -68,8 +68,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 1.0  # kind vllm: how often its /metrics gauges are read
-_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-           "vllm:gpu_cache_usage_perc")
+_KV_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second: older vLLM versions
+_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", *_KV_GAUGES)
 _GAUGE_LINES = tuple(f"{name}{after}" for name in _GAUGES for after in ("{", " ")) + tuple(
     f"# {kind} {name} " for name in _GAUGES for kind in ("HELP", "TYPE"))
 KV_FULL = 0.95  # kind vllm: at this `vllm:kv_cache_usage_perc` its batch takes nothing more
@@ -86,7 +86,6 @@ _decode = msgspec.json.Decoder().decode  # msgspec.DecodeError (a ValueError) on
 REFUSAL_STATUSES = frozenset({400, 413, 422})
 
 
-
 def vllm_gauges(text: str) -> tuple[int, int, float]:
     """(waiting, running, KV cache use) from a vLLM server's /metrics; ValueError when they are not
     there or do not parse. Only the gauges' own lines are parsed: the whole exposition (~60 KB,
@@ -95,7 +94,7 @@ def vllm_gauges(text: str) -> tuple[int, int, float]:
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(lines):  # ValueError on garbage
         values = [sample.value for sample in family.samples]
-        if family.name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+        if family.name in _KV_GAUGES:
             found["kv"] = max(values, default=0.0)
         elif family.name in _GAUGES:
             found[family.name] = sum(values)
@@ -104,6 +103,7 @@ def vllm_gauges(text: str) -> tuple[int, int, float]:
     if not all(math.isfinite(v) and v >= 0 for v in found.values()):
         raise ValueError(f"a gauge out of range: {found}")
     return int(found["vllm:num_requests_waiting"]), int(found["vllm:num_requests_running"]), found.get("kv", 0.0)
+
 
 class UpstreamRefused(UpstreamError):
     """The upstream refused this request as invalid (`REFUSAL_STATUSES`); its own message."""
