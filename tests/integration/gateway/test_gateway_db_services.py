@@ -237,11 +237,11 @@ async def test_daily_budget_survives_restart(services) -> None:
 
 
 async def test_usage_is_written_behind_in_one_row_per_day(services) -> None:
-    """Requests ending within one interval become one upsert (their futures done when it is
-    committed); what arrives later is written too, without a read to force it; close() writes the
-    rest."""
+    """On a quiet service a record is flushed at once (with what was recorded beside it); within
+    an interval of that flush the next records wait for the interval and go in one upsert; close()
+    writes the rest."""
     sessions, _, admin, _ = services
-    usage = UsageService(sessions, flush_interval_s=0.2)
+    usage = UsageService(sessions, flush_interval_s=3.0)
     tenant = await admin.create_tenant(TenantCreate(name="written-behind"))
 
     async def stored() -> list[tuple[int, int, int]]:
@@ -251,19 +251,18 @@ async def test_usage_is_written_behind_in_one_row_per_day(services) -> None:
 
     first = usage.record("r1", tenant.id, "demo", 3, 4)
     second = usage.record("r2", tenant.id, "demo", 1, 1)
-    assert await stored() == [] and not first.done()  # nothing written per request
-    await asyncio.gather(first, second)
+    await asyncio.wait_for(asyncio.gather(first, second), 2.5)  # not held for the interval
     assert await stored() == [(4, 5, 2)]
     third = usage.record("r3", tenant.id, "demo", 10, 0)
-    for _ in range(100):
-        if await stored() != [(4, 5, 2)]:
-            break
-        await asyncio.sleep(0.05)
-    assert await stored() == [(14, 5, 3)] and third.done()
-    last = usage.record("r4", tenant.id, "demo", 0, 1)
+    fourth = usage.record("r4", tenant.id, "demo", 0, 2)
+    await asyncio.sleep(0.1)
+    assert not third.done() and await stored() == [(4, 5, 2)]  # the last flush is recent: it waits
+    await asyncio.gather(third, fourth)
+    assert await stored() == [(14, 7, 4)]
+    last = usage.record("r5", tenant.id, "demo", 0, 1)
     await usage.close()
     assert last.done()
-    assert await stored() == [(14, 6, 4)]
+    assert await stored() == [(14, 8, 5)]
 
 
 async def test_a_request_recorded_twice_counts_once(services) -> None:
