@@ -12,9 +12,17 @@ workers; each round and policy has its own cache salts, so no arm is helped by a
 Each arm starts with one uncounted request per tenant (`--warmup`, on by default), so it measures
 the steady state of a long run (every tenant's context cached somewhere) rather than cold starts.
 
-Reported per policy: TTFT p50/p99, prefill tokens saved (cached prompt tokens), output throughput,
-Jain's index of per-tenant service (served / offered output tokens, over the equally weighted
-tenants), and each worker's share of the work (prompt tokens computed + output tokens).
+Then (`--backlog-s`, on by default) every tenant, the hot one included, keeps `--backlog-depth`
+requests in flight for that long: the gateway's queue holds every tenant all the time, which is
+where fair sharing decides and locality could bend it.
+
+Reported per policy, over the arrivals: TTFT p50/p99, prefill tokens saved (cached prompt tokens),
+output throughput, Jain's index of served / offered output tokens over the equally weighted
+tenants, and each worker's share of the work two ways: prompt tokens computed + output tokens, and
+the CPU seconds its process used (one thread each: its busy time, the closer measure: a decoded
+token costs the engine far more than a prefilled one). Over the backlogged phase: Jain's index of
+the tokens each tenant was served (prompt + output, what the fair scheduler charges) by the
+requests that ended inside it.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +55,7 @@ SRC = Path(__file__).resolve().parents[2]
 
 @dataclass(slots=True)
 class Turn:
+    phase: str  # "arrivals" (Poisson) or "backlog" (every tenant keeps requests queued)
     tenant: str
     hot: bool
     conversation: int
@@ -73,6 +83,8 @@ class Arm:
     round: int
     turns: list[Turn] = field(default_factory=list)
     offered: dict[str, int] = field(default_factory=dict)  # output tokens asked per tenant
+    backlog_window: tuple[float, float] | None = None  # (start, end) of the backlogged phase
+    worker_cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per worker, this arm
 
 
 def _spawn_workers(args: argparse.Namespace, port: int, logdir: Path) -> list[subprocess.Popen[bytes]]:
@@ -89,7 +101,7 @@ def _spawn_workers(args: argparse.Namespace, port: int, logdir: Path) -> list[su
 
 
 async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, contexts: dict[str, tuple[int, ...]],
-                   seed: int) -> None:
+                   seed: int, worker_cpu: Callable[[], dict[str, float]]) -> None:
     # Two streams: the arrivals (times, tenants) are the same for every policy of a round; the
     # content choices (continue which conversation, the user's tokens) may differ with timing.
     arrivals, rng = random.Random(seed), random.Random(seed + 1)
@@ -103,7 +115,9 @@ async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, c
     start = time.time()
     ids = 0
 
-    def submit(tenant: str, measured: bool = True) -> None:
+    backlog_until = 0.0
+
+    def submit(tenant: str, phase: str = "arrivals", measured: bool = True) -> None:
         nonlocal pending, ids
         convs = conversations[tenant]
         idle = [c for c in convs if not c.busy and c.turns < args.max_turns]
@@ -120,10 +134,12 @@ async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, c
             request_id=f"{arm.policy}-{arm.round}-{ids}", tenant_id=tenant, model="m", priority=Priority.STANDARD,
             prompt_token_ids=prompt, cache_salt=salt_of[tenant], arrival_time=time.time(),
             sampling=SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True))
-        turn = Turn(tenant=tenant, hot=tenant == hot, conversation=next(i for i, c in enumerate(convs) if c is conv),
+        turn = Turn(phase=phase, tenant=tenant, hot=tenant == hot,
+                    conversation=next(i for i, c in enumerate(convs) if c is conv),
                     arrival=request.arrival_time, prompt_tokens=len(prompt))
         if measured:
             arm.turns.append(turn)
+        if measured and phase == "arrivals":
             arm.offered[tenant] = arm.offered.get(tenant, 0) + args.output_tokens
         state = RequestState.of(request, "default")
         output: list[int] = []
@@ -142,7 +158,9 @@ async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, c
             conv.prompt, conv.busy = prompt + tuple(output), False
             conv.turns += 1
             pending -= 1
-            if pending == 0:
+            if phase == "backlog" and time.time() < backlog_until:
+                submit(tenant, "backlog")  # closed loop: the tenant stays backlogged
+            elif pending == 0:
                 done.set()
 
         dispatcher.enqueue(Job(state=state, sink=sink))
@@ -159,6 +177,7 @@ async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, c
         for _, convs in warm:
             convs.clear()
         start = time.time()
+    cpu_before = worker_cpu()
     while time.time() - start < args.duration_s:
         await asyncio.sleep(arrivals.expovariate(args.rate))
         tenant = hot if arrivals.random() < 0.5 else arrivals.choice(tenants[1:])
@@ -166,6 +185,20 @@ async def _run_arm(dispatcher: Dispatcher, arm: Arm, args: argparse.Namespace, c
     if pending:
         done.clear()
         await asyncio.wait_for(done.wait(), args.drain_timeout_s)
+    arm.worker_cpu_s = {w: cpu - cpu_before.get(w, 0.0) for w, cpu in worker_cpu().items()}
+    if args.backlog_s > 0:
+        # Fairness: every tenant, equally weighted, keeps --backlog-depth requests in flight (a new
+        # turn as soon as one ends), so the gateway's queue always holds every tenant.
+        begin = time.time()
+        backlog_until = begin + args.backlog_s
+        done.clear()
+        for _ in range(args.backlog_depth):
+            for tenant in tenants:
+                submit(tenant, "backlog")
+        await asyncio.sleep(args.backlog_s)
+        arm.backlog_window = (begin, backlog_until)
+        if pending:
+            await asyncio.wait_for(done.wait(), args.drain_timeout_s)
 
 
 def jain(values: list[float]) -> float | None:
@@ -174,13 +207,30 @@ def jain(values: list[float]) -> float | None:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
 
 
+def _backlog_service(arms: list[Arm]) -> dict[str, int]:
+    """Tokens served per tenant (prompt + output, what the fair scheduler charges) by the requests
+    of the backlogged phase that ended inside its window."""
+    service: dict[str, int] = {}
+    for arm in arms:
+        if arm.backlog_window is None:
+            continue
+        begin, end = arm.backlog_window
+        for t in arm.turns:
+            if t.phase == "backlog" and t.error is None and t.finish is not None and begin <= t.finish <= end:
+                service[t.tenant] = service.get(t.tenant, 0) + t.prompt_tokens + t.output_tokens
+            elif t.phase == "backlog":
+                service.setdefault(t.tenant, 0)
+    return service
+
+
 def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for policy in POLICIES:
         mine = [a for a in arms if a.policy == policy]
         if not mine:
             continue
-        turns = [t for a in mine for t in a.turns if t.error is None and t.finish is not None]
+        turns = [t for a in mine for t in a.turns
+                 if t.phase == "arrivals" and t.error is None and t.finish is not None]
         ttfts = [t.first_token - t.arrival for t in turns if t.first_token is not None]
         span = sum(max(t.finish for t in a.turns if t.finish) - min(t.arrival for t in a.turns)
                    for a in mine if a.turns)
@@ -203,6 +253,9 @@ def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
         routes: dict[str, int] = {}
         for t in turns:
             routes[t.route] = routes.get(t.route, 0) + 1
+        cpu = {w: sum(a.worker_cpu_s.get(w, 0.0) for a in mine) for w in workers}
+        total_cpu = sum(cpu.values()) or 1.0
+        backlogged = _backlog_service(mine)
         out[policy] = {
             "requests": len(turns), "errors": sum(1 for a in mine for t in a.turns if t.error),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
@@ -213,7 +266,12 @@ def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
             "jain_served_over_offered": jain(normal),
             "worker_share": {w: round(n / total_work, 4) for w, n in sorted(work.items())},
             "max_share_over_even": max(work.values()) / total_work * len(workers),
+            "worker_cpu_share": {w: round(c / total_cpu, 4) for w, c in sorted(cpu.items())},
+            "max_cpu_share_over_even": max(cpu.values()) / total_cpu * len(workers),
             "routes": routes,
+            "backlog_requests": sum(1 for a in mine for t in a.turns if t.phase == "backlog" and t.finish),
+            "backlog_service_by_tenant": backlogged,
+            "jain_backlogged": jain(list(backlogged.values())),
         }
     base, cache = out.get("least_loaded"), out.get("cache_aware")
     if base and cache:
@@ -262,7 +320,8 @@ async def run_routing(args: argparse.Namespace) -> dict[str, Any]:
             for policy in order:
                 arm = Arm(policy, rnd)
                 print(f"round {rnd + 1}/{args.rounds}: {policy} ...", flush=True)
-                await _run_arm(dispatcher, arm, args, contexts, args.seed * 1000 + rnd)
+                await _run_arm(dispatcher, arm, args, contexts, args.seed * 1000 + rnd,
+                               lambda: {f"w{i}": _children_cpu([p]) for i, p in enumerate(processes)})
                 arms.append(arm)
         cpu = _children_cpu(processes) - cpu_before
     finally:
@@ -308,7 +367,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig, axes = new_figure(1, 3, (14, 4))
     for policy in policies:
         ttfts = sorted(t["first_token"] - t["arrival"] for t in result["turns"]
-                       if t["policy"] == policy and t["first_token"] is not None)
+                       if t["policy"] == policy and t["phase"] == "arrivals" and t["first_token"] is not None)
         if ttfts:
             axes[0].plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=policy)
     axes[0].set_xscale("log")
@@ -338,6 +397,8 @@ def run_routing_command(args: argparse.Namespace) -> int:
         raise CLIError("--workers must be at least 2 (routing chooses between workers)")
     if args.rate <= 0 or args.duration_s <= 0:
         raise CLIError("--rate and --duration-s must be positive")
+    if args.backlog_s < 0 or args.backlog_depth < 1:
+        raise CLIError("--backlog-s must be 0 or more and --backlog-depth at least 1")
     if not 1 <= args.context_min <= args.context_max:
         raise CLIError("--context-min must be at least 1 and at most --context-max")
     result = asyncio.run(run_routing(args))
@@ -364,6 +425,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson), all tenants")
     parser.add_argument("--duration-s", type=float, default=60.0, help="arrival window per policy and round")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the three policies")
+    parser.add_argument("--backlog-s", type=float, default=60.0,
+                        help="after each arm's arrivals, seconds during which every tenant keeps "
+                             "--backlog-depth requests in flight (Jain's index of backlogged tenants); 0 = off")
+    parser.add_argument("--backlog-depth", type=int, default=2, help="requests each backlogged tenant keeps in flight")
     parser.add_argument("--drain-timeout-s", type=float, default=600.0)
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="before each arm's arrivals, one uncounted request per tenant (its context "
