@@ -158,10 +158,13 @@ class KafkaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Largest request record the producer writes and a fetch of one partition reads, in bytes."""
     produce_timeout_s: float = 5.0
     """A request the broker has not acknowledged by then gets a 503."""
-    fetch_max_wait_ms: int = 10
-    """How long a fetch may wait at the broker for new records. Tansu parks a fetch for this long even
-    when records arrive meanwhile, so it bounds the admission latency there (500 ms, Kafka's default,
-    measured ~200 ms produce to consume; 10 ms measured ~4 ms)."""
+    fetch_max_wait_ms: int = 100
+    """How long a fetch of the batch topic may wait at the broker for new records (the interactive
+    and standard topics wait 250 ms: their records are dispatched when accepted). Tansu parks a
+    fetch for this long even when records arrive meanwhile, so it bounds the admission latency of
+    batch-class work there (Kafka's default 500 ms measured ~200 ms produce to consume; 10 ms ~4 ms),
+    and each consumer fetches about 1000/wait times a second, idle or not (10 ms: 13 % of a core
+    for the gateway and the broker together with nothing to do)."""
     session_timeout_ms: int = 6000
     """A gateway replica that stops heartbeating (a SIGKILLed one) loses its partitions to the other
     replicas once its session times out. Apache Kafka refuses a session below its
@@ -231,6 +234,10 @@ class RoutingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """cache_aware: a worker holding the prompt's prefix is passed over for the least loaded one when
     its load exceeds the least loaded's by more than this (a hot prefix spreads, no worker is driven
     into overload)."""
+    balance_margin: float = 0.2
+    """cache_aware: a worker this gateway sent more than (1 + this) times the candidates' mean of
+    recent requests (a 20 s half-life; and one request more than that mean at least) is passed
+    over like a loaded one: no worker does much more than its share while every load reads 0."""
     max_index_blocks: int = 1_000_000
     """Prefix-cache block hashes the gateway remembers per worker (90-110 MB per million); past it
     the least recently stored are forgotten."""
@@ -242,6 +249,8 @@ class RoutingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError(f"routing.load_cost_tokens must be 0 or more, got {self.load_cost_tokens}")
         if not self.spread_margin >= 0:
             raise ValueError(f"routing.spread_margin must be 0 or more, got {self.spread_margin}")
+        if not self.balance_margin >= 0:
+            raise ValueError(f"routing.balance_margin must be 0 or more, got {self.balance_margin}")
         if self.max_index_blocks < 1:
             raise ValueError(f"routing.max_index_blocks must be positive, got {self.max_index_blocks}")
         if self.upstream_block_size < 1:
