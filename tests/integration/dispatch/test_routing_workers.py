@@ -1,6 +1,7 @@
 """Cache-aware routing with real worker processes (docs/routing.md): KV events reach the gateway's
 index, a request lands on the worker holding its prefix, a hot prefix spreads once its worker is
-loaded, a restarted worker is treated as empty, tenant salts keep equal prompts apart, two gateway
+loaded, a job waits for room where its prefix is while another tenant's takes the free worker, a
+restarted worker is treated as empty, tenant salts keep equal prompts apart, two gateway
 replicas route a conversation's next turn to the same worker, and a frame the gateway cannot use
 (an unknown kind, a malformed event) is logged and skipped without dropping the worker.
 
@@ -23,6 +24,7 @@ import pytest
 from sluice_testing import drain, submit
 
 from sluice.broker import free_port
+from sluice.gateway.dispatch import routing
 from sluice.gateway.queueing.acceptance import KafkaBackend
 from sluice.prefix_hash import prefix_block_hashes
 from sluice.protocol import (
@@ -63,12 +65,13 @@ def tokens(deltas: list[RequestDelta]) -> tuple[int, ...]:
     return tuple(t for d in deltas for t in d.token_ids)
 
 
-async def gateway(bootstrap_servers: str, model_dir: Path, port: int, **routing: object) -> KafkaBackend:
+async def gateway(bootstrap_servers: str, model_dir: Path, port: int, *, max_worker_waiting: int = 8,
+                  **routing: object) -> KafkaBackend:
     settings = make_settings(
         bootstrap_servers, model_dir,
         routing=RoutingSettings(policy="cache_aware", **routing),  # type: ignore[arg-type]
-        dispatch=DispatchSettings(max_worker_waiting=8, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
-                                  local_workers=0))
+        dispatch=DispatchSettings(max_worker_waiting=max_worker_waiting, heartbeat_interval_s=0.5,
+                                  heartbeat_timeout_s=5.0, local_workers=0))
     backend = KafkaBackend(settings, worker_port=port)
     await backend.start()
     return backend
@@ -145,6 +148,43 @@ async def test_a_hot_prefix_spreads_once_its_worker_is_loaded(
     assert set(workers) == set(ids), workers
     assert any(f.state.route == "spread" for f in hot), [f.state.route for f in hot]
     assert max(workers.count(w) for w in ids) <= 5
+
+
+async def test_a_job_waits_for_room_where_its_prefix_is_while_another_tenant_takes_the_free_worker(
+        bootstrap_servers: str, demo_model_dir: Path, start_worker: StartWorker,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saturation (one slot and one waiting place per worker): t1's next turn is held for the full
+    worker holding its prefix rather than prefilled on the free one, and t2's job, behind it in
+    line, takes the free worker meanwhile; t1 then runs at home on its cache."""
+    monkeypatch.setattr(routing, "LOCALITY_WAIT_S", 120.0)  # the hold's time limit out of the way
+    # No load in the cost and no spread guard: home stays first-ranked for t1 however full it is.
+    gw = await gateway(bootstrap_servers, demo_model_dir, free_port(), max_worker_waiting=1,
+                       load_cost_tokens=0, spread_margin=10.0)
+    try:
+        ids = [f"hold-{x}" for x in "ab"]
+        for worker_id in ids:
+            start_worker(demo_model_dir, f"127.0.0.1:{gw.worker_port}", worker_id, "--max-num-seqs", "1")
+        await wait_for(lambda: all(w in gw.dispatcher.workers for w in ids), 180, "both workers")
+        context = tuple(range(100, 420))  # 320 tokens: more than LOCALITY_MIN_TOKENS
+        first = await submit(gw, request((*context, 1)))
+        await drain(first)
+        home = first.state.worker
+        other = next(w for w in ids if w != home)
+        await wait_for(lambda: holds(gw, home, (*context, 1), "salt-t1") == 20, 30, "the prefix indexed")
+        # t1's own long requests fill home: one running, one waiting.
+        busy = [await submit(gw, request((*context, 2, i), max_tokens=400)) for i in range(2)]
+        await wait_for(lambda: all(b.state.worker == home for b in busy), 30, "home full")
+        turn = await submit(gw, request((*context, 3)))
+        stranger = await submit(gw, request(tuple(range(300, 460)), tenant="t2"))
+        await wait_for(lambda: stranger.state.worker != "", 30, "t2 dispatched")
+        assert stranger.state.worker == other
+        assert turn.state.worker == "", "t1's turn went to the worker without its prefix"
+        for followed in (*busy, turn, stranger):
+            await drain(followed)
+        assert turn.state.worker == home and turn.state.route == "cache"
+        assert turn.state.cached_tokens >= 320
+    finally:
+        await gw.stop()
 
 
 async def test_a_restarted_worker_is_treated_as_empty(

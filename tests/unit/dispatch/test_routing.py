@@ -14,6 +14,7 @@ import pytest
 
 from sluice.gateway.dispatch.cache_index import CacheIndex
 from sluice.gateway.dispatch.routing import (
+    LOCALITY_WAIT_S,
     REASON_CACHE,
     REASON_LEAST_LOADED,
     REASON_LOAD,
@@ -89,6 +90,66 @@ def test_cost_weighs_uncached_tokens_against_load() -> None:
     idle = Candidate("idle")
     decision = router(spread_margin=1.0, load_cost_tokens=2048).route([partial, idle], PromptBlocks(request()))
     assert decision is not None and decision.worker is idle
+
+
+def test_ties_go_to_the_worker_sent_the_fewest_requests_recently() -> None:
+    """On a quiet cluster every load reads 0: a hot prefix held by both workers alternates between
+    them rather than piling onto the first; a conversation's longer cached tail still wins."""
+    a = holding(Candidate("a"), "tenant-a", PROMPT[:1600])
+    b = holding(Candidate("b"), "tenant-a", PROMPT[:1600])
+    routing = router()
+    chosen = []
+    for _ in range(4):
+        blocks = PromptBlocks(request())
+        decision = routing.route([a, b], blocks)
+        assert decision is not None and decision.reason == REASON_CACHE
+        routing.note_sent(decision.worker, blocks)
+        chosen.append(decision.worker.worker_id)
+    assert chosen == ["a", "b", "a", "b"]
+    longer = (*PROMPT, *range(5000, 5048))  # the next turn: 48 more tokens, cached on b only
+    holding(b, "tenant-a", longer)
+    blocks = PromptBlocks(request(prompt=(*longer, 7)))
+    decision = routing.route([a, b], blocks)
+    assert decision is not None and decision.worker is b
+
+
+def test_a_worker_sent_past_its_share_is_passed_over_while_loads_read_zero() -> None:
+    """The balance guard: a hot prefix held by one worker stays there until that worker was sent
+    more than (1 + balance_margin) times the mean of recent requests, and BALANCE_FLOOR more; then
+    it spreads."""
+    hot, other = holding(Candidate("hot"), "tenant-a", PROMPT), Candidate("other")
+    routing = router(balance_margin=0.2)
+    for _ in range(7):  # 6 sent against a mean of 3 at the last: within the floor
+        blocks = PromptBlocks(request())
+        decision = routing.route([hot, other], blocks)
+        assert decision is not None and decision.worker is hot and decision.reason == REASON_CACHE
+        routing.note_sent(hot, blocks)
+    routing.note_sent(hot, PromptBlocks(request()))
+    decision = routing.route([hot, other], PromptBlocks(request()))  # 8 sent against a mean of 4
+    assert decision is not None and decision.worker is other and decision.reason == REASON_SPREAD
+    many = router(balance_margin=100.0)  # a margin nothing reaches: the cache always wins
+    for _ in range(20):
+        many.note_sent(hot, PromptBlocks(request()))
+    assert many.route([hot, other], PromptBlocks(request())).worker is hot  # type: ignore[union-attr]
+
+
+def test_a_job_waits_for_room_where_its_prefix_is_for_a_bounded_time() -> None:
+    """Router.in_reach: under cache_aware the workers holding far less of the prompt are out of
+    reach until LOCALITY_WAIT_S after the job was first held back; the other policies, and a job
+    whose first choice holds nothing, reach every candidate."""
+    home = holding(Candidate("home", load=1.0), "tenant-a", PROMPT)
+    near = holding(Candidate("near", load=1.0), "tenant-a", PROMPT[:1500])  # 100 tokens fewer: in reach
+    cold = Candidate("cold", load=0.75)
+    routing = router(load_cost_tokens=0)
+    ranking = routing.rank([cold, near, home], PromptBlocks(request()))
+    assert [d.worker for d in ranking] == [home, near, cold]
+    assert [d.worker for d in routing.in_reach(ranking, None, 100.0)] == [home, near]
+    assert [d.worker for d in routing.in_reach(ranking, 99.0, 100.0)] == [home, near]
+    assert routing.in_reach(ranking, 100.0 - LOCALITY_WAIT_S, 100.0) == ranking  # waited long enough
+    plain = router("least_loaded").rank([cold, home], PromptBlocks(request()))
+    assert router("least_loaded").in_reach(plain, None, 100.0) == plain
+    stranger = routing.rank([cold, home], PromptBlocks(request("tenant-b")))
+    assert routing.in_reach(stranger, None, 100.0) == stranger
 
 
 def test_least_loaded_and_round_robin() -> None:

@@ -87,6 +87,9 @@ MAX_DISPATCH_ATTEMPTS = 3
 # fallback: their releases are announced and wake the loop at once, gateway/dispatch/slots.py).
 SLOT_RETRY_S = 0.05
 SLOT_ERROR_RETRY_S = 0.5  # Redis unreachable: jobs stay queued, tried again this often
+# A round that held a job back for the worker holding its prefix (Router.in_reach) is tried again
+# this soon at the latest (a release wakes it sooner), so the hold's time limit is kept.
+HELD_RETRY_S = 0.1
 
 
 OnFinished = Callable[[Job, RequestDelta], None]
@@ -114,6 +117,7 @@ class Dispatcher:
         self.workers: dict[str, WorkerLink] = {}
         # Where each job goes among the workers with room (dispatch/routing.py, docs/routing.md).
         self.router = Router(settings.routing)
+        self.held = False  # the last local round held a job back for its prefix's worker (HELD_RETRY_S)
         # Prompt tokens each worker was sent and found in its prefix cache, by worker id (the
         # console's hit rate; kept across reconnects, like the metrics).
         self.prefill_totals: dict[str, list[int]] = {}
@@ -296,9 +300,17 @@ class Dispatcher:
                 and (w.resumes or not resumed)]
 
     def _candidates(self, job: Job) -> list[WorkerLink]:
-        """The workers that may serve `job` (under their own cap), in routing's order (best first)."""
+        """The workers `job` may be sent to now (under their own cap; within routing's reach:
+        Router.in_reach), in routing's order (best first). `job.ranking` keeps every candidate."""
         job.ranking = self.router.rank(self._serving(job.request), self._prompt_blocks(job))
-        return [decision.worker for decision in job.ranking]
+        return [d.worker for d in self.router.in_reach(job.ranking, job.held_since, time.monotonic())]
+
+    def _hold(self, job: Job, held: set[str]) -> None:
+        """`job` waits for room on the worker holding its prefix: passed over for this round
+        without refusing its class (the next tenant's job may fit where it did not)."""
+        if job.held_since is None:
+            job.held_since = time.monotonic()
+        held.add(job.request_id)
 
     def predicted_ttft(self, request: GenerateRequest) -> float | None:
         """Seconds to the first token of `request` (not queued yet) at the best worker serving its
@@ -320,10 +332,15 @@ class Dispatcher:
             blocks = job.prompt_blocks = PromptBlocks(job.request)
         return blocks
 
-    def _pick_worker(self, job: Job) -> WorkerLink | None:
+    def _pick_worker(self, job: Job, held: set[str]) -> WorkerLink | None:
         assert isinstance(self.slots, LocalSlots)  # the shared round takes its slots in _dispatch_shared
-        return self.slots.take(job, self._candidates(job), self.settings.dispatch.max_worker_waiting,
-                               self.settings.scheduler.priority_enabled)
+        limit, by_class = self.settings.dispatch.max_worker_waiting, self.settings.scheduler.priority_enabled
+        candidates = self._candidates(job)
+        worker = self.slots.take(job, candidates, limit, by_class)
+        if (worker is None and len(candidates) < len(job.ranking)
+                and self.slots.take(job, [d.worker for d in job.ranking], limit, by_class) is not None):
+            self._hold(job, held)
+        return worker
 
     def _send(self, job: Job, worker: WorkerLink) -> None:
         state = job.state
@@ -352,21 +369,23 @@ class Dispatcher:
             return
         worker.send(request)
 
-    def _next(self, now: float, refused: set[tuple[str, Priority]],
+    def _next(self, now: float, refused: set[tuple[str, Priority]], held: set[str],
               choose: Callable[[Job], _Target | None]) -> tuple[Pending[Job], _Target] | None:
         """The first queued item in dispatch order that `choose` finds a target for, with it; the
         item stays queued. A (model, class) `choose` refuses stays refused for the round (in
         `refused`): sending only fills workers, and a long queue for a model nobody serves costs
-        one look per item."""
+        one look per item. A job `choose` held back (put in `held`) is passed over for the round,
+        its class not refused."""
         chosen: list[_Target] = []
 
         def accept(item: Pending[Job]) -> bool:
             key = (item.payload.request.model, item.priority)
-            if key in refused:
+            if key in refused or item.payload.request_id in held:
                 return False
             target = choose(item.payload)
             if target is None:
-                refused.add(key)
+                if item.payload.request_id not in held:
+                    refused.add(key)
                 return False
             chosen.append(target)
             return True
@@ -375,15 +394,18 @@ class Dispatcher:
         return None if item is None else (item, chosen[0])
 
     def dispatch_ready(self) -> int:
-        """Send queued jobs to workers with room (this process's view); returns how many went out."""
+        """Send queued jobs to workers with room (this process's view); returns how many went out.
+        `self.held` says whether some job was held back for its prefix's worker."""
         sent = 0
         now = time.time()
         refused: set[tuple[str, Priority]] = set()
-        while (found := self._next(now, refused, self._pick_worker)) is not None:
+        held: set[str] = set()
+        while (found := self._next(now, refused, held, lambda job: self._pick_worker(job, held))) is not None:
             item, worker = found
             self.scheduler.claim(item)
             self._send(item.payload, worker)
             sent += 1
+        self.held = bool(held)
         return sent
 
     async def _dispatch_shared(self, slots: RedisSlots) -> bool:
@@ -394,15 +416,19 @@ class Dispatcher:
         now = time.time()
         limit, by_class = self.settings.dispatch.max_worker_waiting, self.settings.scheduler.priority_enabled
         refused: set[tuple[str, Priority]] = set()
+        held: set[str] = set()
         store_refused = False
-        while (found := self._next(now, refused, lambda job: self._candidates(job) or None)) is not None:
+        while (found := self._next(now, refused, held, lambda job: self._candidates(job) or None)) is not None:
             item, candidates = found
             job = item.payload
             lane = item.priority if by_class else Priority.STANDARD  # the scheduler's lane for it
             worker = await slots.take(job, candidates, limit, by_class,
                                       counter=self.scheduler.counter(lane, item.tenant))
             if worker is None:
-                refused.add((job.request.model, item.priority))
+                if len(candidates) < len(job.ranking):
+                    self._hold(job, held)  # its prefix's workers are full: the next job may fit
+                else:
+                    refused.add((job.request.model, item.priority))
                 store_refused = True
                 continue
             if (self._jobs.get(job.request_id) is not job or job.worker
@@ -431,6 +457,7 @@ class Dispatcher:
                         self._slot_error = False
                 else:
                     self.dispatch_ready()
+                    retry_in = HELD_RETRY_S if self.held else None
             except RedisError as exc:  # fail closed: nothing is sent without a slot
                 if not self._slot_error:
                     log.error("shared state: Redis unreachable, queued jobs wait for it (%s)", exc)

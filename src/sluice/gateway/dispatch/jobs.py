@@ -39,6 +39,7 @@ class Job:
     slot: str = ""  # its worker slot in the shared store while it holds one (dispatch/slots.py)
     prompt_blocks: PromptBlocks | None = None  # its prompt's block hashes, once routing needed them
     ranking: list[Decision] = field(default_factory=list)  # routing's last ranking of its candidates
+    held_since: float | None = None  # first held back to wait for the worker holding its prefix
 
     @property
     def request(self) -> GenerateRequest:

@@ -14,7 +14,14 @@ Policies (`routing.policy`):
   plus its pressure, `load + KV use`, times `load_cost_tokens`. A guard spreads a hot prefix: a
   worker whose load exceeds the least loaded one's by more than `spread_margin` is ranked after
   every worker within the margin, so a cached prefix never drives its worker into overload (the
-  "death spiral" of cache-only routing); once the prefix is cached on both, load decides.
+  "death spiral" of cache-only routing); once the prefix is cached on both, load decides. So is a
+  worker this router sent more than `1 + balance_margin` times the candidates' mean of recent
+  requests (and `BALANCE_FLOOR` more than that mean at least): on a quiet cluster, where loads
+  read 0 between requests, a hot tenant would otherwise keep one worker doing most of the work.
+  Costs within `TIE_TOKENS` of the cheapest are a tie, broken by the requests this router sent each
+  worker recently (each weighing half as much every `RECENT_HALF_LIFE_S`): a hot tenant's new
+  conversations alternate between the workers that hold its prefix instead of all landing on the
+  first.
 
 Predicted TTFT (every policy): a request with a TTFT target goes to a worker predicted to meet it
 (dispatch/ttft.py: the worker's reported step cost and prefill backlog, and, under cache_aware,
@@ -31,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,6 +59,21 @@ REASON_CACHE = "cache"  # cache_aware: the cheapest worker holds part of the pro
 REASON_LOAD = "load"  # cache_aware: no cached prefix made a difference; the least pressure won
 REASON_SPREAD = "spread"  # cache_aware: the worker holding the prefix was loaded past the margin
 REASON_TTFT = "ttft"  # the policy's first choice was predicted to miss the TTFT target; this one not
+
+# cache_aware: costs (prefill tokens) this close to the cheapest tie; the tie goes to the worker sent
+# the fewest requests recently. Below a turn's growth (a user message and an answer, three blocks or
+# more), so a conversation's next turn still goes where its last one is cached.
+TIE_TOKENS = 32
+RECENT_HALF_LIFE_S = 20.0
+# cache_aware's balance guard leaves a worker alone until it was sent this many requests more than the
+# candidates' mean: one conversation's turns on a quiet cluster stay where they are cached (with two
+# workers, 7 recent requests against 0 pass it, 6 do not).
+BALANCE_FLOOR = 3.5
+# cache_aware: a job whose first-ranked worker holds at least LOCALITY_MIN_TOKENS more of its prompt
+# than another candidate does not go to that other one for LOCALITY_WAIT_S after it was first held
+# back for it (`Router.in_reach`).
+LOCALITY_MIN_TOKENS = 256
+LOCALITY_WAIT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +113,7 @@ class Router:
     def __init__(self, settings: RoutingSettings) -> None:
         self.settings = settings
         self._turn = itertools.count()
+        self._recent: dict[str, tuple[float, float]] = {}  # worker id -> (decayed requests sent, when)
 
     def rank(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks, *, queued_ahead: int = 0) -> list[Decision]:
         """Every candidate, best first, each with why it ranks there. `queued_ahead`: prompt tokens
@@ -159,13 +184,23 @@ class Router:
         num_tokens = len(blocks.request.prompt_token_ids) + len(blocks.request.resume_token_ids)
         least_load = min(w.load for w in candidates)
         margin = self.settings.spread_margin
+        now = time.monotonic()
+        recent = {w.worker_id: self._recent_sent(w.worker_id, now) for w in candidates}
+        mean_recent = sum(recent.values()) / len(candidates)
+        over_share = mean_recent * (1.0 + self.settings.balance_margin)
         scored: list[tuple[bool, float, float, Decision]] = []
         for worker in candidates:
             cached = _cached_tokens(worker, blocks)
             cost = self._cost(worker, num_tokens, cached)
-            overloaded = worker.load > least_load + margin
+            sent = recent[worker.worker_id]
+            sent_past_share = sent > over_share and sent - mean_recent >= BALANCE_FLOOR
+            overloaded = worker.load > least_load + margin or sent_past_share
             scored.append((overloaded, cost, worker.load, Decision(worker, REASON_LOAD, cached, cost)))
         scored.sort(key=lambda s: (s[0], s[1], s[2]))
+        over, cheapest = scored[0][0], scored[0][1]
+        ties = next((i for i, s in enumerate(scored) if s[0] != over or s[1] > cheapest + TIE_TOKENS), len(scored))
+        if ties > 1:
+            scored[:ties] = sorted(scored[:ties], key=lambda s: (recent[s[3].worker.worker_id], s[1]))
         best_cached = max(d.cached_tokens for *_, d in scored)
         ranked: list[Decision] = []
         for _, _, _, decision in scored:
@@ -173,11 +208,32 @@ class Router:
             if cached and cached == best_cached:
                 reason = REASON_CACHE
             elif any(over and d.cached_tokens > cached for over, *_, d in scored):
-                reason = REASON_SPREAD  # a worker holding more of it is loaded past the margin
+                reason = REASON_SPREAD  # a worker holding more of it is loaded or sent past its margin
             else:
                 reason = REASON_LOAD
             ranked.append(Decision(decision.worker, reason, cached, decision.cost))
         return ranked
+
+    def in_reach(self, ranking: list[Decision], held_since: float | None, now: float) -> list[Decision]:
+        """The candidates a job may be sent to now, best first. Under cache_aware, while the
+        first-ranked worker holds its prefix (it is within both guards, or it would not be first),
+        those holding `LOCALITY_MIN_TOKENS` fewer of the prompt are left out until `LOCALITY_WAIT_S`
+        after the job was first held back (`held_since`): a saturated cluster then waits for room
+        where the prefix is cached instead of prefilling it again elsewhere, and the fair
+        scheduler's next job, whose prefix the worker with room may hold, takes that room
+        meanwhile. The job keeps its place in line (its tenant's counter does not move), so it is
+        sent as soon as its worker has room."""
+        if self.settings.policy != "cache_aware" or len(ranking) < 2 or ranking[0].reason != REASON_CACHE:
+            return ranking
+        if held_since is not None and now - held_since >= LOCALITY_WAIT_S:
+            return ranking
+        floor = ranking[0].cached_tokens - LOCALITY_MIN_TOKENS
+        return [d for d in ranking if d.cached_tokens > floor]
+
+    def _recent_sent(self, worker_id: str, now: float) -> float:
+        """Requests sent to the worker, each weighing half as much every `RECENT_HALF_LIFE_S`."""
+        sent, at = self._recent.get(worker_id, (0.0, now))
+        return sent * math.exp2((at - now) / RECENT_HALF_LIFE_S)
 
     def _cost(self, worker: WorkerLink, num_tokens: int, cached_tokens: int) -> float:
         """Predicted cost in prefill tokens: what is not cached, plus the worker's pressure."""
@@ -189,6 +245,8 @@ class Router:
         other policies never hash a prompt."""
         if self.settings.policy != "cache_aware":
             return
+        now = time.monotonic()
+        self._recent[worker.worker_id] = (self._recent_sent(worker.worker_id, now) + 1.0, now)
         cache = worker.cache
         block_size = cache.block_size or self.settings.upstream_block_size
         cache.note_sent(block_size, blocks.hashes(block_size))
