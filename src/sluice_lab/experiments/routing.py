@@ -207,6 +207,14 @@ def jain(values: list[float]) -> float | None:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
 
 
+def _arrivals_span(arm: Arm) -> float:
+    """Seconds from the arm's first arrival to the last finish of its arrivals phase (the
+    backlogged phase after it has its own window)."""
+    turns = [t for t in arm.turns if t.phase == "arrivals"]
+    finishes = [t.finish for t in turns if t.finish]
+    return max(finishes) - min(t.arrival for t in turns) if finishes else 0.0
+
+
 def _backlog_service(arms: list[Arm]) -> dict[str, int]:
     """Tokens served per tenant (prompt + output, what the fair scheduler charges) by the requests
     of the backlogged phase that ended inside its window."""
@@ -232,8 +240,7 @@ def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
         turns = [t for a in mine for t in a.turns
                  if t.phase == "arrivals" and t.error is None and t.finish is not None]
         ttfts = [t.first_token - t.arrival for t in turns if t.first_token is not None]
-        span = sum(max(t.finish for t in a.turns if t.finish) - min(t.arrival for t in a.turns)
-                   for a in mine if a.turns)
+        span = sum(_arrivals_span(a) for a in mine)
         output = sum(t.output_tokens for t in turns)
         prompt = sum(t.prompt_tokens for t in turns)
         saved = sum(t.cached_tokens for t in turns)

@@ -27,6 +27,7 @@ def test_the_backlogged_phase_counts_what_ended_inside_its_window() -> None:
     arm.offered = {"a": 10, "b": 10}
     row = summarise([arm], ["w0", "w1"])["cache_aware"]
     assert row["requests"] == 2  # the arrivals only
+    assert row["output_tokens_per_s"] == pytest.approx(20 / 6.0)  # arrival 49 to finish 55, not the backlog's
     assert row["prefill_tokens_saved"] == 90
     assert row["backlog_service_by_tenant"] == {"a": 220, "b": 110, "c": 0}
     assert row["jain_backlogged"] == pytest.approx(jain([220, 110, 0]))

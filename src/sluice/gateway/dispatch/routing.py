@@ -197,8 +197,9 @@ class Router:
             overloaded = worker.load > least_load + margin or sent_past_share
             scored.append((overloaded, cost, worker.load, Decision(worker, REASON_LOAD, cached, cost)))
         scored.sort(key=lambda s: (s[0], s[1], s[2]))
-        over, cheapest = scored[0][0], scored[0][1]
-        ties = next((i for i, s in enumerate(scored) if s[0] != over or s[1] > cheapest + TIE_TOKENS), len(scored))
+        first_over, cheapest = scored[0][0], scored[0][1]
+        ties = next((i for i, s in enumerate(scored) if s[0] != first_over or s[1] > cheapest + TIE_TOKENS),
+                    len(scored))
         if ties > 1:
             scored[:ties] = sorted(scored[:ties], key=lambda s: (recent[s[3].worker.worker_id], s[1]))
         best_cached = max(d.cached_tokens for *_, d in scored)
