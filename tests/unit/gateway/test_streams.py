@@ -73,13 +73,27 @@ def test_chat_frames_are_the_schema_structs_encoded() -> None:
                                finish_reason=FinishReason.LENGTH, num_prompt_tokens=3)):
         state.take_output(delta)
         framer.frames(delta, emit)
-    assert out == [(chunk(ChunkDelta(content="Hé")), 2, None), (chunk(ChunkDelta(content="llo")), 3, None),
-                   (chunk(ChunkDelta(), "length"), 0, "length")]
+    # The token that ends mid-character is an event of its own, with empty text (one event per
+    # step, as vLLM streams: a client timing tokens by events sees no double gap).
+    assert out == [(chunk(ChunkDelta(content="Hé")), 2, None), (chunk(ChunkDelta(content="")), 0, None),
+                   (chunk(ChunkDelta(content="llo")), 3, None), (chunk(ChunkDelta(), "length"), 0, "length")]
     usage = Usage(prompt_tokens=3, completion_tokens=3, total_tokens=6,
                   prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
     assert framer.usage() == sse(ChatCompletionChunk(id="c1", created=7, model="m", service_tier="default",
                                                      choices=[], usage=usage))
     assert Framer(state, cast(ModelTokenizer, None), resumed=True).opening() is None
+
+
+def test_a_completion_token_that_ends_mid_character_is_an_event_with_empty_text() -> None:
+    state = _state("t2", endpoint="text", include_usage=False)
+    framer = Framer(state, cast(ModelTokenizer, None))
+    out: list[bytes] = []
+    for delta in (RequestDelta(request_id="t2", token_ids=(5,), text="", num_output_tokens=1),
+                  RequestDelta(request_id="t2", text="", num_output_tokens=1)):  # nothing at all: no event
+        state.take_output(delta)
+        framer.frames(delta, lambda frame, chars, finish: out.append(frame))
+    [event] = _events(out)
+    assert event["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]
 
 
 def test_completion_frames_carry_the_finish_reason_with_the_text() -> None:

@@ -11,6 +11,11 @@ one `data:` line per event is always valid. Every chunk is a copy of a template 
 choices (`replace` is several times cheaper than building a chunk from keyword arguments), and the
 event of a delta that is text alone, the most frequent by far, is the template encoded once with
 empty text and the text's JSON string put in its place (`_TextEvent`).
+
+Every delta that carries output tokens is an event, even when its text is empty (a token that ends
+inside a character, whose text comes with the next one): one event per engine step, as vLLM streams.
+Clients that time tokens by events (`vllm bench serve`'s ITL) would otherwise see the gap before
+such a token and the one after it as one gap of twice the length.
 """
 
 from __future__ import annotations
@@ -137,13 +142,13 @@ class Framer:
             if with_logprobs:
                 logprobs = ChoiceLogprobs(content=chat_logprobs(self.tokenizer, delta.logprobs, sampling.top_logprobs))
                 emit(self._chat_chunk(ChunkDelta(content=text), None, logprobs), len(text), None)
-            elif text:
+            elif text or delta.token_ids:
                 emit(self._text_event.with_text(text), len(text), None)
             if finish is not None:
                 emit(self._chat_chunk(ChunkDelta(), finish), 0, finish)
             return
         if not with_logprobs and finish is None:
-            if text:
+            if text or delta.token_ids:
                 emit(self._text_event.with_text(text), len(text), None)
             return
         text_logprobs = None

@@ -151,7 +151,7 @@ class _Pump:
 
     def emit(self, frame: bytes, chars: int, finish: str | None) -> None:
         """One chunk into the log, with the output token ids not logged yet (a delta's go with its
-        first event; those of a delta that made no event, e.g. half a character, with the next)."""
+        first event; those of a delta that made no event, e.g. text a tool-call parser still holds, with the next)."""
         if self.done:
             return
         state = self.flight.state
