@@ -251,7 +251,8 @@ async def test_a_pumped_streams_marks_let_a_taker_rebuild_its_state(redis: Redis
             submission.deliver(delta)
         await stream_log.flushed()
         claimed = await holder.read("chatcmpl-p", 1)
-        assert (claimed.envelope, claimed.token_ids, claimed.chars, claimed.next_seq) == (envelope, [5, 6, 7, 8], 4, 3)
+        # Four events: the opening, "ab", token 7's half character (an event with empty text), "cd".
+        assert (claimed.envelope, claimed.token_ids, claimed.chars, claimed.next_seq) == (envelope, [5, 6, 7, 8], 4, 4)
         assert (claimed.finish, claimed.usage_sent, claimed.final) == (None, False, False)
         final = RequestDelta(request_id="chatcmpl-p", finish_reason=FinishReason.STOP, num_output_tokens=4)
         state.take_output(final)
