@@ -7,7 +7,10 @@ routing are the product's; HTTP and Kafka are left out: they do not change where
 The load: `--tenants` tenants, each with its own system context of 1-2K tokens, and one hot tenant
 sending half of all requests. Each arrival (Poisson, `--rate` per second overall) either continues
 one of its tenant's idle conversations (its prompt extends the previous turn: that turn's prompt, its
-answer and a new user message) or starts a new one. Policies run in interleaved rounds on the same
+answer and a new user message) or starts a new one. The defaults are chat's lengths: 64-token user
+messages and 128-token answers (the runs before 2026-12-06 13:35 used 32 and 16, which leave a
+conversation's turns almost nothing to lose by going elsewhere: `--user-tokens 32 --output-tokens
+16 --rate 0.8 --duration-s 120 --backlog-s 60` repeats them). Policies run in interleaved rounds on the same
 workers; each round and policy has its own cache salts, so no arm is helped by another's cache.
 Each arm starts with one uncounted request per tenant (`--warmup`, on by default), so it measures
 the steady state of a long run (every tenant's context cached somewhere) rather than cold starts.
@@ -22,7 +25,8 @@ tenants, and each worker's share of the work two ways: prompt tokens computed + 
 the CPU seconds its process used (one thread each: its busy time, the closer measure: a decoded
 token costs the engine far more than a prefilled one). Over the backlogged phase: Jain's index of
 the tokens each tenant was served (prompt + output, what the fair scheduler charges) by the
-requests that ended inside it.
+requests that ended inside it, and the output tokens per second they were served (the cluster's
+capacity; over the arrivals, output throughput can only be the offered load).
 """
 
 from __future__ import annotations
@@ -215,6 +219,21 @@ def _arrivals_span(arm: Arm) -> float:
     return max(finishes) - min(t.arrival for t in turns) if finishes else 0.0
 
 
+def _backlog_output_rate(arms: list[Arm]) -> float | None:
+    """Output tokens per second of the backlogged phases (the requests that ended inside each
+    window): the cluster's throughput when every tenant is backlogged, its capacity. Over the
+    arrivals it can only be the offered load."""
+    tokens, seconds = 0, 0.0
+    for arm in arms:
+        if arm.backlog_window is None:
+            continue
+        begin, end = arm.backlog_window
+        seconds += end - begin
+        tokens += sum(t.output_tokens for t in arm.turns if t.phase == "backlog" and t.error is None
+                      and t.finish is not None and begin <= t.finish <= end)
+    return tokens / seconds if seconds else None
+
+
 def _backlog_service(arms: list[Arm]) -> dict[str, int]:
     """Tokens served per tenant (prompt + output, what the fair scheduler charges) by the requests
     of the backlogged phase that ended inside its window."""
@@ -277,6 +296,7 @@ def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
             "max_cpu_share_over_even": max(cpu.values()) / total_cpu * len(workers),
             "routes": routes,
             "backlog_requests": sum(1 for a in mine for t in a.turns if t.phase == "backlog" and t.finish),
+            "backlog_output_tokens_per_s": _backlog_output_rate(mine),
             "backlog_service_by_tenant": backlogged,
             "jain_backlogged": jain(list(backlogged.values())),
         }
@@ -286,10 +306,14 @@ def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
             a, b = base[key], cache[key]
             return a / b if a and b else None
 
+        def gain(key: str) -> float | None:
+            a, b = base[key], cache[key]
+            return b / a if a and b else None
+
         out["cache_aware_vs_least_loaded"] = {
             "ttft_p50_ratio": ratio("ttft_p50_s"), "ttft_p99_ratio": ratio("ttft_p99_s"),
-            "throughput_ratio": (cache["output_tokens_per_s"] / base["output_tokens_per_s"]
-                                 if base["output_tokens_per_s"] and cache["output_tokens_per_s"] else None),
+            "throughput_ratio": gain("output_tokens_per_s"),
+            "backlog_throughput_ratio": gain("backlog_output_tokens_per_s"),
         }
     return out
 
@@ -424,15 +448,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", type=int, default=20, help="equally weighted tenants (plus one hot tenant)")
     parser.add_argument("--context-min", type=int, default=1024, help="shortest system context, tokens")
     parser.add_argument("--context-max", type=int, default=2048, help="longest system context, tokens")
-    parser.add_argument("--user-tokens", type=int, default=32, help="tokens of each new user message")
-    parser.add_argument("--output-tokens", type=int, default=16, help="tokens of each answer (ignore_eos)")
+    parser.add_argument("--user-tokens", type=int, default=64, help="tokens of each new user message")
+    parser.add_argument("--output-tokens", type=int, default=128, help="tokens of each answer (ignore_eos)")
     parser.add_argument("--max-turns", type=int, default=4, help="turns of a conversation")
     parser.add_argument("--continue-prob", type=float, default=0.7,
                         help="chance an arrival continues an idle conversation of its tenant")
-    parser.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson), all tenants")
-    parser.add_argument("--duration-s", type=float, default=60.0, help="arrival window per policy and round")
+    parser.add_argument("--rate", type=float, default=0.4, help="requests per second (Poisson), all tenants")
+    parser.add_argument("--duration-s", type=float, default=180.0, help="arrival window per policy and round")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the three policies")
-    parser.add_argument("--backlog-s", type=float, default=60.0,
+    parser.add_argument("--backlog-s", type=float, default=90.0,
                         help="after each arm's arrivals, seconds during which every tenant keeps "
                              "--backlog-depth requests in flight (Jain's index of backlogged tenants); 0 = off")
     parser.add_argument("--backlog-depth", type=int, default=2, help="requests each backlogged tenant keeps in flight")

@@ -31,6 +31,7 @@ def test_the_backlogged_phase_counts_what_ended_inside_its_window() -> None:
     assert row["prefill_tokens_saved"] == 90
     assert row["backlog_service_by_tenant"] == {"a": 220, "b": 110, "c": 0}
     assert row["jain_backlogged"] == pytest.approx(jain([220, 110, 0]))
+    assert row["backlog_output_tokens_per_s"] == pytest.approx(30 / 60.0)  # three ended inside 100-160 s
     assert row["worker_cpu_share"] == {"w0": 0.75, "w1": 0.25}
     assert row["max_cpu_share_over_even"] == pytest.approx(1.5)
     assert row["worker_share"] == {"w0": round(20 / 130, 4), "w1": round(110 / 130, 4)}
@@ -40,3 +41,18 @@ def test_jain_is_one_for_equal_service_and_none_without_any() -> None:
     assert jain([5.0, 5.0, 5.0]) == pytest.approx(1.0)
     assert jain([1.0, 0.0]) == pytest.approx(0.5)
     assert jain([]) is None and jain([0.0, 0.0]) is None
+
+
+def test_cache_aware_is_compared_with_least_loaded_over_the_arrivals_and_the_backlog() -> None:
+    arms = []
+    for policy, ttft, backlog_tokens in (("least_loaded", 1.0, 1), ("cache_aware", 0.25, 2)):
+        arm = Arm(policy, 0, backlog_window=(100.0, 110.0))
+        arrival = _turn("arrivals", "a", 50.0)
+        arrival.first_token = arrival.arrival + ttft
+        arm.turns = [arrival] + [_turn("backlog", "a", 101.0 + i) for i in range(backlog_tokens)]
+        arm.offered = {"a": 10}
+        arms.append(arm)
+    versus = summarise(arms, ["w0"])["cache_aware_vs_least_loaded"]
+    assert versus["ttft_p50_ratio"] == pytest.approx(4.0)  # lower is better: least_loaded / cache_aware
+    assert versus["throughput_ratio"] == pytest.approx(1.0)
+    assert versus["backlog_throughput_ratio"] == pytest.approx(2.0)  # higher is better: cache_aware / least_loaded
