@@ -119,18 +119,34 @@ def test_a_worker_sent_past_its_share_is_passed_over_while_loads_read_zero() -> 
     it spreads."""
     hot, other = holding(Candidate("hot"), "tenant-a", PROMPT), Candidate("other")
     routing = router(balance_margin=0.2)
-    for _ in range(7):  # 6 sent against a mean of 3 at the last: within the floor
+    for _ in range(4):  # 3 sent against a mean of 1.5 at the last: within the floor
         blocks = PromptBlocks(request())
         decision = routing.route([hot, other], blocks)
         assert decision is not None and decision.worker is hot and decision.reason == REASON_CACHE
         routing.note_sent(hot, blocks)
     routing.note_sent(hot, PromptBlocks(request()))
-    decision = routing.route([hot, other], PromptBlocks(request()))  # 8 sent against a mean of 4
+    decision = routing.route([hot, other], PromptBlocks(request()))  # 5 sent against a mean of 2.5
     assert decision is not None and decision.worker is other and decision.reason == REASON_SPREAD
     many = router(balance_margin=100.0)  # a margin nothing reaches: the cache always wins
     for _ in range(20):
         many.note_sent(hot, PromptBlocks(request()))
     assert many.route([hot, other], PromptBlocks(request())).worker is hot  # type: ignore[union-attr]
+
+
+def test_the_share_guard_moves_the_hot_prefix_not_a_cold_tenants_context() -> None:
+    """Past its share, a worker is passed over only for requests whose leading block is hot there
+    (HOT_LEAD_SHARE of its recent requests): a cold tenant whose context only that worker holds
+    stays, and is not prefilled again elsewhere."""
+    home = holding(holding(Candidate("home"), "hot", PROMPT), "cold", PROMPT)
+    other = Candidate("other")
+    routing = router(balance_margin=0.2)
+    for _ in range(6):
+        routing.note_sent(home, PromptBlocks(request("hot")))
+    routing.note_sent(home, PromptBlocks(request("cold")))
+    cold = routing.route([home, other], PromptBlocks(request("cold")))  # 1 of 7 recent: not hot
+    assert cold is not None and cold.worker is home and cold.reason == REASON_CACHE
+    hot = routing.route([home, other], PromptBlocks(request("hot")))  # 6 of 7: hot, it moves
+    assert hot is not None and hot.worker is other and hot.reason == REASON_SPREAD
 
 
 def test_a_job_waits_for_room_where_its_prefix_is_for_a_bounded_time() -> None:

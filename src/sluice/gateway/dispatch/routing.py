@@ -16,8 +16,11 @@ Policies (`routing.policy`):
   every worker within the margin, so a cached prefix never drives its worker into overload (the
   "death spiral" of cache-only routing); once the prefix is cached on both, load decides. So is a
   worker this router sent more than `1 + balance_margin` times the candidates' mean of recent
-  requests (and `BALANCE_FLOOR` more than that mean at least): on a quiet cluster, where loads
-  read 0 between requests, a hot tenant would otherwise keep one worker doing most of the work.
+  requests (and `BALANCE_FLOOR` more than that mean at least), for a request whose leading block
+  is hot there (`HOT_LEAD_SHARE` of the worker's recent requests or more): on a quiet cluster,
+  where loads read 0 between requests, a hot tenant would otherwise keep one worker doing most of
+  the work, and moving a cold tenant's request instead would prefill its whole context again for
+  nothing.
   Costs within `TIE_TOKENS` of the cheapest are a tie, broken by the requests this router sent each
   worker recently (each weighing half as much every `RECENT_HALF_LIFE_S`): a hot tenant's new
   conversations alternate between the workers that hold its prefix instead of all landing on the
@@ -67,12 +70,20 @@ TIE_TOKENS = 32
 RECENT_HALF_LIFE_S = 20.0
 # cache_aware's balance guard leaves a worker alone until it was sent this many requests more than the
 # candidates' mean: one conversation's turns on a quiet cluster stay where they are cached (with two
-# workers, 7 recent requests against 0 pass it, 6 do not).
-BALANCE_FLOOR = 3.5
+# workers, 4 recent requests against 0 pass it, 3 do not: a conversation sending a turn every 10 s
+# stays, one every 5 s or faster is spread).
+BALANCE_FLOOR = 2.0
+# ... and only for a request whose leading block (its tenant's system prompt, salted) was this share
+# of the worker's recent requests or more: the hot prefix is what moves. It is prefilled once on the
+# other worker and from there near-ties share it, while a cold tenant's request, whose context only
+# this worker holds, stays (moving it would prefill that context again for one request).
+HOT_LEAD_SHARE = 1 / 3
+RECENT_LEADS_CAP = 4096  # (worker, leading block) counters kept; the faintest are dropped past it
 # cache_aware: a job whose first-ranked worker holds at least LOCALITY_MIN_TOKENS more of its prompt
 # than another candidate does not go to that other one for LOCALITY_WAIT_S after it was first held
 # back for it (`Router.in_reach`).
 LOCALITY_MIN_TOKENS = 256
+LEAD_TOKENS = 16  # a prompt's leading block, for the balance guard's hot-prefix test
 LOCALITY_WAIT_S = 2.0
 
 
@@ -95,6 +106,17 @@ class PromptBlocks:
 
     request: GenerateRequest
     by_block_size: dict[int, list[bytes]] = field(default_factory=dict)
+    _lead: bytes | None = None
+
+    @property
+    def lead(self) -> bytes:
+        """The hash of the prompt's first `LEAD_TOKENS` tokens, salted: its tenant's system prompt,
+        whatever the workers' block size (a prompt shorter than that is its own lead)."""
+        if self._lead is None:
+            request = self.request
+            tokens = (request.prompt_token_ids + request.resume_token_ids)[:LEAD_TOKENS]
+            self._lead = prefix_block_hashes(request.cache_salt, tokens, len(tokens) or 1, 1)[0]
+        return self._lead
 
     def hashes(self, block_size: int) -> list[bytes]:
         hashes = self.by_block_size.get(block_size)
@@ -114,6 +136,8 @@ class Router:
         self.settings = settings
         self._turn = itertools.count()
         self._recent: dict[str, tuple[float, float]] = {}  # worker id -> (decayed requests sent, when)
+        # (worker id, leading block) -> (decayed requests sent, when): what is hot where
+        self._recent_leads: dict[tuple[str, bytes], tuple[float, float]] = {}
 
     def rank(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks, *, queued_ahead: int = 0) -> list[Decision]:
         """Every candidate, best first, each with why it ranks there. `queued_ahead`: prompt tokens
@@ -193,7 +217,8 @@ class Router:
             cached = _cached_tokens(worker, blocks)
             cost = self._cost(worker, num_tokens, cached)
             sent = recent[worker.worker_id]
-            sent_past_share = sent > over_share and sent - mean_recent >= BALANCE_FLOOR
+            sent_past_share = (sent > over_share and sent - mean_recent >= BALANCE_FLOOR
+                               and self._lead_sent(worker.worker_id, blocks.lead, now) >= HOT_LEAD_SHARE * sent)
             overloaded = worker.load > least_load + margin or sent_past_share
             scored.append((overloaded, cost, worker.load, Decision(worker, REASON_LOAD, cached, cost)))
         scored.sort(key=lambda s: (s[0], s[1], s[2]))
@@ -233,8 +258,11 @@ class Router:
 
     def _recent_sent(self, worker_id: str, now: float) -> float:
         """Requests sent to the worker, each weighing half as much every `RECENT_HALF_LIFE_S`."""
-        sent, at = self._recent.get(worker_id, (0.0, now))
-        return sent * math.exp2((at - now) / RECENT_HALF_LIFE_S)
+        return _decayed(self._recent.get(worker_id), now)
+
+    def _lead_sent(self, worker_id: str, lead: bytes, now: float) -> float:
+        """Requests with this leading block sent to the worker, decayed as `_recent_sent`."""
+        return _decayed(self._recent_leads.get((worker_id, lead)), now)
 
     def _cost(self, worker: WorkerLink, num_tokens: int, cached_tokens: int) -> float:
         """Predicted cost in prefill tokens: what is not cached, plus the worker's pressure."""
@@ -248,9 +276,23 @@ class Router:
             return
         now = time.monotonic()
         self._recent[worker.worker_id] = (self._recent_sent(worker.worker_id, now) + 1.0, now)
+        key = (worker.worker_id, blocks.lead)
+        self._recent_leads[key] = (self._lead_sent(*key, now) + 1.0, now)
+        if len(self._recent_leads) > RECENT_LEADS_CAP:  # keep the hottest half
+            counts = sorted(self._recent_leads, key=lambda k: _decayed(self._recent_leads[k], now))
+            for stale in counts[:len(counts) // 2]:
+                del self._recent_leads[stale]
         cache = worker.cache
         block_size = cache.block_size or self.settings.upstream_block_size
         cache.note_sent(block_size, blocks.hashes(block_size))
+
+
+def _decayed(entry: tuple[float, float] | None, now: float) -> float:
+    """A count noted at `entry[1]`, halved every `RECENT_HALF_LIFE_S` since."""
+    if entry is None:
+        return 0.0
+    count, at = entry
+    return count * math.exp2((at - now) / RECENT_HALF_LIFE_S)
 
 
 def _cached_tokens(worker: WorkerLink, blocks: PromptBlocks) -> int:
