@@ -90,6 +90,13 @@ class Arm:
     backlog_window: tuple[float, float] | None = None  # (start, end) of the backlogged phase
     worker_cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per worker, this arm
 
+    def served_in_backlog(self, turn: Turn) -> bool:
+        """The turn is a backlogged-phase request that ended, without error, inside the window."""
+        if self.backlog_window is None or turn.phase != "backlog" or turn.error is not None or turn.finish is None:
+            return False
+        begin, end = self.backlog_window
+        return begin <= turn.finish <= end
+
 
 def _spawn_workers(args: argparse.Namespace, port: int, logdir: Path) -> list[subprocess.Popen[bytes]]:
     processes = []
@@ -229,8 +236,7 @@ def _backlog_output_rate(arms: list[Arm]) -> float | None:
             continue
         begin, end = arm.backlog_window
         seconds += end - begin
-        tokens += sum(t.output_tokens for t in arm.turns if t.phase == "backlog" and t.error is None
-                      and t.finish is not None and begin <= t.finish <= end)
+        tokens += sum(t.output_tokens for t in arm.turns if arm.served_in_backlog(t))
     return tokens / seconds if seconds else None
 
 
@@ -241,9 +247,8 @@ def _backlog_service(arms: list[Arm]) -> dict[str, int]:
     for arm in arms:
         if arm.backlog_window is None:
             continue
-        begin, end = arm.backlog_window
         for t in arm.turns:
-            if t.phase == "backlog" and t.error is None and t.finish is not None and begin <= t.finish <= end:
+            if arm.served_in_backlog(t):
                 service[t.tenant] = service.get(t.tenant, 0) + t.prompt_tokens + t.output_tokens
             elif t.phase == "backlog":
                 service.setdefault(t.tenant, 0)

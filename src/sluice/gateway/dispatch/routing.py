@@ -78,12 +78,12 @@ BALANCE_FLOOR = 2.0
 # other worker and from there near-ties share it, while a cold tenant's request, whose context only
 # this worker holds, stays (moving it would prefill that context again for one request).
 HOT_LEAD_SHARE = 1 / 3
+LEAD_TOKENS = 16  # a prompt's leading block, for the hot-prefix test
 RECENT_LEADS_CAP = 4096  # (worker, leading block) counters kept; the faintest are dropped past it
 # cache_aware: a job whose first-ranked worker holds at least LOCALITY_MIN_TOKENS more of its prompt
 # than another candidate does not go to that other one for LOCALITY_WAIT_S after it was first held
 # back for it (`Router.in_reach`).
 LOCALITY_MIN_TOKENS = 256
-LEAD_TOKENS = 16  # a prompt's leading block, for the balance guard's hot-prefix test
 LOCALITY_WAIT_S = 2.0
 
 
@@ -106,7 +106,7 @@ class PromptBlocks:
 
     request: GenerateRequest
     by_block_size: dict[int, list[bytes]] = field(default_factory=dict)
-    _lead: bytes | None = None
+    _lead: bytes | None = field(default=None, init=False, repr=False)
 
     @property
     def lead(self) -> bytes:
