@@ -236,10 +236,11 @@ class RoutingSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     into overload)."""
     balance_margin: float = 0.2
     """cache_aware: a worker this gateway sent more than (1 + this) times the candidates' mean of
-    recent requests (a 20 s half-life; and 2 requests more than that mean at least, so one
-    conversation on a quiet cluster stays where it is cached) is passed over like a loaded one for a
-    request whose leading block is hot there (a third of its recent requests or more): no worker
-    does much more than its share while every load reads 0, and the hot prefix is what moves."""
+    recent work (each request's max_tokens plus 1/12 per prompt token it must prefill there; a 20 s
+    half-life; and more than half the request's work on the cheapest other worker over that mean,
+    so moving it narrows the gap) is passed over like a loaded one for a request whose leading
+    block is hot there (a third of its recent work or more): no worker does much more than its
+    share while every load reads 0, and the hot prefix is what moves."""
     max_index_blocks: int = 1_000_000
     """Prefix-cache block hashes the gateway remembers per worker (90-110 MB per million); past it
     the least recently stored are forgotten."""

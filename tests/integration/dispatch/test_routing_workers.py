@@ -79,7 +79,9 @@ async def gateway(bootstrap_servers: str, model_dir: Path, port: int, *, max_wor
 
 @pytest.fixture
 async def backend(bootstrap_servers: str, demo_model_dir: Path) -> AsyncIterator[KafkaBackend]:
-    gw = await gateway(bootstrap_servers, demo_model_dir, free_port(), load_cost_tokens=0)
+    # The share guard out of the way (balance_margin 100): these tests send a conversation's turns
+    # back to back, which it may rightly spread (tests/unit/dispatch/test_routing.py covers it).
+    gw = await gateway(bootstrap_servers, demo_model_dir, free_port(), load_cost_tokens=0, balance_margin=100.0)
     try:
         yield gw
     finally:
@@ -157,9 +159,9 @@ async def test_a_job_waits_for_room_where_its_prefix_is_while_another_tenant_tak
     worker holding its prefix rather than prefilled on the free one, and t2's job, behind it in
     line, takes the free worker meanwhile; t1 then runs at home on its cache."""
     monkeypatch.setattr(routing, "LOCALITY_WAIT_S", 120.0)  # the hold's time limit out of the way
-    # No load in the cost and no spread guard: home stays first-ranked for t1 however full it is.
+    # No load in the cost and no spread or share guard: home stays first-ranked for t1 however full it is.
     gw = await gateway(bootstrap_servers, demo_model_dir, free_port(), max_worker_waiting=1,
-                       load_cost_tokens=0, spread_margin=10.0)
+                       load_cost_tokens=0, spread_margin=10.0, balance_margin=100.0)
     try:
         ids = [f"hold-{x}" for x in "ab"]
         for worker_id in ids:

@@ -43,9 +43,9 @@ class Candidate:
     ttft_load: WorkerLoad | None = None  # not predictable unless a test gives one
 
 
-def request(salt: str = "tenant-a", prompt: tuple[int, ...] = PROMPT) -> GenerateRequest:
+def request(salt: str = "tenant-a", prompt: tuple[int, ...] = PROMPT, max_tokens: int = 16) -> GenerateRequest:
     return GenerateRequest(request_id="r", tenant_id=salt, model="m", priority=Priority.STANDARD,
-                           prompt_token_ids=prompt, sampling=SamplingParams(), cache_salt=salt,
+                           prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens), cache_salt=salt,
                            arrival_time=time.time())
 
 
@@ -115,17 +115,18 @@ def test_ties_go_to_the_worker_sent_the_fewest_requests_recently() -> None:
 
 def test_a_worker_sent_past_its_share_is_passed_over_while_loads_read_zero() -> None:
     """The balance guard: a hot prefix held by one worker stays there until that worker was sent
-    more than (1 + balance_margin) times the mean of recent requests, and BALANCE_FLOOR more; then
-    it spreads."""
+    more than (1 + balance_margin) times the mean of recent work, and more than BALANCE_FLOOR times
+    the work the request would ask of the other worker over it; then it spreads."""
     hot, other = holding(Candidate("hot"), "tenant-a", PROMPT), Candidate("other")
     routing = router(balance_margin=0.2)
-    for _ in range(4):  # 3 sent against a mean of 1.5 at the last: within the floor
+    # A cached turn is 16 + 16/12 = 17.3 work; other would prefill all 1600: 16 + 1600/12 = 149.3,
+    # so hot is passed over once it is more than half that (74.7) past the mean.
+    for _ in range(9):  # 8 sent at the last: 69.3 past the mean
         blocks = PromptBlocks(request())
         decision = routing.route([hot, other], blocks)
         assert decision is not None and decision.worker is hot and decision.reason == REASON_CACHE
         routing.note_sent(hot, blocks)
-    routing.note_sent(hot, PromptBlocks(request()))
-    decision = routing.route([hot, other], PromptBlocks(request()))  # 5 sent against a mean of 2.5
+    decision = routing.route([hot, other], PromptBlocks(request()))  # 9 sent: 78 past the mean
     assert decision is not None and decision.worker is other and decision.reason == REASON_SPREAD
     many = router(balance_margin=100.0)  # a margin nothing reaches: the cache always wins
     for _ in range(20):
@@ -133,19 +134,49 @@ def test_a_worker_sent_past_its_share_is_passed_over_while_loads_read_zero() -> 
     assert many.route([hot, other], PromptBlocks(request())).worker is hot  # type: ignore[union-attr]
 
 
+def test_the_guard_weighs_requests_by_the_work_they_ask() -> None:
+    """Recent work, not requests: one long answer outweighs two short ones, a cold prompt (prefilled
+    whole) outweighs a cached one, and a request moves only where it narrows the gap."""
+    a = holding(Candidate("a"), "tenant-a", PROMPT)
+    b = holding(Candidate("b"), "tenant-a", PROMPT)
+    routing = router()
+    routing.note_sent(a, PromptBlocks(request(max_tokens=512)))
+    for _ in range(2):
+        routing.note_sent(b, PromptBlocks(request()))  # max_tokens 16 each, cached: 32 in all
+    tie = routing.route([a, b], PromptBlocks(request()))
+    assert tie is not None and tie.worker is b  # the tie goes to the worker sent less work
+    cold, warm = Candidate("cold"), holding(Candidate("warm"), "tenant-a", PROMPT)
+    weighed = router()
+    weighed.note_sent(cold, PromptBlocks(request()))  # 1600 tokens to prefill: 16 + 1600/12
+    for _ in range(3):
+        weighed.note_sent(warm, PromptBlocks(request()))  # cached: 16 each
+    assert weighed.route([cold, warm], PromptBlocks(request())).worker is warm  # type: ignore[union-attr]
+    share = router()
+    hot = holding(Candidate("hot"), "tenant-a", PROMPT)
+    for _ in range(5):
+        share.note_sent(hot, PromptBlocks(request()))  # 86.7 in all: 43.3 past the mean of two
+    # Moved to a worker that must prefill all of it (149.3), it would turn the gap round: it stays;
+    # to one holding half of it (16 + 800/12 = 82.7), it narrows the gap: it moves.
+    far = share.route([hot, Candidate("cold")], PromptBlocks(request()))
+    assert far is not None and far.worker is hot and far.reason == REASON_CACHE
+    half = holding(Candidate("half"), "tenant-a", PROMPT[:800])
+    near = share.route([hot, half], PromptBlocks(request()))
+    assert near is not None and near.worker is half and near.reason == REASON_SPREAD
+
+
 def test_the_share_guard_moves_the_hot_prefix_not_a_cold_tenants_context() -> None:
     """Past its share, a worker is passed over only for requests whose leading block is hot there
-    (HOT_LEAD_SHARE of its recent requests): a cold tenant whose context only that worker holds
+    (HOT_LEAD_SHARE of its recent work): a cold tenant whose context only that worker holds
     stays, and is not prefilled again elsewhere."""
     home = holding(holding(Candidate("home"), "hot", PROMPT), "cold", PROMPT)
     other = Candidate("other")
     routing = router(balance_margin=0.2)
-    for _ in range(6):
+    for _ in range(12):
         routing.note_sent(home, PromptBlocks(request("hot")))
     routing.note_sent(home, PromptBlocks(request("cold")))
-    cold = routing.route([home, other], PromptBlocks(request("cold")))  # 1 of 7 recent: not hot
+    cold = routing.route([home, other], PromptBlocks(request("cold")))  # 1 of 13 recent: not hot
     assert cold is not None and cold.worker is home and cold.reason == REASON_CACHE
-    hot = routing.route([home, other], PromptBlocks(request("hot")))  # 6 of 7: hot, it moves
+    hot = routing.route([home, other], PromptBlocks(request("hot")))  # 12 of 13: hot, it moves
     assert hot is not None and hot.worker is other and hot.reason == REASON_SPREAD
 
 

@@ -15,14 +15,17 @@ Policies (`routing.policy`):
   worker whose load exceeds the least loaded one's by more than `spread_margin` is ranked after
   every worker within the margin, so a cached prefix never drives its worker into overload (the
   "death spiral" of cache-only routing); once the prefix is cached on both, load decides. So is a
-  worker this router sent more than `1 + balance_margin` times the candidates' mean of recent
-  requests (and `BALANCE_FLOOR` more than that mean at least), for a request whose leading block
-  is hot there (`HOT_LEAD_SHARE` of the worker's recent requests or more): on a quiet cluster,
-  where loads read 0 between requests, a hot tenant would otherwise keep one worker doing most of
-  the work, and moving a cold tenant's request instead would prefill its whole context again for
-  nothing.
-  Costs within `TIE_TOKENS` of the cheapest are a tie, broken by the requests this router sent each
-  worker recently (each weighing half as much every `RECENT_HALF_LIFE_S`): a hot tenant's new
+  worker this router sent more than `1 + balance_margin` times the candidates' mean of recent work
+  (and more than `BALANCE_FLOOR` times the work the request would bring another worker over that
+  mean, so moving it narrows the gap and does not turn it round), for a request
+  whose leading block is hot there (`HOT_LEAD_SHARE` of the worker's recent work or more): on a
+  quiet cluster, where loads read 0 between requests, a hot tenant would otherwise keep one worker
+  doing most of the work, and moving a cold tenant's request instead would prefill its whole
+  context again for nothing. A request's work is what it asks of the worker it goes to, in decode
+  tokens: its `max_tokens` plus `PREFILL_TOKEN_WORK` per prompt token not cached there (`_work`),
+  so a long answer or a cold prompt weighs more than a short cached turn.
+  Costs within `TIE_TOKENS` of the cheapest are a tie, broken by the work this router sent each
+  worker recently (each request weighing half as much every `RECENT_HALF_LIFE_S`): a hot tenant's new
   conversations alternate between the workers that hold its prefix instead of all landing on the
   first.
 
@@ -64,22 +67,30 @@ REASON_SPREAD = "spread"  # cache_aware: the worker holding the prefix was loade
 REASON_TTFT = "ttft"  # the policy's first choice was predicted to miss the TTFT target; this one not
 
 # cache_aware: costs (prefill tokens) this close to the cheapest tie; the tie goes to the worker sent
-# the fewest requests recently. Below a turn's growth (a user message and an answer, three blocks or
+# the least work recently. Below a turn's growth (a user message and an answer, three blocks or
 # more), so a conversation's next turn still goes where its last one is cached.
 TIE_TOKENS = 32
 RECENT_HALF_LIFE_S = 20.0
-# cache_aware's balance guard leaves a worker alone until it was sent this many requests more than the
-# candidates' mean: one conversation's turns on a quiet cluster stay where they are cached (with two
-# workers, 4 recent requests against 0 pass it, 3 do not: a conversation sending a turn every 10 s
-# stays, one every 5 s or faster is spread).
-BALANCE_FLOOR = 2.0
+# A request's work on a worker, in decode tokens: its max_tokens plus this per prompt token the
+# worker must prefill. Fitted on the routing bench's CPU workers (each worker's CPU seconds against
+# its requests' output and uncached prompt tokens: 0.07-0.1); on a GPU a prefill token is cheaper
+# still against a decode token, so this errs towards counting cold prompts as heavy.
+PREFILL_TOKEN_WORK = 1 / 12
+# cache_aware's balance guard leaves a worker alone until it was sent more than this many times the
+# work the request would ask of the cheapest other candidate over the candidates' mean: with two
+# workers, until the gap between them exceeds that work, so moving the request narrows the gap and
+# does not turn it round (a cold prompt, prefilled whole on the other worker, weighs more than a
+# turn whose prefix both hold). A lone conversation on a quiet cluster moves once it sends turns
+# faster than about every 20 s. At 2 requests (before work was weighed) a hot tenant kept to two
+# of three workers (bench routing, run 12: one did 1.35x its share of the CPU).
+BALANCE_FLOOR = 0.5
 # ... and only for a request whose leading block (its tenant's system prompt, salted) was this share
-# of the worker's recent requests or more: the hot prefix is what moves. It is prefilled once on the
+# of the worker's recent work or more: the hot prefix is what moves. It is prefilled once on the
 # other worker and from there near-ties share it, while a cold tenant's request, whose context only
 # this worker holds, stays (moving it would prefill that context again for one request).
 HOT_LEAD_SHARE = 1 / 3
 LEAD_TOKENS = 16  # a prompt's leading block, for the hot-prefix test
-RECENT_LEADS_CAP = 4096  # (worker, leading block) counters kept; the faintest are dropped past it
+RECENT_LEADS_CAP = 4096  # (worker, leading block) work counters kept; the faintest are dropped past it
 # cache_aware: a job whose first-ranked worker holds at least LOCALITY_MIN_TOKENS more of its prompt
 # than another candidate does not go to that other one for LOCALITY_WAIT_S after it was first held
 # back for it (`Router.in_reach`).
@@ -135,8 +146,8 @@ class Router:
     def __init__(self, settings: RoutingSettings) -> None:
         self.settings = settings
         self._turn = itertools.count()
-        self._recent: dict[str, tuple[float, float]] = {}  # worker id -> (decayed requests sent, when)
-        # (worker id, leading block) -> (decayed requests sent, when): what is hot where
+        self._recent: dict[str, tuple[float, float]] = {}  # worker id -> (decayed work sent, when)
+        # (worker id, leading block) -> (decayed work sent, when): what is hot where
         self._recent_leads: dict[tuple[str, bytes], tuple[float, float]] = {}
 
     def rank(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks, *, queued_ahead: int = 0) -> list[Decision]:
@@ -212,12 +223,15 @@ class Router:
         recent = {w.worker_id: self._recent_sent(w.worker_id, now) for w in candidates}
         mean_recent = sum(recent.values()) / len(candidates)
         over_share = mean_recent * (1.0 + self.settings.balance_margin)
+        cached_on = [_cached_tokens(w, blocks) for w in candidates]
+        work_on = [_work(blocks.request, num_tokens - cached) for cached in cached_on]
         scored: list[tuple[bool, float, float, Decision]] = []
-        for worker in candidates:
-            cached = _cached_tokens(worker, blocks)
+        for i, (worker, cached) in enumerate(zip(candidates, cached_on, strict=True)):
             cost = self._cost(worker, num_tokens, cached)
             sent = recent[worker.worker_id]
-            sent_past_share = (sent > over_share and sent - mean_recent >= BALANCE_FLOOR
+            # What the request would ask of the cheapest other worker (moving it adds that there).
+            floor = BALANCE_FLOOR * min((w for j, w in enumerate(work_on) if j != i), default=math.inf)
+            sent_past_share = (sent > over_share and sent - mean_recent > floor
                                and self._lead_sent(worker.worker_id, blocks.lead, now) >= HOT_LEAD_SHARE * sent)
             overloaded = worker.load > least_load + margin or sent_past_share
             scored.append((overloaded, cost, worker.load, Decision(worker, REASON_LOAD, cached, cost)))
@@ -257,11 +271,11 @@ class Router:
         return [d for d in ranking if d.cached_tokens > floor]
 
     def _recent_sent(self, worker_id: str, now: float) -> float:
-        """Requests sent to the worker, each weighing half as much every `RECENT_HALF_LIFE_S`."""
+        """Work sent to the worker, each request's weighing half as much every `RECENT_HALF_LIFE_S`."""
         return _decayed(self._recent.get(worker_id), now)
 
     def _lead_sent(self, worker_id: str, lead: bytes, now: float) -> float:
-        """Requests with this leading block sent to the worker, decayed as `_recent_sent`."""
+        """Work of requests with this leading block sent to the worker, decayed as `_recent_sent`."""
         return _decayed(self._recent_leads.get((worker_id, lead)), now)
 
     def _cost(self, worker: WorkerLink, num_tokens: int, cached_tokens: int) -> float:
@@ -275,9 +289,12 @@ class Router:
         if self.settings.policy != "cache_aware":
             return
         now = time.monotonic()
-        self._recent[worker.worker_id] = (self._recent_sent(worker.worker_id, now) + 1.0, now)
+        request = blocks.request
+        num_tokens = len(request.prompt_token_ids) + len(request.resume_token_ids)
+        work = _work(request, num_tokens - _cached_tokens(worker, blocks))
+        self._recent[worker.worker_id] = (self._recent_sent(worker.worker_id, now) + work, now)
         key = (worker.worker_id, blocks.lead)
-        self._recent_leads[key] = (self._lead_sent(*key, now) + 1.0, now)
+        self._recent_leads[key] = (self._lead_sent(*key, now) + work, now)
         if len(self._recent_leads) > RECENT_LEADS_CAP:  # keep the hottest half
             counts = sorted(self._recent_leads, key=lambda k: _decayed(self._recent_leads[k], now))
             for stale in counts[:len(counts) // 2]:
@@ -293,6 +310,13 @@ def _decayed(entry: tuple[float, float] | None, now: float) -> float:
         return 0.0
     count, at = entry
     return count * math.exp2((at - now) / RECENT_HALF_LIFE_S)
+
+
+def _work(request: GenerateRequest, uncached_tokens: int) -> float:
+    """What the request asks of a worker that must prefill `uncached_tokens` of its prompt, in decode
+    tokens (`PREFILL_TOKEN_WORK`); a resumed request decodes only what is left of its budget."""
+    decode = max(1, request.sampling.max_tokens - len(request.resume_token_ids))
+    return decode + PREFILL_TOKEN_WORK * uncached_tokens
 
 
 def _cached_tokens(worker: WorkerLink, blocks: PromptBlocks) -> int:
