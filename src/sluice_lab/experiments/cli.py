@@ -134,6 +134,13 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     routing_arguments(routing)
     routing.set_defaults(handler=_routing)
 
+    replay = bench_subparsers.add_parser(
+        "routing-replay", help="a routing run's arrivals through the router against modelled workers, in seconds")
+    from sluice_lab.experiments.routing_replay import add_arguments as replay_arguments
+
+    replay_arguments(replay)
+    replay.set_defaults(handler=_routing_replay)
+
     chaos = bench_subparsers.add_parser(
         "chaos", help="mixed streaming and batch load while replicas and workers are SIGKILLed (issue #16)")
     chaos.add_argument("--replicas", type=int, default=3, help="gateway replica processes")
@@ -204,6 +211,12 @@ def _routing(args: argparse.Namespace) -> int:
     from sluice_lab.experiments.routing import run_routing_command
 
     return run_routing_command(args)
+
+
+def _routing_replay(args: argparse.Namespace) -> int:
+    from sluice_lab.experiments.routing_replay import run_replay_command
+
+    return run_replay_command(args)
 
 
 def _chaos(args: argparse.Namespace) -> int:

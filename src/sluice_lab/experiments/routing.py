@@ -24,9 +24,11 @@ output throughput, Jain's index of served / offered output tokens over the equal
 tenants, and each worker's share of the work two ways: prompt tokens computed + output tokens, and
 the CPU seconds its process used (one thread each: its busy time, the closer measure: a decoded
 token costs the engine far more than a prefilled one). Over the backlogged phase: Jain's index of
-the tokens each tenant was served (prompt + output, what the fair scheduler charges) by the
-requests that ended inside it, and the output tokens per second they were served (the cluster's
-capacity; over the arrivals, output throughput can only be the offered load).
+the tokens each tenant was served (prompt + output, what the fair scheduler charges) and the
+output tokens per second (the cluster's capacity; over the arrivals, output throughput can only be
+the offered load), each two ways: by the requests that ended inside the phase, whole, and pro
+rata, each request's output counted as it was decoded inside the phase (`Arm.backlog_tokens`; the
+pro-rata figures from 2026-12-06 17:20 on).
 """
 
 from __future__ import annotations
@@ -96,6 +98,27 @@ class Arm:
             return False
         begin, end = self.backlog_window
         return begin <= turn.finish <= end
+
+    def backlog_tokens(self, turn: Turn, *, pro_rata: bool) -> tuple[float, float]:
+        """(prompt, output) tokens the turn was served inside the backlogged window. Whole requests
+        (`pro_rata=False`): all of both for a request that ended inside it. Pro rata: its prompt if
+        its first token came inside the window, and the share of its output decoded inside it
+        (first token to finish, evenly). With a few requests per tenant in the window, crediting
+        each whole at its end swings a tenant's service by a request; pro rata measures the
+        service given during the window."""
+        if not pro_rata:
+            if self.served_in_backlog(turn):
+                return float(turn.prompt_tokens), float(turn.output_tokens)
+            return 0.0, 0.0
+        if (self.backlog_window is None or turn.phase != "backlog" or turn.error is not None
+                or turn.first_token is None or turn.finish is None):
+            return 0.0, 0.0
+        begin, end = self.backlog_window
+        prompt = float(turn.prompt_tokens) if begin <= turn.first_token <= end else 0.0
+        inside = min(turn.finish, end) - max(turn.first_token, begin)
+        decoding = turn.finish - turn.first_token
+        output = turn.output_tokens * inside / decoding if inside > 0 and decoding > 0 else 0.0
+        return prompt, output
 
 
 def _spawn_workers(args: argparse.Namespace, port: int, logdir: Path) -> list[subprocess.Popen[bytes]]:
@@ -226,33 +249,31 @@ def _arrivals_span(arm: Arm) -> float:
     return max(finishes) - min(t.arrival for t in turns) if finishes else 0.0
 
 
-def _backlog_output_rate(arms: list[Arm]) -> float | None:
-    """Output tokens per second of the backlogged phases (the requests that ended inside each
-    window): the cluster's throughput when every tenant is backlogged, its capacity. Over the
-    arrivals it can only be the offered load."""
-    tokens, seconds = 0, 0.0
+def _backlog_output_rate(arms: list[Arm], *, pro_rata: bool) -> float | None:
+    """Output tokens per second of the backlogged phases (`Arm.backlog_tokens`): the cluster's
+    throughput when every tenant is backlogged, its capacity. Over the arrivals it can only be
+    the offered load."""
+    tokens, seconds = 0.0, 0.0
     for arm in arms:
         if arm.backlog_window is None:
             continue
         begin, end = arm.backlog_window
         seconds += end - begin
-        tokens += sum(t.output_tokens for t in arm.turns if arm.served_in_backlog(t))
+        tokens += sum(arm.backlog_tokens(t, pro_rata=pro_rata)[1] for t in arm.turns)
     return tokens / seconds if seconds else None
 
 
-def _backlog_service(arms: list[Arm]) -> dict[str, int]:
-    """Tokens served per tenant (prompt + output, what the fair scheduler charges) by the requests
-    of the backlogged phase that ended inside its window."""
-    service: dict[str, int] = {}
+def _backlog_service(arms: list[Arm], *, pro_rata: bool) -> dict[str, float]:
+    """Tokens served per tenant (prompt + output, what the fair scheduler charges) inside the
+    backlogged phases' windows (`Arm.backlog_tokens`); every tenant of the phase is listed."""
+    service: dict[str, float] = {}
     for arm in arms:
         if arm.backlog_window is None:
             continue
         for t in arm.turns:
-            if arm.served_in_backlog(t):
-                service[t.tenant] = service.get(t.tenant, 0) + t.prompt_tokens + t.output_tokens
-            elif t.phase == "backlog":
-                service.setdefault(t.tenant, 0)
-    return service
+            if t.phase == "backlog":
+                service[t.tenant] = service.get(t.tenant, 0.0) + sum(arm.backlog_tokens(t, pro_rata=pro_rata))
+    return {tenant: round(n, 1) for tenant, n in service.items()}
 
 
 def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
@@ -286,7 +307,8 @@ def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
             routes[t.route] = routes.get(t.route, 0) + 1
         cpu = {w: sum(a.worker_cpu_s.get(w, 0.0) for a in mine) for w in workers}
         total_cpu = sum(cpu.values()) or 1.0
-        backlogged = _backlog_service(mine)
+        backlogged = _backlog_service(mine, pro_rata=False)
+        backlogged_pro_rata = _backlog_service(mine, pro_rata=True)
         out[policy] = {
             "requests": len(turns), "errors": sum(1 for a in mine for t in a.turns if t.error),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
@@ -301,9 +323,12 @@ def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
             "max_cpu_share_over_even": max(cpu.values()) / total_cpu * len(workers),
             "routes": routes,
             "backlog_requests": sum(1 for a in mine for t in a.turns if t.phase == "backlog" and t.finish),
-            "backlog_output_tokens_per_s": _backlog_output_rate(mine),
+            "backlog_output_tokens_per_s": _backlog_output_rate(mine, pro_rata=False),
             "backlog_service_by_tenant": backlogged,
             "jain_backlogged": jain(list(backlogged.values())),
+            "backlog_output_tokens_per_s_pro_rata": _backlog_output_rate(mine, pro_rata=True),
+            "backlog_service_pro_rata_by_tenant": backlogged_pro_rata,
+            "jain_backlogged_pro_rata": jain(list(backlogged_pro_rata.values())),
         }
     base, cache = out.get("least_loaded"), out.get("cache_aware")
     if base and cache:
@@ -319,6 +344,7 @@ def summarise(arms: list[Arm], workers: list[str]) -> dict[str, Any]:
             "ttft_p50_ratio": ratio("ttft_p50_s"), "ttft_p99_ratio": ratio("ttft_p99_s"),
             "throughput_ratio": gain("output_tokens_per_s"),
             "backlog_throughput_ratio": gain("backlog_output_tokens_per_s"),
+            "backlog_throughput_pro_rata_ratio": gain("backlog_output_tokens_per_s_pro_rata"),
         }
     return out
 

@@ -37,6 +37,21 @@ def test_the_backlogged_phase_counts_what_ended_inside_its_window() -> None:
     assert row["worker_share"] == {"w0": round(20 / 130, 4), "w1": round(110 / 130, 4)}
 
 
+def test_pro_rata_counts_the_output_decoded_inside_the_window() -> None:
+    """A request decoding across the window's end is credited its prompt (first token inside) and
+    half its output (half its decode inside), where whole-request counting credits it nothing; one
+    decoding across the window's start, half its output, where whole-request counting credits it
+    all (it ended inside)."""
+    arm = Arm("cache_aware", 0, backlog_window=(100.0, 160.0))
+    arm.turns = [_turn("backlog", "a", 120.0), _turn("backlog", "b", 160.25),  # decoding 159.75-160.25
+                 _turn("backlog", "c", 100.25)]  # first token before the window: half its output
+    row = summarise([arm], ["w0"])["cache_aware"]
+    assert row["backlog_service_by_tenant"] == {"a": 110, "b": 0, "c": 110}
+    assert row["backlog_service_pro_rata_by_tenant"] == {"a": 110, "b": 105, "c": 5}
+    assert row["jain_backlogged_pro_rata"] == pytest.approx(jain([110, 105, 5]))
+    assert row["backlog_output_tokens_per_s_pro_rata"] == pytest.approx(20 / 60.0)
+
+
 def test_jain_is_one_for_equal_service_and_none_without_any() -> None:
     assert jain([5.0, 5.0, 5.0]) == pytest.approx(1.0)
     assert jain([1.0, 0.0]) == pytest.approx(0.5)

@@ -17,13 +17,13 @@ Policies (`routing.policy`):
   "death spiral" of cache-only routing); once the prefix is cached on both, load decides. So is a
   worker this router sent more than `1 + balance_margin` times the candidates' mean of recent work
   (and more than `BALANCE_FLOOR` times the work the request would bring another worker over that
-  mean, so moving it narrows the gap and does not turn it round), for a request
-  whose leading block is hot there (`HOT_LEAD_SHARE` of the worker's recent work or more): on a
-  quiet cluster, where loads read 0 between requests, a hot tenant would otherwise keep one worker
-  doing most of the work, and moving a cold tenant's request instead would prefill its whole
-  context again for nothing. A request's work is what it asks of the worker it goes to, in decode
-  tokens: its `max_tokens` plus `PREFILL_TOKEN_WORK` per prompt token not cached there (`_work`),
-  so a long answer or a cold prompt weighs more than a short cached turn.
+  mean, so moving it narrows the gap and does not turn it round), for a request whose leading block
+  is hot there (`HOT_LEAD_SHARE` of the worker's recent work or more): on a quiet cluster, where
+  loads read 0 between requests, a hot tenant would otherwise keep one worker doing most of the
+  work, and moving a cold tenant's request instead would prefill its whole context again for
+  nothing. A request's work is what it asks of the worker it goes to, in decode tokens: its
+  `max_tokens` plus `PREFILL_TOKEN_WORK` per prompt token not cached there (`request_work`), so a
+  long answer or a cold prompt weighs more than a short cached turn.
   Costs within `TIE_TOKENS` of the cheapest are a tie, broken by the work this router sent each
   worker recently (each request weighing half as much every `RECENT_HALF_LIFE_S`): a hot tenant's new
   conversations alternate between the workers that hold its prefix instead of all landing on the
@@ -46,7 +46,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -143,8 +143,9 @@ class PromptBlocks:
 class Router:
     """Ranks candidate workers by `routing.policy` (module docstring)."""
 
-    def __init__(self, settings: RoutingSettings) -> None:
+    def __init__(self, settings: RoutingSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self._clock = clock  # monotonic seconds (a replay of recorded arrivals passes its own)
         self._turn = itertools.count()
         self._recent: dict[str, tuple[float, float]] = {}  # worker id -> (decayed work sent, when)
         # (worker id, leading block) -> (decayed work sent, when): what is hot where
@@ -219,12 +220,12 @@ class Router:
         num_tokens = len(blocks.request.prompt_token_ids) + len(blocks.request.resume_token_ids)
         least_load = min(w.load for w in candidates)
         margin = self.settings.spread_margin
-        now = time.monotonic()
+        now = self._clock()
         recent = {w.worker_id: self._recent_sent(w.worker_id, now) for w in candidates}
         mean_recent = sum(recent.values()) / len(candidates)
         over_share = mean_recent * (1.0 + self.settings.balance_margin)
         cached_on = [_cached_tokens(w, blocks) for w in candidates]
-        work_on = [_work(blocks.request, num_tokens - cached) for cached in cached_on]
+        work_on = [request_work(blocks.request, num_tokens - cached) for cached in cached_on]
         scored: list[tuple[bool, float, float, Decision]] = []
         for i, (worker, cached) in enumerate(zip(candidates, cached_on, strict=True)):
             cost = self._cost(worker, num_tokens, cached)
@@ -288,10 +289,10 @@ class Router:
         other policies never hash a prompt."""
         if self.settings.policy != "cache_aware":
             return
-        now = time.monotonic()
+        now = self._clock()
         request = blocks.request
         num_tokens = len(request.prompt_token_ids) + len(request.resume_token_ids)
-        work = _work(request, num_tokens - _cached_tokens(worker, blocks))
+        work = request_work(request, num_tokens - _cached_tokens(worker, blocks))
         self._recent[worker.worker_id] = (self._recent_sent(worker.worker_id, now) + work, now)
         key = (worker.worker_id, blocks.lead)
         self._recent_leads[key] = (self._lead_sent(*key, now) + work, now)
@@ -312,7 +313,7 @@ def _decayed(entry: tuple[float, float] | None, now: float) -> float:
     return count * math.exp2((at - now) / RECENT_HALF_LIFE_S)
 
 
-def _work(request: GenerateRequest, uncached_tokens: int) -> float:
+def request_work(request: GenerateRequest, uncached_tokens: int) -> float:
     """What the request asks of a worker that must prefill `uncached_tokens` of its prompt, in decode
     tokens (`PREFILL_TOKEN_WORK`); a resumed request decodes only what is left of its budget."""
     decode = max(1, request.sampling.max_tokens - len(request.resume_token_ids))
