@@ -92,28 +92,21 @@ class Arm:
     backlog_window: tuple[float, float] | None = None  # (start, end) of the backlogged phase
     worker_cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per worker, this arm
 
-    def served_in_backlog(self, turn: Turn) -> bool:
-        """The turn is a backlogged-phase request that ended, without error, inside the window."""
-        if self.backlog_window is None or turn.phase != "backlog" or turn.error is not None or turn.finish is None:
-            return False
-        begin, end = self.backlog_window
-        return begin <= turn.finish <= end
-
     def backlog_tokens(self, turn: Turn, *, pro_rata: bool) -> tuple[float, float]:
-        """(prompt, output) tokens the turn was served inside the backlogged window. Whole requests
-        (`pro_rata=False`): all of both for a request that ended inside it. Pro rata: its prompt if
-        its first token came inside the window, and the share of its output decoded inside it
-        (first token to finish, evenly). With a few requests per tenant in the window, crediting
-        each whole at its end swings a tenant's service by a request; pro rata measures the
-        service given during the window."""
-        if not pro_rata:
-            if self.served_in_backlog(turn):
-                return float(turn.prompt_tokens), float(turn.output_tokens)
-            return 0.0, 0.0
-        if (self.backlog_window is None or turn.phase != "backlog" or turn.error is not None
-                or turn.first_token is None or turn.finish is None):
+        """(prompt, output) tokens a backlogged-phase request, without error, was served inside the
+        window. Whole requests (`pro_rata=False`): all of both for a request that ended inside it.
+        Pro rata: its prompt if its first token came inside the window, and the share of its output
+        decoded inside it (first token to finish, evenly). With a few requests per tenant in the
+        window, crediting each whole at its end swings a tenant's service by a request; pro rata
+        measures the service given during the window."""
+        if self.backlog_window is None or turn.phase != "backlog" or turn.error is not None or turn.finish is None:
             return 0.0, 0.0
         begin, end = self.backlog_window
+        if not pro_rata:
+            inside_whole = begin <= turn.finish <= end
+            return (float(turn.prompt_tokens), float(turn.output_tokens)) if inside_whole else (0.0, 0.0)
+        if turn.first_token is None:
+            return 0.0, 0.0
         prompt = float(turn.prompt_tokens) if begin <= turn.first_token <= end else 0.0
         inside = min(turn.finish, end) - max(turn.first_token, begin)
         decoding = turn.finish - turn.first_token

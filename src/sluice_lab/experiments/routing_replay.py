@@ -22,7 +22,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sluice.errors import CLIError
 from sluice.gateway.dispatch.cache_index import CacheIndex
@@ -151,7 +151,7 @@ def replay(arrivals: list[Arrival], *, policy: str, workers: int, max_num_seqs: 
         blocks = PromptBlocks(request)
         decision = router.route(pool, blocks)  # type: ignore[arg-type]
         assert decision is not None
-        worker = next(w for w in pool if w.worker_id == decision.worker.worker_id)
+        worker = cast(ModelWorker, decision.worker)  # one of the pool: routing ranks what it is given
         uncached = len(tokens) - worker.cache.matched_blocks(blocks.hashes(BLOCK_SIZE)) * BLOCK_SIZE
         router.note_sent(worker, blocks)  # type: ignore[arg-type]
         if policy != "cache_aware":  # the router notes prompts only under cache_aware
@@ -192,16 +192,16 @@ def run_replay_command(args: argparse.Namespace) -> int:
         raise CLIError(f"cannot read {args.result}: {exc}") from exc
     if not isinstance(result, dict):
         raise CLIError(f"{args.result} is not a `sluice bench routing` JSON")
-    config = result.get("config", {})
-    workers = args.workers or int(config.get("workers", 2))
-    slots = args.max_num_seqs or int(config.get("max_num_seqs", 4))
-    if workers < 1 or slots < 1:
-        raise CLIError("--workers and --max-num-seqs must be positive")
     try:
+        config = result.get("config", {})
+        workers = args.workers if args.workers is not None else int(config.get("workers", 2))
+        slots = args.max_num_seqs if args.max_num_seqs is not None else int(config.get("max_num_seqs", 4))
         arrivals = arrivals_of(result)
         rate = work_per_second(result)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise CLIError(f"{args.result} is not a `sluice bench routing` JSON: bad or missing {exc}") from exc
+    if workers < 1 or slots < 1:
+        raise CLIError("--workers and --max-num-seqs must be positive")
     rows = [replay(arrivals, policy=p, workers=workers, max_num_seqs=slots, work_per_s=rate, seed=args.seed)
             for p in (args.policy or POLICIES)]
     print(f"{args.result.name}: {sum(a.measured for a in arrivals)} arrivals on {workers} modelled workers "

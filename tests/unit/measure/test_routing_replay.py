@@ -59,7 +59,8 @@ def test_a_modelled_worker_shares_its_rate_between_the_requests_in_flight() -> N
     assert worker.remaining == [10.0]
 
 
-@pytest.mark.parametrize("content", ["not json", "[1, 2]", json.dumps({"turns": []}),
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", json.dumps({"turns": []}), json.dumps({"config": 5}),
+                                     json.dumps({"turns": ["x"]}),
                                      json.dumps({"turns": [{"policy": "cache_aware", "phase": "arrivals"}]}),
                                      json.dumps({"turns": [{"policy": "cache_aware", "phase": "arrivals",
                                                             "tenant": "a", "conversation": 0, "arrival": 1.0,
@@ -72,3 +73,13 @@ def test_a_file_that_is_not_a_routing_run_is_a_one_line_error(tmp_path: Path, co
     with pytest.raises(CLIError) as raised:
         run_replay_command(args)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("flags", [dict(workers=0), dict(max_num_seqs=0), dict(workers=-2)])
+def test_no_workers_or_slots_is_a_one_line_error(tmp_path: Path, flags: dict[str, int]) -> None:
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run_result()))
+    args = argparse.Namespace(**{"result": path, "workers": None, "max_num_seqs": None, "policy": None, "seed": 0,
+                                 "json_out": None, **flags})
+    with pytest.raises(CLIError, match="must be positive"):
+        run_replay_command(args)

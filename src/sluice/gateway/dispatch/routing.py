@@ -43,6 +43,7 @@ the rest.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
 import time
@@ -226,12 +227,15 @@ class Router:
         over_share = mean_recent * (1.0 + self.settings.balance_margin)
         cached_on = [_cached_tokens(w, blocks) for w in candidates]
         work_on = [request_work(blocks.request, num_tokens - cached) for cached in cached_on]
+        # The two cheapest candidates for the request: for each worker, the cheapest other one is
+        # what moving the request adds there.
+        two_cheapest = heapq.nsmallest(2, range(len(candidates)), key=work_on.__getitem__)
         scored: list[tuple[bool, float, float, Decision]] = []
         for i, (worker, cached) in enumerate(zip(candidates, cached_on, strict=True)):
             cost = self._cost(worker, num_tokens, cached)
             sent = recent[worker.worker_id]
-            # What the request would ask of the cheapest other worker (moving it adds that there).
-            floor = BALANCE_FLOOR * min((w for j, w in enumerate(work_on) if j != i), default=math.inf)
+            other = next((j for j in two_cheapest if j != i), None)
+            floor = math.inf if other is None else BALANCE_FLOOR * work_on[other]
             sent_past_share = (sent > over_share and sent - mean_recent > floor
                                and self._lead_sent(worker.worker_id, blocks.lead, now) >= HOT_LEAD_SHARE * sent)
             overloaded = worker.load > least_load + margin or sent_past_share
