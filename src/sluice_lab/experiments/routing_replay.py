@@ -26,7 +26,7 @@ from typing import Any, cast
 
 from sluice.errors import CLIError
 from sluice.gateway.dispatch.cache_index import CacheIndex
-from sluice.gateway.dispatch.routing import PREFILL_TOKEN_WORK, PromptBlocks, Router, request_work
+from sluice.gateway.dispatch.routing import PREFILL_TOKEN_WORK, PromptBlocks, Router, cached_tokens, request_work
 from sluice.gateway.dispatch.ttft import WorkerLoad
 from sluice.protocol import GenerateRequest, Priority, SamplingParams
 from sluice.settings import RoutingSettings
@@ -152,7 +152,7 @@ def replay(arrivals: list[Arrival], *, policy: str, workers: int, max_num_seqs: 
         decision = router.route(pool, blocks)  # type: ignore[arg-type]
         assert decision is not None
         worker = cast(ModelWorker, decision.worker)  # one of the pool: routing ranks what it is given
-        uncached = len(tokens) - worker.cache.matched_blocks(blocks.hashes(BLOCK_SIZE)) * BLOCK_SIZE
+        uncached = len(tokens) - cached_tokens(worker, blocks)  # type: ignore[arg-type]
         router.note_sent(worker, blocks)  # type: ignore[arg-type]
         if policy != "cache_aware":  # the router notes prompts only under cache_aware
             worker.cache.note_sent(BLOCK_SIZE, blocks.hashes(BLOCK_SIZE))

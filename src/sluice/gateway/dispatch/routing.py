@@ -148,9 +148,7 @@ class Router:
         self.settings = settings
         self._clock = clock  # monotonic seconds (a replay of recorded arrivals passes its own)
         self._turn = itertools.count()
-        self._recent: dict[str, tuple[float, float]] = {}  # worker id -> (decayed work sent, when)
-        # (worker id, leading block) -> (decayed work sent, when): what is hot where
-        self._recent_leads: dict[tuple[str, bytes], tuple[float, float]] = {}
+        self._recent = RecentWork()
 
     def rank(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks, *, queued_ahead: int = 0) -> list[Decision]:
         """Every candidate, best first, each with why it ranks there. `queued_ahead`: prompt tokens
@@ -206,7 +204,7 @@ class Router:
             load = worker.ttft_load
             if load is None:
                 return None  # a worker nothing is known about may serve it in time
-            cached = _cached_tokens(worker, blocks) if self.settings.policy == "cache_aware" else 0
+            cached = cached_tokens(worker, blocks) if self.settings.policy == "cache_aware" else 0
             seconds = predict_ttft(load, priority=request.priority, prompt_tokens=num_tokens,
                                    cached_tokens=cached, queued_ahead=queued_ahead)
             best = seconds if best is None else min(best, seconds)
@@ -222,10 +220,10 @@ class Router:
         least_load = min(w.load for w in candidates)
         margin = self.settings.spread_margin
         now = self._clock()
-        recent = {w.worker_id: self._recent_sent(w.worker_id, now) for w in candidates}
+        recent = {w.worker_id: self._recent.of_worker(w.worker_id, now) for w in candidates}
         mean_recent = sum(recent.values()) / len(candidates)
         over_share = mean_recent * (1.0 + self.settings.balance_margin)
-        cached_on = [_cached_tokens(w, blocks) for w in candidates]
+        cached_on = [cached_tokens(w, blocks) for w in candidates]
         work_on = [request_work(blocks.request, num_tokens - cached) for cached in cached_on]
         # The two cheapest candidates for the request: for each worker, the cheapest other one is
         # what moving the request adds there.
@@ -237,7 +235,7 @@ class Router:
             other = next((j for j in two_cheapest if j != i), None)
             floor = math.inf if other is None else BALANCE_FLOOR * work_on[other]
             sent_past_share = (sent > over_share and sent - mean_recent > floor
-                               and self._lead_sent(worker.worker_id, blocks.lead, now) >= HOT_LEAD_SHARE * sent)
+                               and self._recent.of_lead(worker.worker_id, blocks.lead, now) >= HOT_LEAD_SHARE * sent)
             overloaded = worker.load > least_load + margin or sent_past_share
             scored.append((overloaded, cost, worker.load, Decision(worker, REASON_LOAD, cached, cost)))
         scored.sort(key=lambda s: (s[0], s[1], s[2]))
@@ -275,14 +273,6 @@ class Router:
         floor = ranking[0].cached_tokens - LOCALITY_MIN_TOKENS
         return [d for d in ranking if d.cached_tokens > floor]
 
-    def _recent_sent(self, worker_id: str, now: float) -> float:
-        """Work sent to the worker, each request's weighing half as much every `RECENT_HALF_LIFE_S`."""
-        return _decayed(self._recent.get(worker_id), now)
-
-    def _lead_sent(self, worker_id: str, lead: bytes, now: float) -> float:
-        """Work of requests with this leading block sent to the worker, decayed as `_recent_sent`."""
-        return _decayed(self._recent_leads.get((worker_id, lead)), now)
-
     def _cost(self, worker: WorkerLink, num_tokens: int, cached_tokens: int) -> float:
         """Predicted cost in prefill tokens: what is not cached, plus the worker's pressure."""
         return (num_tokens - cached_tokens) + self.settings.load_cost_tokens * (worker.load + worker.kv_use)
@@ -293,20 +283,36 @@ class Router:
         other policies never hash a prompt."""
         if self.settings.policy != "cache_aware":
             return
-        now = self._clock()
         request = blocks.request
         num_tokens = len(request.prompt_token_ids) + len(request.resume_token_ids)
-        work = request_work(request, num_tokens - _cached_tokens(worker, blocks))
-        self._recent[worker.worker_id] = (self._recent_sent(worker.worker_id, now) + work, now)
-        key = (worker.worker_id, blocks.lead)
-        self._recent_leads[key] = (self._lead_sent(*key, now) + work, now)
-        if len(self._recent_leads) > RECENT_LEADS_CAP:  # keep the hottest half
-            counts = sorted(self._recent_leads, key=lambda k: _decayed(self._recent_leads[k], now))
-            for stale in counts[:len(counts) // 2]:
-                del self._recent_leads[stale]
+        work = request_work(request, num_tokens - cached_tokens(worker, blocks))
+        self._recent.add(worker.worker_id, blocks.lead, work, self._clock())
         cache = worker.cache
         block_size = cache.block_size or self.settings.upstream_block_size
         cache.note_sent(block_size, blocks.hashes(block_size))
+
+
+class RecentWork:
+    """The work a router sent recently: per worker, and per worker and leading block (what is hot
+    where), each request weighing half as much every `RECENT_HALF_LIFE_S`. One `add` moves both."""
+
+    def __init__(self) -> None:
+        self._by_worker: dict[str, tuple[float, float]] = {}  # worker id -> (decayed work, when)
+        self._by_lead: dict[tuple[str, bytes], tuple[float, float]] = {}  # (worker id, lead) -> likewise
+
+    def of_worker(self, worker_id: str, now: float) -> float:
+        return _decayed(self._by_worker.get(worker_id), now)
+
+    def of_lead(self, worker_id: str, lead: bytes, now: float) -> float:
+        return _decayed(self._by_lead.get((worker_id, lead)), now)
+
+    def add(self, worker_id: str, lead: bytes, work: float, now: float) -> None:
+        self._by_worker[worker_id] = (self.of_worker(worker_id, now) + work, now)
+        self._by_lead[worker_id, lead] = (self.of_lead(worker_id, lead, now) + work, now)
+        if len(self._by_lead) > RECENT_LEADS_CAP:  # keep the hottest half
+            by_heat = sorted(self._by_lead, key=lambda key: _decayed(self._by_lead[key], now))
+            for stale in by_heat[:len(by_heat) // 2]:
+                del self._by_lead[stale]
 
 
 def _decayed(entry: tuple[float, float] | None, now: float) -> float:
@@ -324,7 +330,8 @@ def request_work(request: GenerateRequest, uncached_tokens: int) -> float:
     return decode + PREFILL_TOKEN_WORK * uncached_tokens
 
 
-def _cached_tokens(worker: WorkerLink, blocks: PromptBlocks) -> int:
+def cached_tokens(worker: WorkerLink, blocks: PromptBlocks) -> int:
+    """The prompt tokens `worker`'s index says it holds (whole matched blocks)."""
     cache = worker.cache
     if not cache.block_size or not len(cache):
         return 0
