@@ -52,7 +52,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fopenmp", "-Wall", "
 LINK_FLAGS = ("-fopenmp",)
 WERROR_SWITCH = "SLUICE_KERNEL_WERROR"  # "1": warnings are errors
 CSRC = Path(__file__).resolve().parent / "csrc"  # the kernels' C++ files
-_BUILD_TIMEOUT_S = 1800  # a build takes ~40 s of CPU; minutes of wall time on a loaded machine
+_BUILD_TIMEOUT_S = 1800  # a build takes ~20 s of CPU; minutes of wall time on a loaded machine
 _LOOK_EVERY_S = 1.0  # how often ready() looks for a module a build may have finished meanwhile
 
 

@@ -4,8 +4,9 @@ float32 on the CPU, 16 chat-templated prompts of mixed lengths (the longest seve
 prefill chunk, four sharing a long prefix, multi-turn conversations that extend each other, one
 repeated), 64 new tokens each, under every policy. One engine per policy runs them twice with a
 KV pool small enough to force preemptions; the second pass is served largely from the prefix
-cache. The HF reference (ids plus each position's top-2 logit gap) is computed once per test run
-and shared by the xdist workers.
+cache. The HF reference (ids plus each position's top logits' gaps) is read from tests/data/hf-greedy
+where it was recorded with the installed transformers and torch, else computed once per test run
+and shared by the xdist workers (`hf_greedy`; SLUICE_TEST_RECORD_HF=1 records it).
 
 A differing position is accepted only as a float near-tie: the engine's token must be one of HF's
 best few whose logit is within NEAR_TIE_LOGIT_GAP of HF's best there (references stored before the
