@@ -125,7 +125,7 @@ def write_model_dir(path: Path, shape: ModelShape, dtype: torch.dtype, device: s
     return path
 
 
-def _scratch_dir(nbytes: int) -> Path:
+def scratch_dir(nbytes: int) -> Path:
     shm = Path("/dev/shm")
     if shm.is_dir() and shutil.disk_usage(shm).free > 1.5 * nbytes:
         return Path(tempfile.mkdtemp(prefix="sluice-bench-", dir=shm))
@@ -187,7 +187,7 @@ def run_engine_section(
     shape = dataclasses.replace(base, layers=base.layers if dry else layers)
     dtype = torch.float32 if dry else torch.bfloat16
     weight_bytes = (shape.decode_weight_params + shape.vocab * shape.hidden) * dtype.itemsize
-    model_dir = _scratch_dir(weight_bytes)
+    model_dir = scratch_dir(weight_bytes)
     try:
         t0 = time.perf_counter()
         write_model_dir(model_dir, shape, dtype, device)

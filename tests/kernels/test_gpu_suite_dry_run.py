@@ -37,3 +37,17 @@ def test_dry_run_completes_and_writes_json(tmp_path: Path) -> None:
     timed = [r for r in report["rows"] if r["section"] == "kernel"]
     assert timed and all(r["ms"] > 0 for r in timed)
     assert any(r["section"] == "engine" for r in report["rows"])
+
+
+def test_gpu_slo_dry_run_writes_every_arm_and_phase(tmp_path: Path) -> None:
+    """bench/gpu_slo.py (issue #32's experiment for a lent GPU) end to end on a tiny model on CPU."""
+    env = {**os.environ}
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_slo.py"), "--dry-run", "--out", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "slo_gpu.json").read_text())
+    assert set(summary["arms"]) == {"fixed-16", "fixed-64", "adaptive", "adaptive-p95"}
+    assert all(len(phases) == 4 for phases in summary["arms"].values())
+    assert summary["verdict"]["adaptive_p95_over_best_single_fixed"] is not None
+    assert (tmp_path / "slo_gpu.png").is_file()

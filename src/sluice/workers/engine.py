@@ -9,6 +9,7 @@ tokens are detokenized (stop strings applied) into a `RequestDelta`. `generate()
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import logging
@@ -16,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -42,6 +44,10 @@ log = logging.getLogger(__name__)
 # What a client is told when its request raised inside the engine (details stay in the worker's log).
 REQUEST_FAILED_MESSAGE = "the model worker could not process this request (other requests are unaffected)"
 MAX_FAILED_STEPS = 3
+# The settings only the scheduler reads (`LLMEngine.reschedule`): the runner, its KV memory and its
+# CUDA graphs are sized by the others.
+SCHEDULING_FIELDS = frozenset({"policy", "max_num_batched_tokens", "max_prefill_chunk", "enable_prefix_caching",
+                               "chunk_policy", "min_prefill_chunk", "itl_slow_share"})
 
 
 @dataclass(slots=True)
@@ -97,9 +103,7 @@ class LLMEngine:
         self._tokenizer = load_tokenizer(model_dir)
         self.runner = ModelRunner(config)
         self.eos_token_ids = _eos_token_ids(model_dir, self.runner.model_config, self._tokenizer)
-        self.scheduler = Scheduler(
-            SchedulerConfig.from_engine_config(config, self.runner.num_kv_blocks, self.runner.max_model_len)
-        )
+        self.scheduler = self._new_scheduler()
         backend = getattr(self._tokenizer, "backend_tokenizer", None)
         if backend is not None:  # the Rust tokenizer directly: far cheaper per call
             self._decode = lambda ids: backend.decode(list(ids), skip_special_tokens=True)
@@ -114,6 +118,24 @@ class LLMEngine:
         # Structured requests whose grammar is compiling, with when they were submitted: not yet
         # the scheduler's (not scheduled until it is ready; the engine keeps stepping the others).
         self._compiling: dict[str, tuple[Request, concurrent.futures.Future, float]] = {}
+
+    def reschedule(self, **scheduling: Any) -> None:
+        """A fresh scheduler (empty queues and prefix cache, a cold cost model) under these
+        `SCHEDULING_FIELDS` of the config, keeping the loaded model and its KV memory: experiments
+        that compare scheduling policies on one model (`sluice bench slo`) load it once, not once
+        per arm (an 8B model takes longer to load than an arm takes to run). Only while idle."""
+        unknown = set(scheduling) - SCHEDULING_FIELDS
+        if unknown:
+            raise ValueError(f"not scheduling settings: {sorted(unknown)}")
+        if self.has_work:
+            raise RuntimeError("reschedule needs an idle engine")
+        self.config = dataclasses.replace(self.config, **scheduling)
+        self.scheduler = self._new_scheduler()
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(
+            SchedulerConfig.from_engine_config(self.config, self.runner.num_kv_blocks, self.runner.max_model_len)
+        )
 
     # ---- properties ----------------------------------------------------------------------------
 

@@ -67,6 +67,8 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     slo.add_argument("--slo", default="ttft=3s,itl=300ms",
                      help="interactive targets (standard: 10/3 of them, batch none), e.g. ttft=3s,itl=300ms")
     slo.add_argument("--phases", nargs="+", help="steady long_while_decoding batch_flood burst (default: all)")
+    slo.add_argument("--load", choices=("cpu", "gpu"), default="cpu",
+                     help="the phases' sizes: cpu (a small model on a CPU) or gpu (an 8B shape on an H200)")
     _common(slo, "slo")
     slo.set_defaults(handler=_slo)
 

@@ -35,7 +35,6 @@ from sluice_lab.experiments.replay import ReplayResult, TimedRequest, build_engi
 from sluice_lab.loadgen.scenario import Slo
 
 PHASES = ("steady", "long_while_decoding", "batch_flood", "burst")
-MAX_SEQS = 32
 STANDARD_LOOSER = 10.0 / 3.0  # standard's targets / interactive's (the [objectives] defaults: 10 s / 3 s)
 
 
@@ -53,11 +52,27 @@ class Sizes:
     batch_output: int = 24
     burst: int = 12
     burst_prompt: tuple[int, int] = (128, 384)
+    stream_gap_s: float = 0.5  # steady: one stream's arrival after another's
+    max_num_seqs: int = 32
+    max_model_len: int | None = None  # None: the model's
 
     @classmethod
     def quick(cls) -> Sizes:
         return cls(streams=3, stream_prompt=(8, 16), stream_output=8, long_prompts=1, long_prompt=(96, 128),
                    batch_requests=4, batch_prompt=(32, 64), batch_output=4, burst=3, burst_prompt=(16, 32))
+
+    @classmethod
+    def gpu(cls) -> Sizes:
+        """The same phases at a GPU's scale (sized on an H200 with a Llama-3-8B shape: ~60K prefill
+        tokens/s in large chunks, a 64-row decode step ~5-9 ms): RAG-length long prompts whose
+        prefill in large chunks stalls the streams for tens of steps, a batch flood of ~190K prompt
+        tokens, and a burst of ~190K tokens, about 3 s of prefill at the full rate."""
+        return cls(streams=16, stream_prompt=(256, 1024), stream_output=128, long_prompts=4,
+                   long_prompt=(16384, 32768), batch_requests=96, batch_prompt=(1024, 3072), batch_output=64,
+                   burst=48, burst_prompt=(2048, 6144), stream_gap_s=0.1, max_num_seqs=64, max_model_len=33280)
+
+
+LOADS = {"cpu": Sizes, "gpu": Sizes.gpu, "quick": Sizes.quick}
 
 
 def phase_requests(phase: str, sizes: Sizes, slo: Slo, vocab: int, seed: int) -> list[TimedRequest]:
@@ -73,7 +88,7 @@ def phase_requests(phase: str, sizes: Sizes, slo: Slo, vocab: int, seed: int) ->
                             after=after, itl_target_s=slo.itl_s, ttft_target_s=slo.ttft_s)
 
     if phase == "steady":
-        return [stream(i, 0.5 * i) for i in range(sizes.streams)]
+        return [stream(i, sizes.stream_gap_s * i) for i in range(sizes.streams)]
     if phase == "long_while_decoding":
         streams = [stream(i, 0.0, output=2 * sizes.stream_output) for i in range(sizes.streams)]
         longs = [TimedRequest(f"{phase}-long-{i}", 0.0, prompt(sizes.long_prompt), 8, role="long",
@@ -131,18 +146,25 @@ def run_slo_bench(model_dir: Path, chunks: list[int], sizes: Sizes, slo: Slo, *,
     arms = [f"fixed-{c}" for c in chunks] + ["adaptive", "adaptive-p95"]
     largest = max(chunks)
     results: dict[str, dict[str, Any]] = {arm: {} for arm in arms}
+    # One engine, the model loaded once; each arm replays a phase on a fresh scheduler (empty queues,
+    # prefix cache and cost model) under its own settings.
+    model_len = {} if sizes.max_model_len is None else {"max_model_len": sizes.max_model_len}
+    engine = build_engine(model_dir, device=device, cpu_threads=cpu_threads, policy="chunked",
+                          max_num_seqs=sizes.max_num_seqs, max_num_batched_tokens=largest + sizes.max_num_seqs,
+                          **model_len)
+    defaults = {"chunk_policy": engine.config.chunk_policy, "max_prefill_chunk": engine.config.max_prefill_chunk,
+                "min_prefill_chunk": engine.config.min_prefill_chunk, "itl_slow_share": engine.config.itl_slow_share}
     for phase in phases:
         for arm in arms:
+            options = dict(defaults)
             if arm.startswith("adaptive"):
                 # adaptive-p95: whole-budget steps within the 5 % of slow gaps a p95 objective forgives.
-                options: dict[str, Any] = {"chunk_policy": "adaptive", "max_num_batched_tokens": largest + MAX_SEQS,
-                                           "min_prefill_chunk": min(chunks),
-                                           "itl_slow_share": 0.05 if arm == "adaptive-p95" else 0.0}
+                options.update(chunk_policy="adaptive", max_num_batched_tokens=largest + sizes.max_num_seqs,
+                               min_prefill_chunk=min(chunks), itl_slow_share=0.05 if arm == "adaptive-p95" else 0.0)
             else:
                 chunk = int(arm.removeprefix("fixed-"))
-                options = {"max_prefill_chunk": chunk, "max_num_batched_tokens": chunk + MAX_SEQS}
-            engine = build_engine(model_dir, device=device, cpu_threads=cpu_threads, policy="chunked",
-                                  max_num_seqs=MAX_SEQS, **options)
+                options.update(max_prefill_chunk=chunk, max_num_batched_tokens=chunk + sizes.max_num_seqs)
+            engine.reschedule(**options)
             _warm(engine, warm_steps, min(chunks), seed)
             vocab = engine.model_config.vocab_size
             result = replay(engine, phase_requests(phase, sizes, slo, vocab, seed))
@@ -153,11 +175,10 @@ def run_slo_bench(model_dir: Path, chunks: list[int], sizes: Sizes, slo: Slo, *,
             print(f"{phase:>20} {arm:>12}: goodput {point['goodput_rps']:.3f} req/s, "
                   f"ITL p95 {_ms(point['interactive_itl_p95_s'])}, TTFT p95 {_s(point['interactive_ttft_p95_s'])}, "
                   f"wall {point['wall_s']:.1f} s", flush=True)
-            del engine
     return {"slo": {"interactive_ttft_s": slo.ttft_s, "interactive_itl_s": slo.itl_s,
                     "standard_factor": STANDARD_LOOSER},
             "load": {"sizes": {k: getattr(sizes, k) for k in Sizes.__dataclass_fields__}, "seed": seed,
-                     "model": str(model_dir), "device": device, "cpu_threads": cpu_threads, "max_num_seqs": MAX_SEQS},
+                     "model": str(model_dir), "device": device, "cpu_threads": cpu_threads},
             "arms": results, "verdict": verdict(results, phases)}
 
 
@@ -255,7 +276,7 @@ def run_slo_command(args: argparse.Namespace) -> int:
     unknown = set(phases) - set(PHASES)
     if unknown:
         raise CLIError(f"--phases: unknown phase(s) {sorted(unknown)}; known: {', '.join(PHASES)}")
-    summary = run_slo_bench(resolve_model(args.model), args.chunks, Sizes.quick() if args.quick else Sizes(), slo,
+    summary = run_slo_bench(resolve_model(args.model), args.chunks, LOADS["quick" if args.quick else args.load](), slo,
                             seed=args.seed, device=args.device, cpu_threads=args.cpu_threads, phases=phases)
     write_json(args.json_out, summary)
     plot_slo(summary, args.plot)

@@ -138,3 +138,27 @@ def test_cpu_kv_pool_defaults_to_a_fraction_of_available_memory(demo_model_dir: 
     # An explicit byte budget still wins.
     fixed = ModelRunner(EngineConfig(model=str(demo_model_dir), kv_cache_bytes=64 * per_block))
     assert fixed.num_kv_blocks == 64
+
+
+def test_reschedule_keeps_the_model_and_greedy_tokens(demo_model_dir: Path) -> None:
+    """A rescheduled engine (what `sluice bench slo` runs each arm on) gives the tokens a fresh engine
+    under the same settings gives; it takes scheduling settings only, and only while idle."""
+    settings = dict(model=str(demo_model_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=8)
+    prompts = [[20 + i] * (40 + 13 * i) for i in range(4)]
+    fresh = LLMEngine(EngineConfig(**settings, max_num_batched_tokens=40, max_prefill_chunk=16))
+    engine = LLMEngine(EngineConfig(**settings, max_num_batched_tokens=128))
+    before = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    runner = engine.runner
+    engine.reschedule(max_num_batched_tokens=40, max_prefill_chunk=16)
+    assert engine.runner is runner and engine.scheduler.config.max_prefill_chunk == 16
+    assert engine.scheduler.stats.num_steps == 0  # a fresh scheduler
+    got = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    assert got == [r.token_ids for r in fresh.generate(prompts, GREEDY)] == before
+    with pytest.raises(ValueError, match="not scheduling settings"):
+        engine.reschedule(max_num_seqs=4)
+    engine.add_request("busy", "hi", GREEDY)
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.reschedule(max_prefill_chunk=8)
+    engine.abort("busy")
+    while engine.has_work:
+        engine.step()
