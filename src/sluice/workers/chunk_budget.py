@@ -3,8 +3,13 @@ once the decodes are in (issue #32; the rule is in workers/step_budget.py, the m
 
 The scheduler asks `AdaptiveChunkBudget.prefill_budget` between its decode pass and its prefill
 pass. Three inputs set the answer: the tightest ITL target among the step's decoding streams (the
-cap), the TTFT targets of prompts still to prefill (which may raise the cap), and each stream's
-allowance of slow gaps under a percentile objective (which may lift the cap for one step).
+cap), the TTFT targets of prompts still to prefill, and each stream's allowance of slow gaps under a
+percentile objective. Where every step must hold the target (`itl_slow_share` 0), a TTFT target may
+raise the cap as far as it needs. Under a percentile objective the cap is lifted only to the whole
+budget, for one step, while every stream it would make late has a slow gap left, and not when that
+step would make late a prompt that capped steps bring in time: a step gives every prompt it
+finishes its first token at its end, so a burst of prompts prefilled in one long step all miss a
+TTFT that capped steps, finishing them one after another, meet for the first few.
 
 Prediction error is paid for twice over. The cap is the target divided by how far measured steps
 of this kind (decodes with a prefill chunk) overran their prediction at the 95th percentile
@@ -54,15 +59,22 @@ class AdaptiveChunkBudget:
         overrun = self.cost_model.overrun()
         budget = prefill_budget(self.cost_model, decodes, target / overrun, start=start,
                                 floor=self.config.min_prefill_chunk, budget=step.budget)
-        if budget < step.budget:
-            backlog = _ttft_backlog(step, running, waiting_head(TTFT_LOOKAHEAD), now)
-            budget = ttft_budget(self.cost_model, decodes, backlog, start=start, low=budget, budget=step.budget,
-                                 slowdown=self.cost_model.overrun(typical=True))
-        if budget < step.budget and self.config.itl_slow_share > 0:
+        if budget == step.budget:
+            return budget
+        backlog = _ttft_backlog(step, running, waiting_head(TTFT_LOOKAHEAD), now)
+        slowdown = self.cost_model.overrun(typical=True)
+        if self.config.itl_slow_share > 0:
+            # Under a percentile objective TTFT is served by whole-budget steps within the slow gaps
+            # the streams have left, never by a raise of every step past the ITL cap; and not when
+            # the whole step would make late a prompt that the capped steps bring in time.
             whole_s = self.cost_model.predict(decodes.with_prefill(step.budget, start)) * overrun
-            if self._slow_gap_left(step, whole_s):
+            if self._slow_gap_left(step, whole_s) and not _late_after(
+                    self.cost_model, decodes, backlog, start=start, capped=budget, whole=step.budget,
+                    whole_s=whole_s, slowdown=slowdown):
                 return step.budget
-        return budget
+            return budget
+        return ttft_budget(self.cost_model, decodes, backlog, start=start, low=budget, budget=step.budget,
+                           slowdown=slowdown)
 
     def _slow_gap_left(self, step: StepBuilder, whole_s: float) -> bool:
         """An ITL objective at a percentile forgives a share of slow gaps: while every decoding stream
@@ -74,6 +86,21 @@ class AdaptiveChunkBudget:
         return all(r.num_slow_gaps < int(share * (r.sampling.max_tokens - 1))
                    for r, *_ in step.decodes.values()
                    if r.itl_target_s is not None and whole_s > r.itl_target_s * ITL_HEADROOM)
+
+
+def _late_after(model: StepCostModel, decodes: StepShape, backlog: list[tuple[int, float]], *, start: int,
+                capped: int, whole: int, whole_s: float, slowdown: float) -> bool:
+    """Whether one step of the `whole` budget (taking `whole_s`), then capped steps, makes late a
+    prompt of `backlog` that capped steps of `capped` tokens alone bring in time: every prompt the
+    whole step finishes gets its first token at its end, not one after another."""
+    rate = capped / max(model.predict(decodes.with_prefill(capped, start)) * slowdown, 1e-9)
+    for tokens, slack_s in backlog:
+        if tokens > rate * slack_s:
+            continue  # the capped pace misses this one too: nothing to lose
+        after_whole = whole_s + max(0, tokens - whole) / rate
+        if after_whole > slack_s:
+            return True
+    return False
 
 
 def _ttft_backlog(step: StepBuilder, running: list[Request], waiting: list[Request],

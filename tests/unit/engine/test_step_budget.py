@@ -254,3 +254,19 @@ def test_a_stream_the_whole_budget_step_keeps_in_time_needs_no_slow_gap() -> Non
         _, now = timed_step(s, 0.0)
         s.add_request(req("long", 4000, itl=None))
         assert prefill_of(timed_step(s, now)[0]) == expected, loose_itl
+
+
+def test_no_whole_budget_step_makes_late_the_prompts_capped_steps_bring_in_time() -> None:
+    """Four 100-token prompts with a TTFT target arrive while 4 streams decode under a p95 objective.
+    Capped steps (67 prefill tokens, 85 ms) give them first tokens one after another, the first three
+    within 0.4 s; one whole-budget step (predicted at the whole budget: 526 ms) would give all four
+    theirs at its end, too late: the capped step is taken. With 0.6 s the whole step keeps all four
+    in time, and without a target nothing is lost: both prefill all 400 tokens at once."""
+    for ttft, expected in ((0.4, documented_budget(4, 0.1)), (0.6, 400), (None, 400)):
+        s = make(slow_share=0.05)
+        for i in range(4):
+            s.add_request(req(f"stream{i}", 4, itl=0.1, max_tokens=101))
+        _, now = timed_step(s, 0.0)
+        for i in range(4):
+            s.add_request(req(f"burst{i}", 100, itl=0.1, ttft=ttft, max_tokens=8))
+        assert prefill_of(timed_step(s, now)[0]) == expected, ttft
