@@ -90,6 +90,23 @@ def format_header(ttft_s: float | None, itl_s: float | None) -> str:
     return ", ".join(parts) or "none"
 
 
+PREDICTED_TTFT_HEADER = "x-sluice-predicted-ttft-ms"  # the gateway's TTFT prediction at admission
+
+
+def format_predicted_ttft(seconds: float) -> str:
+    """`X-Sluice-Predicted-TTFT-Ms`: the prediction in whole milliseconds."""
+    return str(round(seconds * 1000))
+
+
+def parse_predicted_ttft(value: str | None) -> float | None:
+    """A response's `X-Sluice-Predicted-TTFT-Ms` -> seconds; None when absent or malformed."""
+    try:
+        ms = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    return ms / 1000 if math.isfinite(ms) and ms >= 0 else None
+
+
 def parse_served(value: str | None) -> Objective | None:
     """A response's `X-Sluice-Objective` (`format_header`'s output) -> the targets it was served
     against; "none" -> no target; None when absent or not in that form (another server)."""

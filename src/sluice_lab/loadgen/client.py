@@ -64,6 +64,9 @@ class ClientResult:
     # The targets the server says it served the request against (sluice's X-Sluice-Objective);
     # None: the answer had no such header (another server, or an error before it was served).
     objective: Objective | None = None
+    # The TTFT sluice predicted at admission (X-Sluice-Predicted-TTFT-Ms), to set beside the TTFT
+    # measured here; None: no such header (no target, not predictable, or another server).
+    predicted_ttft_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -80,6 +83,7 @@ class ClientResult:
             finish_reason=self.finish_reason or ("error" if self.error else "stop"),
             ttft_target_s=self.objective.ttft_s if self.objective is not None else None,
             itl_target_s=self.objective.itl_s if self.objective is not None else None,
+            predicted_ttft_s=self.predicted_ttft_s,
         )
 
 
@@ -165,6 +169,8 @@ async def send_streaming(client: httpx.AsyncClient, spec: RequestSpec, *, model:
                     break
                 if result.objective is None:
                     result.objective = objectives.parse_served(resp.headers.get(objectives.HEADER))
+                    result.predicted_ttft_s = objectives.parse_predicted_ttft(
+                        resp.headers.get(objectives.PREDICTED_TTFT_HEADER))
                 parser = EventParser()
                 async for line in resp.aiter_lines():
                     event = parser.feed(line.rstrip("\r"))

@@ -91,8 +91,21 @@ def summarize(results: Sequence[ClientResult], wall_s: float, slo: Slo) -> dict[
         "slo_attainment": good / len(judged) if judged else None,
         "ttft_target_s": _loosest(t.ttft_s for t in targets),
         "itl_target_s": _loosest(t.itl_s for t in targets),
+        "ttft_prediction": ttft_prediction(ok),
     }
     return summary
+
+
+def ttft_prediction(results: Sequence[ClientResult]) -> dict[str, Any]:
+    """How far the gateway's TTFT prediction at admission was from the TTFT measured here, over the
+    answers that carried one: |predicted - observed| / observed at the median and p95, and the
+    median of predicted / observed (under 1: it predicted too soon)."""
+    pairs = [(r.predicted_ttft_s, r.first_token - r.sent) for r in results
+             if r.predicted_ttft_s is not None and r.first_token is not None and r.first_token > r.sent]
+    errors = [abs(p - o) / o for p, o in pairs]
+    return {"requests": len(pairs), "abs_error_rel_p50": percentile(errors, 50),
+            "abs_error_rel_p95": percentile(errors, 95),
+            "predicted_over_observed_p50": percentile([p / o for p, o in pairs], 50)}
 
 
 def _class_of(result: ClientResult) -> str:
@@ -167,6 +180,11 @@ def format_table(report: dict[str, Any]) -> str:
         done = "-" if batch["completion_s"] is None else f"{batch['completion_s']:.1f} s"
         lines.append(f"batch {batch['workload']}: {batch['status'] or 'not started'} {batch['completed']}/"
                      f"{batch['lines']} lines in {done}" + (f" ({batch['error']})" if batch["error"] else ""))
+    predicted = report["summary"]["ttft_prediction"]
+    if predicted["requests"]:
+        lines.append(f"TTFT predicted at admission vs observed, {predicted['requests']} requests: |error| / observed "
+                     f"p50 {predicted['abs_error_rel_p50']:.2f}, p95 {predicted['abs_error_rel_p95']:.2f}; "
+                     f"predicted / observed p50 {predicted['predicted_over_observed_p50']:.2f}")
     errors = report["summary"]["errors"]
     if errors:
         lines.append("errors: " + ", ".join(f"{k}={v}" for k, v in sorted(errors.items())))

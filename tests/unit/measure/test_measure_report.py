@@ -64,3 +64,29 @@ def test_each_request_is_judged_against_the_objective_it_was_served_against() ->
     assert parse_served(None) is None and parse_served("garbage") is None
     record = loose.to_record("m")
     assert (record.ttft_target_s, record.itl_target_s, record.slo_met) == (3.0, 0.3, True)
+
+
+def test_the_gateways_ttft_prediction_is_set_beside_the_measured_ttft() -> None:
+    """Predicted 0.5 s for a 1.0 s TTFT (error 0.5), 1.5 s for 1.0 s (0.5), 1.0 s for 2.0 s (0.5),
+    2.0 s for 1.0 s (1.0); an answer without the header, and a failed one, are left out."""
+    results = []
+    for predicted, ttft in ((0.5, 1.0), (1.5, 1.0), (1.0, 2.0), (2.0, 1.0), (None, 1.0)):
+        result = _result(0.0, [ttft, ttft + 0.1])
+        result.predicted_ttft_s = predicted
+        results.append(result)
+    failed = _result(0.0, [], error="http_500")
+    failed.predicted_ttft_s = 1.0
+    summary = summarize([*results, failed], wall_s=1.0, slo=Slo(ttft_s=3.0, itl_s=1.0))["ttft_prediction"]
+    assert summary["requests"] == 4
+    assert summary["abs_error_rel_p50"] == pytest.approx(0.5)
+    assert summary["predicted_over_observed_p50"] == pytest.approx(1.0)  # of 0.5, 0.5, 1.5, 2.0
+    assert results[0].to_record("m").predicted_ttft_s == 0.5
+
+
+@pytest.mark.parametrize("value, seconds", [("1234", 1.234), ("0", 0.0), (None, None), ("", None), ("soon", None),
+                                            ("-5", None), ("nan", None), ("inf", None)])
+def test_the_predicted_ttft_header_is_read_or_ignored(value: str | None, seconds: float | None) -> None:
+    from sluice.objectives import format_predicted_ttft, parse_predicted_ttft
+
+    assert parse_predicted_ttft(value) == (None if seconds is None else pytest.approx(seconds))
+    assert parse_predicted_ttft(format_predicted_ttft(2.5)) == pytest.approx(2.5)

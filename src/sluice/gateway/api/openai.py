@@ -29,7 +29,6 @@ from sluice.gateway.edge.schemas import (
 from sluice.gateway.generation.answers import complete, settled_refusal
 from sluice.gateway.generation.choices import complete_all, fork, launch_all
 from sluice.gateway.generation.flight import Flight
-from sluice.gateway.generation.service import PREDICTED_TTFT_HEADER, predicted_ttft_ms
 from sluice.gateway.generation.state import RequestState
 from sluice.gateway.quotas.service import QuotaService
 from sluice.gateway.services import Injected, Services
@@ -45,7 +44,7 @@ from sluice.gateway.streams.hub import (
 )
 from sluice.gateway.streams.log import Keyed
 from sluice.gateway.streams.response import SSEResponse
-from sluice.objectives import Objective
+from sluice.objectives import PREDICTED_TTFT_HEADER, Objective, format_predicted_ttft
 
 T = TypeVar("T")
 
@@ -130,7 +129,7 @@ def _objective_answer(state: RequestState) -> dict[str, str]:
     generate = state.request
     headers = {objectives.HEADER: objectives.format_header(generate.ttft_target_s, generate.itl_target_s)}
     if state.predicted_ttft_s is not None:
-        headers[PREDICTED_TTFT_HEADER] = predicted_ttft_ms(state.predicted_ttft_s)
+        headers[PREDICTED_TTFT_HEADER] = format_predicted_ttft(state.predicted_ttft_s)
     return headers
 
 

@@ -31,7 +31,7 @@ from sluice.gateway.generation.tokenize_pool import INLINE_PROMPT_CHARS, FairTok
 from sluice.gateway.queueing.backend import BackendUnavailable, GenerationBackend, Submission
 from sluice.gateway.quotas.service import QuotaExceeded, QuotaService
 from sluice.gateway.quotas.usage import UsageService
-from sluice.objectives import Objective
+from sluice.objectives import PREDICTED_TTFT_HEADER, Objective, format_predicted_ttft
 from sluice.settings import ObjectiveSettings
 
 log = logging.getLogger(__name__)
@@ -49,15 +49,8 @@ class PredictedMiss(OpenAIError):
             "Retry later, or with a looser X-Sluice-Objective.",
             type="requests", code="ttft_target_unattainable",
             headers={"retry-after": str(max(1, math.ceil(predicted_s - target_s))),
-                     PREDICTED_TTFT_HEADER: predicted_ttft_ms(predicted_s)},
+                     PREDICTED_TTFT_HEADER: format_predicted_ttft(predicted_s)},
         )
-
-
-PREDICTED_TTFT_HEADER = "x-sluice-predicted-ttft-ms"
-
-
-def predicted_ttft_ms(seconds: float) -> str:
-    return str(round(seconds * 1000))
 
 
 
