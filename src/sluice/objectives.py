@@ -100,8 +100,10 @@ def format_predicted_ttft(seconds: float) -> str:
 
 def parse_predicted_ttft(value: str | None) -> float | None:
     """A response's `X-Sluice-Predicted-TTFT-Ms` -> seconds; None when absent or malformed."""
+    if value is None:
+        return None
     try:
-        ms = float(value) if value is not None else math.nan
+        ms = float(value)
     except ValueError:
         return None
     return ms / 1000 if math.isfinite(ms) and ms >= 0 else None

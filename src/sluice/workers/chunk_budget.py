@@ -27,7 +27,14 @@ from collections.abc import Callable
 from sluice.workers.config import SchedulerConfig
 from sluice.workers.request import Request
 from sluice.workers.scheduler_output import StepBuilder
-from sluice.workers.step_budget import ITL_HEADROOM, StepCostModel, StepShape, prefill_budget, ttft_budget
+from sluice.workers.step_budget import (
+    ITL_HEADROOM,
+    StepCostModel,
+    StepShape,
+    late_after_whole_step,
+    prefill_budget,
+    ttft_budget,
+)
 
 TTFT_LOOKAHEAD = 16  # waiting requests whose TTFT the adaptive budget looks after
 
@@ -61,18 +68,18 @@ class AdaptiveChunkBudget:
                                 floor=self.config.min_prefill_chunk, budget=step.budget)
         if budget == step.budget:
             return budget
-        backlog = _ttft_backlog(step, running, waiting_head(TTFT_LOOKAHEAD), now)
         slowdown = self.cost_model.overrun(typical=True)
         if self.config.itl_slow_share > 0:
             # Under a percentile objective TTFT is served by whole-budget steps within the slow gaps
             # the streams have left, never by a raise of every step past the ITL cap; and not when
             # the whole step would make late a prompt that the capped steps bring in time.
             whole_s = self.cost_model.predict(decodes.with_prefill(step.budget, start)) * overrun
-            if self._slow_gap_left(step, whole_s) and not _late_after(
-                    self.cost_model, decodes, backlog, start=start, capped=budget, whole=step.budget,
-                    whole_s=whole_s, slowdown=slowdown):
+            if self._slow_gap_left(step, whole_s) and not late_after_whole_step(
+                    self.cost_model, decodes, _ttft_backlog(step, running, waiting_head(TTFT_LOOKAHEAD), now),
+                    start=start, capped=budget, whole=step.budget, whole_s=whole_s, slowdown=slowdown):
                 return step.budget
             return budget
+        backlog = _ttft_backlog(step, running, waiting_head(TTFT_LOOKAHEAD), now)
         return ttft_budget(self.cost_model, decodes, backlog, start=start, low=budget, budget=step.budget,
                            slowdown=slowdown)
 
@@ -86,21 +93,6 @@ class AdaptiveChunkBudget:
         return all(r.num_slow_gaps < int(share * (r.sampling.max_tokens - 1))
                    for r, *_ in step.decodes.values()
                    if r.itl_target_s is not None and whole_s > r.itl_target_s * ITL_HEADROOM)
-
-
-def _late_after(model: StepCostModel, decodes: StepShape, backlog: list[tuple[int, float]], *, start: int,
-                capped: int, whole: int, whole_s: float, slowdown: float) -> bool:
-    """Whether one step of the `whole` budget (taking `whole_s`), then capped steps, makes late a
-    prompt of `backlog` that capped steps of `capped` tokens alone bring in time: every prompt the
-    whole step finishes gets its first token at its end, not one after another."""
-    rate = capped / max(model.predict(decodes.with_prefill(capped, start)) * slowdown, 1e-9)
-    for tokens, slack_s in backlog:
-        if tokens > rate * slack_s:
-            continue  # the capped pace misses this one too: nothing to lose
-        after_whole = whole_s + max(0, tokens - whole) / rate
-        if after_whole > slack_s:
-            return True
-    return False
 
 
 def _ttft_backlog(step: StepBuilder, running: list[Request], waiting: list[Request],

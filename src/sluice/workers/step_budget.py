@@ -226,6 +226,27 @@ def prefill_budget(model: StepCostModel, step: StepShape, itl_target_s: float, *
     return low
 
 
+def prefill_rate(model: StepCostModel, step: StepShape, tokens: int, *, start: int, slowdown: float) -> float:
+    """Prefill tokens per second in steps of `step` plus `tokens` of prefill (the prediction times
+    `slowdown`)."""
+    return tokens / max(model.predict(step.with_prefill(tokens, start)) * slowdown, 1e-9)
+
+
+def late_after_whole_step(model: StepCostModel, step: StepShape, backlog: list[tuple[int, float]], *,
+                          start: int, capped: int, whole: int, whole_s: float, slowdown: float) -> bool:
+    """Whether one step of the `whole` budget (taking `whole_s`), then capped steps, makes late a
+    prompt of `backlog` (as for `ttft_budget`) that capped steps of `capped` tokens alone bring in
+    time: every prompt the whole step finishes gets its first token at its end, not one after
+    another."""
+    rate = prefill_rate(model, step, capped, start=start, slowdown=slowdown)
+    for tokens, slack_s in backlog:
+        if tokens > rate * slack_s:
+            continue  # the capped pace misses this one too: nothing to lose
+        if whole_s + max(0, tokens - whole) / rate > slack_s:
+            return True
+    return False
+
+
 def ttft_budget(model: StepCostModel, step: StepShape, backlog: list[tuple[int, float]], *, start: int,
                 low: int, budget: int, slowdown: float = 1.0) -> int:
     """The smallest prefill budget in [low, budget] at which every prompt in `backlog` that can still
@@ -235,8 +256,8 @@ def ttft_budget(model: StepCostModel, step: StepShape, backlog: list[tuple[int, 
     prompt is in time when P * slack / T(P) >= its tokens; P / T(P) grows with P.
     A prompt that would miss even at the whole budget does not raise it (its TTFT is lost; the
     streams' ITL is not spent on it)."""
-    def rate(tokens: int) -> float:  # prefill tokens per second at this budget
-        return tokens / max(model.predict(step.with_prefill(tokens, start)) * slowdown, 1e-9)
+    def rate(tokens: int) -> float:
+        return prefill_rate(model, step, tokens, start=start, slowdown=slowdown)
 
     need = low
     best = rate(budget)
@@ -256,4 +277,5 @@ def ttft_budget(model: StepCostModel, step: StepShape, backlog: list[tuple[int, 
     return need
 
 
-__all__ = ["FEATURES", "ITL_HEADROOM", "StepCostModel", "StepShape", "prefill_budget", "ttft_budget"]
+__all__ = ["FEATURES", "ITL_HEADROOM", "StepCostModel", "StepShape", "late_after_whole_step", "prefill_budget",
+           "prefill_rate", "ttft_budget"]
