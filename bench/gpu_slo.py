@@ -35,7 +35,10 @@ MAX_POSITIONS = 65536  # the gpu load's longest prompt (32K) and its output fit
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="a tiny model and the quick load on CPU")
-    parser.add_argument("--chunks", default=None, help=f"fixed chunk sizes (default {GPU_CHUNKS})")
+    from sluice_lab.experiments.cli import positive_int_list
+
+    parser.add_argument("--chunks", type=positive_int_list, default=None,
+                        help=f"fixed chunk sizes (default {GPU_CHUNKS})")
     parser.add_argument("--slo", default="ttft=1s,itl=50ms", help="interactive targets (module docstring)")
     parser.add_argument("--phases", nargs="+", default=None, help="default: all four")
     parser.add_argument("--out", type=Path, default=None, help="directory for the JSON and plot (default $OUT)")
@@ -60,11 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = write_model_dir(scratch / "model", shape, dtype, device)
         name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         print(f"gpu_slo on {name}; torch {torch.__version__}; model {model_dir}", flush=True)
-        from sluice_lab.experiments.cli import positive_int_list
-
         bench = argparse.Namespace(
             model=str(model_dir), device=device, cpu_threads=1, slo=args.slo, phases=args.phases,
-            chunks=positive_int_list(args.chunks or ("16,64" if args.dry_run else GPU_CHUNKS)),
+            chunks=args.chunks or positive_int_list("16,64" if args.dry_run else GPU_CHUNKS),
             quick=args.dry_run, load="gpu", seed=0, json_out=str(out / "slo_gpu.json"), plot=str(out / "slo_gpu.png"))
         try:
             return run_slo_command(bench)

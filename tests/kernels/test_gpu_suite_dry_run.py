@@ -51,3 +51,10 @@ def test_gpu_slo_dry_run_writes_every_arm_and_phase(tmp_path: Path) -> None:
     assert all(len(phases) == 4 for phases in summary["arms"].values())
     assert summary["verdict"]["adaptive_p95_over_best_single_fixed"] is not None
     assert (tmp_path / "slo_gpu.png").is_file()
+
+
+def test_gpu_slo_refuses_bad_chunks_with_one_line() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_slo.py"), "--dry-run", "--chunks", "0,x"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("expected comma-separated integers, got '0,x'")
