@@ -1,4 +1,5 @@
-"""The gateway's TTFT prediction from a worker's reported step cost and backlog (torch-free).
+"""The gateway's TTFT prediction from a worker's reported step cost and backlog, and from how fast
+room appears for the jobs it holds (torch-free).
 
 Hand-made coefficients: a step costs 10 ms fixed, 1 ms per 10 prefill tokens (0.1 s per 1000,
 the scaled unit) and 5 ms per decoding row (0.5 s per 100 rows); context and attention pairs are
@@ -7,10 +8,18 @@ free unless a test says otherwise.
 
 from __future__ import annotations
 
-import pytest
+import time
 
-from sluice.gateway.dispatch.ttft import WorkerLoad, predict_ttft, step_seconds
-from sluice.protocol import STEP_COST_FEATURES, Priority, WorkerCapacity
+import msgspec
+import pytest
+from sluice_testing import state_of
+
+from sluice.gateway.dispatch.dispatcher import Dispatcher
+from sluice.gateway.dispatch.jobs import Job
+from sluice.gateway.dispatch.links.base import EngineLink
+from sluice.gateway.dispatch.ttft import RoomPace, WorkerLoad, predict_ttft, step_seconds
+from sluice.protocol import STEP_COST_FEATURES, GenerateRequest, Priority, SamplingParams, WorkerCapacity
+from sluice.settings import DispatchSettings, Settings
 
 pytestmark = pytest.mark.unit
 
@@ -74,3 +83,81 @@ def test_a_worker_without_a_warm_cost_model_is_not_predicted() -> None:
                                         prefill_backlog=(1, 2, 3)))
     assert warm is not None and warm.step_tokens == 512 and warm.ahead(Priority.STANDARD) == 3
     assert len(COST) == len(STEP_COST_FEATURES)
+
+
+def test_room_pace_is_the_mean_gap_from_a_send_that_left_jobs_held_to_the_next() -> None:
+    pace = RoomPace(window=3)
+    assert pace.seconds_per_job("m") is None
+    pace.sent("m", 10.0, left_held=False)
+    pace.sent("m", 50.0, left_held=True)  # idle between 10 and 50: no gap
+    assert pace.seconds_per_job("m") is None
+    pace.sent("m", 52.0, left_held=True)
+    pace.sent("m", 53.0, left_held=False)
+    pace.sent("m", 90.0, left_held=True)  # nothing was held from 53 to 90: no gap
+    assert pace.seconds_per_job("m") == pytest.approx(1.5)  # gaps 2 and 1
+    pace.sent("m", 94.0, left_held=True)
+    pace.sent("m", 100.0, left_held=True)  # the window keeps the last 3: 1, 4, 6
+    assert pace.seconds_per_job("m") == pytest.approx(11 / 3)
+    assert pace.seconds_per_job("other") is None
+
+
+class RecordingLink(EngineLink):
+    """A worker link whose transport is a list: the dispatcher's room rule and prediction read
+    only its reported capacity (the real links: tests/integration/dispatch/test_engine_host.py)."""
+
+    def __init__(self) -> None:
+        super().__init__("w", frozenset({"m"}), WorkerCapacity(
+            worker_id="w", num_running=0, num_waiting=0, free_kv_blocks=100, total_kv_blocks=100,
+            max_num_seqs=8, sent_at=0.0, step_cost=COST, prefill_backlog=(0, 0, 0),
+            max_num_batched_tokens=1000), "cpu", 0)
+        self.requests: list[GenerateRequest] = []
+
+    def _send(self, request: GenerateRequest) -> None:
+        self.requests.append(request)
+
+    def _abort(self, request_id: str) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def job(rid: str) -> Job:
+    request = GenerateRequest(request_id=rid, tenant_id="t", model="m", priority=Priority.STANDARD,
+                              prompt_token_ids=tuple(range(1, 501)), sampling=SamplingParams(max_tokens=4),
+                              cache_salt="t", arrival_time=time.time())
+    return Job(state=state_of(request), sink=lambda delta: None)
+
+
+def test_a_request_no_worker_has_room_for_waits_a_room_gap_per_job_held_ahead_and_its_own() -> None:
+    dispatcher = Dispatcher(Settings(dispatch=DispatchSettings(max_worker_waiting=1)), lambda job, final: None)
+    worker = RecordingLink()
+    dispatcher.attach(worker)
+    new = job("new").request
+    # Idle worker, nothing held: one step of 500 tokens (10 ms + 50 ms).
+    assert dispatcher.predicted_ttft(new) == pytest.approx(0.06)
+    for rid in ("a", "b", "c"):
+        dispatcher.enqueue(job(rid))
+    assert dispatcher.dispatch_ready() == 1  # the worker's queue holds one: b and c stay held
+    assert [r.request_id for r in worker.requests] == ["a"]
+    # No room gap measured yet: the held prompts count as prefill ahead (2 x 500 + 500: 2 steps).
+    assert dispatcher.predicted_ttft(new) == pytest.approx(0.17)
+    dispatcher.pace = RoomPace()  # measured: room for one job every 2 s
+    dispatcher.pace.sent("m", 0.0, left_held=True)
+    dispatcher.pace.sent("m", 2.0, left_held=True)
+    # b, c, then itself: 3 gaps, then its own prefill on the worker as it is now.
+    assert dispatcher.predicted_ttft(new) == pytest.approx(3 * 2.0 + 0.06)
+
+
+def test_the_dispatcher_measures_the_pace_of_room_as_it_sends() -> None:
+    dispatcher = Dispatcher(Settings(dispatch=DispatchSettings(max_worker_waiting=1)), lambda job, final: None)
+    worker = RecordingLink()
+    dispatcher.attach(worker)
+    for rid in ("a", "b", "c"):
+        dispatcher.enqueue(job(rid))
+    dispatcher.dispatch_ready()  # a goes out, b and c stay held: a gap starts
+    assert dispatcher.pace.seconds_per_job("m") is None
+    worker.capacity = msgspec.structs.replace(worker.capacity, num_received=1)  # the worker took a
+    assert dispatcher.dispatch_ready() == 1  # b: the gap ends
+    gap = dispatcher.pace.seconds_per_job("m")
+    assert gap is not None and gap >= 0.0

@@ -50,6 +50,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -66,6 +67,7 @@ from sluice.gateway.dispatch.links.tcp import WorkerPort
 from sluice.gateway.dispatch.links.upstream import UpstreamLink
 from sluice.gateway.dispatch.routing import PromptBlocks, Router
 from sluice.gateway.dispatch.slots import LocalSlots, RedisSlots, WorkerSlots
+from sluice.gateway.dispatch.ttft import RoomPace
 from sluice.protocol import (
     FinishReason,
     GenerateRequest,
@@ -117,6 +119,7 @@ class Dispatcher:
         self.workers: dict[str, WorkerLink] = {}
         # Where each job goes among the workers with room (dispatch/routing.py, docs/routing.md).
         self.router = Router(settings.routing)
+        self.pace = RoomPace()  # how fast room appears for held jobs, per model (TTFT prediction)
         self.held = False  # the last local round held a job back for its prefix's worker (HELD_RETRY_S)
         # Prompt tokens each worker was sent and found in its prefix cache, by worker id (the
         # console's hit rate; kept across reconnects, like the metrics).
@@ -316,13 +319,22 @@ class Dispatcher:
         """Seconds to the first token of `request` (not queued yet) at the best worker serving its
         model, by this replica's view (dispatch/ttft.py); None when no worker is predictable.
         Ahead of it: each worker's own backlog, and the prompts queued here of its class and more
-        urgent ones, taken as spread evenly over the workers (another replica's queue is not seen)."""
+        urgent ones, taken as spread evenly over the workers (another replica's queue is not seen);
+        while no worker has room for it, the wait for room of each of those and its own (RoomPace)."""
         serving = self._serving(request)
         if not serving:
             return None
-        queued = sum(item.prompt_tokens for item in self.scheduler.items()
-                     if item.priority <= request.priority and item.payload.request.model == request.model)
-        return self.router.best_prediction(serving, PromptBlocks(request), queued_ahead=queued // len(serving))
+        ahead = [item.prompt_tokens for item in self.scheduler.items()
+                 if item.priority <= request.priority and item.payload.request.model == request.model]
+        blocks = PromptBlocks(request)
+        pace = self.pace.seconds_per_job(request.model)
+        limit = self.settings.dispatch.max_worker_waiting
+        if pace is not None and not any(w.has_room_for(request.priority, limit) for w in serving):
+            # No room: it goes out after the jobs held ahead of it, one room gap each, then its own.
+            # By then the worker's backlog is what it is now (its queue is kept this short).
+            best = self.router.best_prediction(serving, blocks)
+            return None if best is None else (len(ahead) + 1) * pace + best
+        return self.router.best_prediction(serving, blocks, queued_ahead=sum(ahead) // len(serving))
 
     @staticmethod
     def _prompt_blocks(job: Job) -> PromptBlocks:
@@ -400,10 +412,12 @@ class Dispatcher:
         now = time.time()
         refused: set[tuple[str, Priority]] = set()
         held: set[str] = set()
+        queued: Counter[str] | None = None
         while (found := self._next(now, refused, held, lambda job: self._pick_worker(job, held))) is not None:
             item, worker = found
             self.scheduler.claim(item)
             self._send(item.payload, worker)
+            queued = self._note_pace(item.payload, queued)
             sent += 1
         self.held = bool(held)
         return sent
@@ -418,6 +432,7 @@ class Dispatcher:
         refused: set[tuple[str, Priority]] = set()
         held: set[str] = set()
         store_refused = False
+        queued: Counter[str] | None = None
         while (found := self._next(now, refused, held, lambda job: self._candidates(job) or None)) is not None:
             item, candidates = found
             job = item.payload
@@ -437,7 +452,19 @@ class Dispatcher:
                 continue
             self.scheduler.claim(item)
             self._send(job, worker)
+            queued = self._note_pace(job, queued)
         return store_refused
+
+    def _note_pace(self, job: Job, queued: Counter[str] | None) -> Counter[str]:
+        """Tell `pace` that `job` (claimed: out of the scheduler) went out; `queued`: the jobs still
+        queued by model, counted at a round's first send and kept by the round after it."""
+        model = job.request.model
+        if queued is None:
+            queued = Counter(item.payload.request.model for item in self.scheduler.items())
+        else:
+            queued[model] -= 1
+        self.pace.sent(model, time.monotonic(), left_held=queued[model] > 0)
+        return queued
 
     async def _dispatch_loop(self) -> None:
         retry_in: float | None = None

@@ -8,6 +8,12 @@ ahead of it: the backlog of its own and more urgent classes (the engine serves b
 arrival). So the prediction is the time of the steps that prefill `ahead + own uncached prompt`
 tokens in budget-sized chunks, each step also decoding the worker's running streams.
 
+A request the gateway must hold because no worker has room for it (dispatch/slots.py: each
+worker's own queue is kept short) first waits for room: `RoomPace` measures how fast room appears
+for a model's held jobs, and the dispatcher adds one such gap per job held ahead of it, and one for
+itself, before the worker-side prediction. Without it, an overloaded worker's predictions were half
+the TTFT observed (docs/lab/notebook.md, 2026-12-06): the wait for room dominated.
+
 What it leaves out (each makes it optimistic): the attention reads of the running streams' KV
 (their context lengths are not reported), the queue of jobs on the wire since the last report,
 a prompt that must wait for a free sequence slot, and prefix-cache hits of the backlog (which make
@@ -16,6 +22,7 @@ it pessimistic). Torch-free and pure: the gateway asks it per candidate worker p
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from sluice.protocol import STEP_COST_FEATURES, STEP_COST_SCALES, Priority, WorkerCapacity
@@ -84,4 +91,30 @@ def predict_ttft(load: WorkerLoad, *, priority: Priority, prompt_tokens: int, ca
     return seconds
 
 
-__all__ = ["WorkerLoad", "predict_ttft", "step_seconds"]
+class RoomPace:
+    """How fast a model's workers make room for the jobs held for them at the gateway: the mean of
+    the last `window` gaps between a send that left jobs of the model held and the model's next
+    send. A send that left none held starts no gap, so an idle stretch is never counted as slow
+    room. The dispatcher owns one and tells it of every send (dispatch/dispatcher.py)."""
+
+    def __init__(self, window: int = 32) -> None:
+        self._window = window
+        self._gap_from: dict[str, float] = {}  # model -> when its last send left jobs held
+        self._gaps: dict[str, deque[float]] = {}
+
+    def sent(self, model: str, now: float, *, left_held: bool) -> None:
+        """A job of `model` went to a worker at `now` (monotonic seconds); `left_held`: jobs of
+        the model are still held after it."""
+        start = self._gap_from.pop(model, None)
+        if start is not None:
+            self._gaps.setdefault(model, deque(maxlen=self._window)).append(max(0.0, now - start))
+        if left_held:
+            self._gap_from[model] = now
+
+    def seconds_per_job(self, model: str) -> float | None:
+        """The mean gap between sends while jobs of `model` were held; None before any."""
+        gaps = self._gaps.get(model)
+        return sum(gaps) / len(gaps) if gaps else None
+
+
+__all__ = ["RoomPace", "WorkerLoad", "predict_ttft", "step_seconds"]
