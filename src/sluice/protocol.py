@@ -242,6 +242,7 @@ class WorkerCapacity(msgspec.Struct, frozen=True, kw_only=True, tag="capacity"):
     # empty from an older worker. With `step_cost`, the gateway's TTFT prediction (dispatch/ttft.py).
     prefill_backlog: tuple[int, ...] = ()
     max_num_batched_tokens: int = 0  # the engine's token budget per step (0: not reported)
+    decode_context_tokens: int = 0  # KV tokens the decoding streams read per step (0: none, or an older worker)
 
 
 class KvEvents(msgspec.Struct, frozen=True, kw_only=True, tag="kv_events"):

@@ -178,6 +178,7 @@ class LLMEngine:
             step_cost=cost.coefficients if cost.ready else (),
             step_cost_error=cost.prediction_error(),
             prefill_backlog=self.scheduler.prefill_backlog(),
+            decode_context_tokens=self.scheduler.decode_context(),
             max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
 

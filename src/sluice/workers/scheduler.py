@@ -122,6 +122,11 @@ class Scheduler:
                 backlog[request.priority] += left
         return tuple(backlog)
 
+    def decode_context(self) -> int:
+        """KV tokens the decoding requests read in every step (each its whole context): with
+        `num_running`, what the decodes add to a step, for the gateway's TTFT prediction."""
+        return sum(r.num_tokens for r in list(self._requests.values()) if r.is_decoding)
+
     # ---- requests in and out -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:

@@ -74,14 +74,25 @@ def test_attention_pairs_make_a_long_prompts_later_chunks_dearer() -> None:
     assert step_seconds(cost, prefill_tokens=1000, start=1000, decode_rows=0) == pytest.approx(1.5005)
 
 
+def test_the_decoding_streams_kv_reads_slow_every_step() -> None:
+    cost = (0.010, 0.1, 0.0, 1.0, 0.0, 0.0)  # 1 s per 100k KV tokens read
+    busy = WorkerLoad(step_cost=cost, prefill_backlog=(0, 0, 0), decode_rows=4, step_tokens=1000,
+                      decode_context=20_000)
+    # 2 steps (1000 + 500 tokens): each 10 ms fixed and 0.2 s of decode reads, once per step; the
+    # prompt's own chunks read up to positions 1000 and 1500 (25 ms).
+    assert predict_ttft(busy, priority=Priority.STANDARD, prompt_tokens=1500) == pytest.approx(
+        0.02 + 0.15 + 0.4 + 0.025)
+
+
 def test_a_worker_without_a_warm_cost_model_is_not_predicted() -> None:
     base = dict(worker_id="w", num_running=0, num_waiting=0, free_kv_blocks=1, total_kv_blocks=1,
                 max_num_seqs=4, sent_at=0.0)
     assert WorkerLoad.of(WorkerCapacity(**base)) is None  # type: ignore[arg-type]
     assert WorkerLoad.of(WorkerCapacity(**base, step_cost=COST)) is None  # type: ignore[arg-type]  # no budget
     warm = WorkerLoad.of(WorkerCapacity(**base, step_cost=COST, max_num_batched_tokens=512,  # type: ignore[arg-type]
-                                        prefill_backlog=(1, 2, 3)))
+                                        prefill_backlog=(1, 2, 3), decode_context_tokens=700))
     assert warm is not None and warm.step_tokens == 512 and warm.ahead(Priority.STANDARD) == 3
+    assert warm.decode_context == 700
     assert len(COST) == len(STEP_COST_FEATURES)
 
 

@@ -649,6 +649,10 @@ def test_prefill_backlog_counts_tokens_still_to_prefill_by_class() -> None:
     assert s.prefill_backlog() == (100, 0, 40)
     step(s)  # interactive first: one chunk of 32, then 32 of the batch prompt (budget 64)
     assert s.prefill_backlog() == (68, 0, 8)
+    assert s.decode_context() == 0  # nobody decodes yet
     while s.prefill_backlog() != (0, 0, 0):
         step(s)
     assert s.has_work  # decoding: no prefill left to report
+    # Both decode, each reading its whole context (prompt and output so far) in every step.
+    assert s.decode_context() == sum(r.num_tokens for r in (s.get_request("i"), s.get_request("b")) if r)
+    assert s.decode_context() > 140

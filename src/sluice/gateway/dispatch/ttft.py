@@ -14,10 +14,11 @@ for a model's held jobs, and the dispatcher adds one such gap per job held ahead
 itself, before the worker-side prediction. Without it, an overloaded worker's predictions were half
 the TTFT observed (docs/lab/notebook.md, 2026-12-06): the wait for room dominated.
 
-What it leaves out (each makes it optimistic): the attention reads of the running streams' KV
-(their context lengths are not reported), the queue of jobs on the wire since the last report,
-a prompt that must wait for a free sequence slot, and prefix-cache hits of the backlog (which make
-it pessimistic). Torch-free and pure: the gateway asks it per candidate worker per request.
+Each step also reads the decoding streams' KV (`decode_context_tokens`, as the worker last
+reported it, held constant though the streams grow and finish). Left out: the jobs on the wire
+since the last report and a wait for a free sequence slot (optimistic), the backlog's own
+prefix-cache hits (pessimistic). Torch-free and pure: the gateway asks it per candidate worker per
+request.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class WorkerLoad:
     prefill_backlog: tuple[int, ...]  # tokens still to prefill, by Priority value
     decode_rows: int  # streams decoding in every step
     step_tokens: int  # the engine's token budget per step
+    decode_context: int = 0  # KV tokens those streams read in every step
 
     @classmethod
     def of(cls, capacity: WorkerCapacity) -> WorkerLoad | None:
@@ -43,7 +45,7 @@ class WorkerLoad:
         if len(capacity.step_cost) != len(STEP_COST_FEATURES) or capacity.max_num_batched_tokens < 1:
             return None
         return cls(capacity.step_cost, capacity.prefill_backlog, capacity.num_running,
-                   capacity.max_num_batched_tokens)
+                   capacity.max_num_batched_tokens, capacity.decode_context_tokens)
 
     def ahead(self, priority: Priority) -> int:
         """Backlog tokens served before a new request of `priority` (its class and more urgent)."""
@@ -51,12 +53,13 @@ class WorkerLoad:
 
 
 def step_seconds(step_cost: tuple[float, ...], *, prefill_tokens: int, start: int, decode_rows: int,
-                 fixed: bool = True) -> float:
+                 decode_context: int = 0, fixed: bool = True) -> float:
     """One step's predicted seconds: a prefill chunk of `prefill_tokens` at position `start`, plus
-    `decode_rows` decodes (the features of workers/step_budget.py's StepShape, in its units);
-    `fixed=False`: without the per-step fixed cost (a second chunk in the same step)."""
+    `decode_rows` decodes reading `decode_context` KV tokens (the features of workers/step_budget.py's
+    StepShape, in its units); `fixed=False`: without the per-step fixed cost (a second chunk in the
+    same step)."""
     pairs = prefill_tokens * (start + (prefill_tokens + 1) / 2)
-    raw = (1.0 if fixed else 0.0, prefill_tokens, decode_rows, start + prefill_tokens, 0.0, pairs)
+    raw = (1.0 if fixed else 0.0, prefill_tokens, decode_rows, start + prefill_tokens + decode_context, 0.0, pairs)
     return max(0.0, sum(c * x / s for c, x, s in zip(step_cost, raw, STEP_COST_SCALES, strict=True)))
 
 
@@ -81,7 +84,8 @@ def predict_ttft(load: WorkerLoad, *, priority: Priority, prompt_tokens: int, ca
             # A step's fixed and decode cost is counted once, with its first chunk.
             first = chunk == 0
             seconds += step_seconds(load.step_cost, prefill_tokens=take, start=start,
-                                    decode_rows=load.decode_rows if first else 0, fixed=first)
+                                    decode_rows=load.decode_rows if first else 0,
+                                    decode_context=load.decode_context if first else 0, fixed=first)
             tokens -= take
             start += take
             room -= take
