@@ -17,7 +17,7 @@ DEMO ?=
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PIP) install -q --upgrade pip
 	@wheel=$$(ls $(TORCH_WHEEL_DIR)/torch-*+cpu-cp3*.whl 2>/dev/null | sort | tail -n 1); \
@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	elif [ -n "$$wheel" ]; then echo "torch: installing the local CPU build $$wheel"; $(PIP) install -q "$$wheel"; \
 	elif [ -n "$(TORCH_INDEX_URL)" ]; then $(PIP) install -q torch --index-url "$(TORCH_INDEX_URL)"; \
 	else echo "torch: no local CPU wheel in $(TORCH_WHEEL_DIR) and no TORCH_INDEX_URL; pip will choose"; fi
-	@$(PIP) install -q -e ".[dev]"
+	@$(PIP) install -q -c constraints.txt -e ".[dev]"
 	@touch $@
 
 run: install

@@ -15,6 +15,11 @@ import shutil
 # choice is made here, before any test module imports sluice.kernels.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Two xdist workers share the machine's cores, each running engines in-process and starting worker
+# processes (which inherit this). With torch's default of one intra-op thread per core, OpenMP
+# threads of several processes wait on each other and a model test ran 5-15x slower in the suite
+# than alone. One thread per process unless a run says otherwise; tests about threads set their own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from collections.abc import Iterator
 from pathlib import Path

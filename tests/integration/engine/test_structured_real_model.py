@@ -6,6 +6,7 @@ HF's own tokens."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import jsonschema
@@ -53,7 +54,6 @@ def hf_constrained(real_model_dir: Path, prompts: list[list[int]]) -> list[list[
 
     from sluice.grammar.compiler import GrammarCompiler
 
-    torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(str(real_model_dir), torch_dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(real_model_dir))
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
@@ -96,12 +96,20 @@ def hf_constrained(real_model_dir: Path, prompts: list[list[int]]) -> list[list[
 def test_constrained_greedy_equals_hf_with_the_mask(real_model_dir: Path, prompts: list[list[int]],
                                                     hf_constrained: list[list[int]], policy: str,
                                                     speculation: int) -> None:
-    engine = LLMEngine(EngineConfig(model=str(real_model_dir), policy=policy, dtype="float32",
-                                    num_speculative_tokens=speculation, max_model_len=512, num_kv_blocks=64,
-                                    max_num_batched_tokens=128, max_num_seqs=4))
-    sampling = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0,
-                              structured=StructuredOutput(kind="json", spec=json.dumps(SCHEMA)))
-    results = engine.generate(prompts, sampling)
+    # One torch thread (the module's fixture) leaves a core free, so the runner fills each step's
+    # masks beside the forward pass; chunked without speculation runs with a thread per core as
+    # `sluice worker` does by default, where the masks are filled inline.
+    threads = (os.cpu_count() or 1) if (policy, speculation) == ("chunked", 0) else 1
+    torch.set_num_threads(threads)
+    try:
+        engine = LLMEngine(EngineConfig(model=str(real_model_dir), policy=policy, dtype="float32",
+                                        num_speculative_tokens=speculation, max_model_len=512, num_kv_blocks=64,
+                                        max_num_batched_tokens=128, max_num_seqs=4))
+        sampling = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0,
+                                  structured=StructuredOutput(kind="json", spec=json.dumps(SCHEMA)))
+        results = engine.generate(prompts, sampling)
+    finally:
+        torch.set_num_threads(1)
     for result, reference in zip(results, hf_constrained, strict=True):
         # The engine ends when the grammar is complete; HF goes on to the EOS its mask then forces
         # (dropped from the reference above).
