@@ -172,3 +172,26 @@ def test_the_dispatcher_measures_the_pace_of_room_as_it_sends() -> None:
     assert dispatcher.dispatch_ready() == 1  # b: the gap ends
     gap = dispatcher.pace.seconds_per_job("m")
     assert gap is not None and gap >= 0.0
+
+
+@pytest.mark.parametrize("priority_enabled", [True, False])
+def test_an_urgent_request_that_may_overtake_held_work_waits_for_no_room(priority_enabled: bool) -> None:
+    from sluice.settings import SchedulerSettings
+
+    dispatcher = Dispatcher(Settings(dispatch=DispatchSettings(max_worker_waiting=1),
+                                     scheduler=SchedulerSettings(priority_enabled=priority_enabled)),
+                            lambda job, final: None)
+    dispatcher.attach(RecordingLink())
+    for rid in ("a", "b"):
+        dispatcher.enqueue(job(rid))
+    dispatcher.dispatch_ready()  # a (standard) unstarted on the worker, b held
+    dispatcher.pace = RoomPace()
+    dispatcher.pace.sent("m", 0.0, left_held=True)
+    dispatcher.pace.sent("m", 2.0, left_held=True)
+    urgent = msgspec.structs.replace(job("new").request, priority=Priority.INTERACTIVE)
+    if priority_enabled:
+        # The room rule lets it overtake the unstarted standard job: no wait for room, nothing ahead.
+        assert dispatcher.predicted_ttft(urgent) == pytest.approx(0.06)
+    else:
+        # One class: the worker's queue is full, so it waits behind b like any job.
+        assert dispatcher.predicted_ttft(urgent) == pytest.approx(2 * 2.0 + 0.06)

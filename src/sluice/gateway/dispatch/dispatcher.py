@@ -66,7 +66,7 @@ from sluice.gateway.dispatch.links.base import EngineLink, WorkerLink
 from sluice.gateway.dispatch.links.tcp import WorkerPort
 from sluice.gateway.dispatch.links.upstream import UpstreamLink
 from sluice.gateway.dispatch.routing import PromptBlocks, Router
-from sluice.gateway.dispatch.slots import LocalSlots, RedisSlots, WorkerSlots
+from sluice.gateway.dispatch.slots import LocalSlots, RedisSlots, WorkerSlots, room_for
 from sluice.gateway.dispatch.ttft import RoomPace
 from sluice.protocol import (
     FinishReason,
@@ -324,12 +324,14 @@ class Dispatcher:
         serving = self._serving(request)
         if not serving:
             return None
+        limit, by_class = self.settings.dispatch.max_worker_waiting, self.settings.scheduler.priority_enabled
+        if not by_class:  # one class: queued in one lane, and sent as standard (`_send`)
+            request = msgspec.structs.replace(request, priority=Priority.STANDARD)
         ahead = [item.prompt_tokens for item in self.scheduler.items()
-                 if item.priority <= request.priority and item.payload.request.model == request.model]
+                 if (item.priority <= request.priority or not by_class) and item.payload.request.model == request.model]
         blocks = PromptBlocks(request)
         pace = self.pace.seconds_per_job(request.model)
-        limit = self.settings.dispatch.max_worker_waiting
-        if pace is not None and not any(w.has_room_for(request.priority, limit) for w in serving):
+        if pace is not None and not any(room_for(w, request.priority, limit, by_class) for w in serving):
             # No room: it goes out after the jobs held ahead of it, one room gap each, then its own.
             # By then the worker's backlog is what it is now (its queue is kept this short).
             best = self.router.best_prediction(serving, blocks)

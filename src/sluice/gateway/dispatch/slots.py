@@ -57,6 +57,12 @@ def has_room(est_waiting: int, unstarted: list[Priority], priority: Priority, ma
     return behind and ahead < max_waiting
 
 
+def room_for(worker: WorkerLink, priority: Priority, max_waiting: int, by_class: bool) -> bool:
+    """Whether `worker` has room for a job of `priority` by this replica's view: the room rule, or
+    with one class (`by_class` False) the plain queue bound."""
+    return worker.has_room_for(priority, max_waiting) if by_class else worker.est_waiting < max_waiting
+
+
 class LocalSlots:
     """One gateway alone: its view of each worker is the whole truth (today's rule, synchronous)."""
 
@@ -64,11 +70,7 @@ class LocalSlots:
              by_class: bool) -> WorkerLink | None:
         """The first of `candidates` (least loaded first) with room for `job`."""
         priority = job.request.priority
-        for worker in candidates:
-            if (worker.has_room_for(priority, max_waiting) if by_class
-                    else worker.est_waiting < max_waiting):  # one class: the plain queue bound
-                return worker
-        return None
+        return next((w for w in candidates if room_for(w, priority, max_waiting, by_class)), None)
 
     def release(self, job: Job) -> None:
         """Nothing to do: the worker's `inflight` jobs are the record."""

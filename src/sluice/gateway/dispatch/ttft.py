@@ -17,9 +17,8 @@ the TTFT observed (docs/lab/notebook.md, 2026-12-06): the wait for room dominate
 Each step also reads the decoding streams' KV (`decode_context_tokens`, as the worker last
 reported it, held constant though the streams grow and finish). Left out: the rest of the step a
 busy engine is in when the request arrives, the jobs on the wire since the last report and a wait
-for a free sequence slot (optimistic), the backlog's own
-prefix-cache hits (pessimistic). Torch-free and pure: the gateway asks it per candidate worker per
-request.
+for a free sequence slot (optimistic), the backlog's own prefix-cache hits (pessimistic).
+Torch-free and pure: the gateway asks it per candidate worker per request.
 """
 
 from __future__ import annotations
