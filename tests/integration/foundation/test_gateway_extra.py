@@ -32,8 +32,9 @@ WORKER_SECRET = "gateway-extra-worker-secret-0123456789"
 def gateway_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("gateway-venv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    done = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(ROOT / "constraints.txt"),
-                           f"{ROOT}[gateway]"],
+    # --no-compile: no bytecode written for every installed module (the test imports few of them).
+    done = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-compile",
+                           "-c", str(ROOT / "constraints.txt"), f"{ROOT}[gateway]"],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return venv

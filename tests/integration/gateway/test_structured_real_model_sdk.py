@@ -8,14 +8,16 @@ SDK against a gateway over HTTP, under each scheduling policy with speculation o
   tool's schema, whole and assembled by the SDK's stream helper (the same calls); a conversation
   with the tool's result goes on.
 
-The requests of one check are sent at once, so the engine runs them in the same steps.
+All requests of a configuration (36) are sent at once, so the engine runs orders and tool calls,
+whole and streamed, in the same steps (one batch, where each check had its own: the module's
+time is mostly the longest answer's decode, paid once per configuration).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ ENGINE = {"max_num_seqs": 48, "kv_cache_bytes": 384 * 2**20, "max_num_batched_to
 ORDER_ASK = [{"role": "system", "content": "Answer with the order as JSON."},
              {"role": "user", "content": "Ada Lovelace orders two green widgets and one red gear, as a gift."}]
 TOOL_ASK = [{"role": "user", "content": "What is the weather in Oslo right now?"}]
+TOOL_CHOICES: dict[str, Any] = {"required": "required", "named": {"type": "function", "function": {"name": "get_time"}}}
+TOOL_SEEDS = range(4)  # whole, and as many streamed, per tool choice
 
 
 class Color(enum.Enum):
@@ -66,24 +70,45 @@ def client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, timeout=7200)
 
 
-def _all_at_once(calls: list[Any]) -> list[Any]:
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(calls)) as pool:
-        return [f.result() for f in [pool.submit(call) for call in calls]]
+def _all_at_once(calls: dict[str, list[Callable[[], Any]]]) -> dict[str, list[Any]]:
+    """Each group's calls, all groups at once; their answers by group, in order."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=sum(map(len, calls.values()))) as pool:
+        futures = {group: [pool.submit(call) for call in group_calls] for group, group_calls in calls.items()}
+        return {group: [f.result() for f in group_futures] for group, group_futures in futures.items()}
 
 
-def test_parse_returns_a_nested_object_for_every_sampled_request(client: openai.OpenAI) -> None:
-    ask: dict[str, Any] = dict(model="smollm2", messages=ORDER_ASK, response_format=Order, max_tokens=160,
-                               temperature=1.0)
+def _streamed(client: openai.OpenAI, seed: int, ask: dict[str, Any]) -> Any:
+    with client.chat.completions.stream(seed=seed, **ask) as events:
+        return events.get_final_completion()
 
-    def whole(seed: int) -> Any:
-        return client.chat.completions.parse(seed=seed, **ask)
 
-    def streamed(seed: int) -> Any:
-        with client.chat.completions.stream(seed=seed, **ask) as events:
-            return events.get_final_completion()
+def _parse_ask() -> dict[str, Any]:
+    return dict(model="smollm2", messages=ORDER_ASK, response_format=Order, max_tokens=160, temperature=1.0)
 
-    completions = _all_at_once([lambda s=s: whole(s) for s in range(SAMPLES)] +
-                               [lambda s=s: streamed(s) for s in range(SAMPLES)])
+
+def _tool_ask(tool_choice: Any) -> dict[str, Any]:
+    return dict(model="smollm2", messages=TOOL_ASK, tools=[WEATHER, CLOCK], tool_choice=tool_choice, max_tokens=120,
+                parallel_tool_calls=False)
+
+
+@pytest.fixture(scope="module")
+def answers(client: openai.OpenAI) -> dict[str, list[Any]]:
+    """Every request of the configuration, sent at once (parsed orders, then each tool choice's
+    calls), so JSON-schema and tool grammars are applied in the same steps; whole answers first,
+    then as many streamed with the same seeds."""
+    parse = _parse_ask()
+    calls: dict[str, list[Callable[[], Any]]] = {
+        "parse": [lambda s=s: client.chat.completions.parse(seed=s, **parse) for s in range(SAMPLES)] +
+                 [lambda s=s: _streamed(client, s, parse) for s in range(SAMPLES)]}
+    for name, tool_choice in TOOL_CHOICES.items():
+        ask = _tool_ask(tool_choice)
+        calls[name] = ([lambda s=s, ask=ask: client.chat.completions.create(seed=s, **ask) for s in TOOL_SEEDS] +
+                       [lambda s=s, ask=ask: _streamed(client, s, ask) for s in TOOL_SEEDS])
+    return _all_at_once(calls)
+
+
+def test_parse_returns_a_nested_object_for_every_sampled_request(answers: dict[str, list[Any]]) -> None:
+    completions = answers["parse"]
     for completion in completions:
         choice = completion.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
@@ -91,25 +116,16 @@ def test_parse_returns_a_nested_object_for_every_sampled_request(client: openai.
     assert len({c.choices[0].message.content for c in completions[:SAMPLES]}) > 1  # sampled, not one answer
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
-                         ids=["required", "named"])
-def test_forced_tool_calls_validate_whole_and_streamed(client: openai.OpenAI, tool_choice: Any) -> None:
-    ask: dict[str, Any] = dict(model="smollm2", messages=TOOL_ASK, tools=[WEATHER, CLOCK], tool_choice=tool_choice,
-                               max_tokens=120, parallel_tool_calls=False)
-
-    def streamed(seed: int) -> Any:
-        with client.chat.completions.stream(seed=seed, **ask) as events:
-            return events.get_final_completion()
-
-    seeds = range(4)
-    results = _all_at_once([lambda s=s: client.chat.completions.create(seed=s, **ask) for s in seeds] +
-                           [lambda s=s: streamed(s) for s in seeds])
-    wholes, streams = results[:len(seeds)], results[len(seeds):]
+@pytest.mark.parametrize("tool_choice", list(TOOL_CHOICES))
+def test_forced_tool_calls_validate_whole_and_streamed(client: openai.OpenAI, answers: dict[str, list[Any]],
+                                                      tool_choice: str) -> None:
+    results = answers[tool_choice]
+    wholes, streams = results[:len(TOOL_SEEDS)], results[len(TOOL_SEEDS):]
     for answer, final in zip(wholes, streams, strict=True):
         choice = answer.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message.content
         for call in choice.message.tool_calls:
-            check_call(call.function.name, call.function.arguments, tool_choice)
+            check_call(call.function.name, call.function.arguments, TOOL_CHOICES[tool_choice])
         assert final.choices[0].finish_reason == "tool_calls"
         assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls or []] == \
             [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]  # seeded: the same calls

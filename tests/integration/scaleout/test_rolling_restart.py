@@ -39,6 +39,7 @@ ADMIN_TOKEN = "rolling-restart-admin-" + "r" * 24
 CLIENTS = 50
 PROMPTS = [f"Tell me about rolling restart number {i}." for i in range(5)]
 MAX_TOKENS = 24
+LONG_TOKENS = 2000  # the stream open through a drain
 SLUICE_TOML = (
     "[dispatch]\nlocal_workers = 1\nheartbeat_interval_s = 0.5\nheartbeat_timeout_s = 5.0\n"
     "[engine]\nmax_num_seqs = 16\nmax_num_batched_tokens = 512\n"
@@ -172,8 +173,12 @@ def test_sigterm_drains_a_replica_and_the_supervisor_starts_it_again(
         serve_cluster: ServeCluster, api_key: str, references: dict[str, str]) -> None:
     cluster, base = serve_cluster, serve_cluster.bases[1]
     victim = cluster.replica_pid(1)
-    long_body = body(PROMPTS[1], max_tokens=400)
-    reference = text_of([cluster.bases[0]], api_key, long_body)
+    # Long enough (seconds of decoding) that the stream is still open through the checks below on a
+    # busy machine; with 400 tokens it once ended first, and the drained replica refused connections.
+    long_body = body(PROMPTS[1], max_tokens=LONG_TOKENS)
+    reference: list[str] = []  # from the other replica, decoded beside the stream (greedy: the same text)
+    beside = threading.Thread(target=lambda: reference.append(text_of([cluster.bases[0]], api_key, long_body)))
+    beside.start()
     result: dict[str, object] = {}
     started = threading.Event()
 
@@ -211,7 +216,8 @@ def test_sigterm_drains_a_replica_and_the_supervisor_starts_it_again(
                          headers={"authorization": f"Bearer {api_key}"}, timeout=30)  # nor a batch
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "replica_draining"
     client.join(300)
-    assert "error" not in result and result["text"] == reference, result  # the open stream ran to its end
+    beside.join(300)
+    assert "error" not in result and [result["text"]] == reference, result  # the open stream ran to its end
     wait_for(lambda: not _alive(victim), "the drained replica to exit", timeout=180)
     log_text = cluster.replica_log(1)
     assert re.search(r"draining \(SIGTERM\): [1-9]\d* open request", log_text), log_text
@@ -227,6 +233,8 @@ def test_sigterm_drains_a_replica_and_the_supervisor_starts_it_again(
 def test_rolling_restart_under_50_streams_loses_nothing(
         serve_cluster: ServeCluster, api_key: str, references: dict[str, str]) -> None:
     cluster = serve_cluster
+    for base in cluster.bases:  # both up (after the test above, or its failure, one may be starting again)
+        wait_for(lambda base=base: _ready(base), f"{base} to be ready", cluster=cluster)
     before = [cluster.replica_pid(i) for i in range(2)]
     printed = cluster.output().count("rolling restart done")
     rolled = threading.Event()
@@ -268,16 +276,17 @@ def test_rolling_restart_under_50_streams_loses_nothing(
     assert "rolling restart stopped" not in cluster.output()
     after = [cluster.replica_pid(i) for i in range(2)]
     assert not set(after) & set(before)  # both replicas were restarted
-    # Each replica drained, and every stream open at its drain ended there. At least one of them
-    # had streams open: with short demo-model streams a replica can hit an instant with none (its
-    # clients between two requests), which is a pass of the drain too, not a loss.
-    last_open = []
+    # Each replica drained, and every stream open at its drain ended there. How many were open is
+    # chance: a request is open in a replica while it generates, and short demo-model generations
+    # left both replicas at an instant with none in a clean run (a pass of the drain too, not a
+    # loss). The drain of an open stream is the test above, with one held open on purpose.
+    open_at_drain = []
     for i in range(2):
         drains = re.findall(r"draining \(SIGTERM\): (\d+) open request", cluster.replica_log(i))
         assert drains, cluster.replica_log(i)
-        last_open.append(int(drains[-1]))
+        open_at_drain.append(int(drains[-1]))
         assert "drain timeout" not in cluster.replica_log(i)
-    assert max(last_open) > 0, last_open
+    print(f"open requests at each replica's drain: {open_at_drain}")
     assert failures == []
     assert len(results) > 2 * CLIENTS
     wrong = [(prompt, text) for prompt, text in results if text != references[prompt]]
