@@ -8,6 +8,7 @@ free unless a test says otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import msgspec
@@ -84,6 +85,65 @@ def test_the_decoding_streams_kv_reads_slow_every_step() -> None:
         0.02 + 0.15 + 0.4 + 0.025)
 
 
+def test_a_request_sent_to_a_busy_worker_waits_for_the_rest_of_the_step_in_progress() -> None:
+    # 4 rows decoding, reported 10 ms ago: that step (10 ms + 4 x 5 ms) has 20 ms left, then a
+    # step of its 500 tokens with the 4 rows (10 + 50 + 20 ms).
+    decoding = dataclasses.replace(load(rows=4), since_report=0.010)
+    assert predict_ttft(decoding, priority=Priority.STANDARD, prompt_tokens=500) == pytest.approx(0.10)
+    # Sent later (held at the gateway), or with no age for the report: that step is not counted.
+    assert predict_ttft(decoding, priority=Priority.STANDARD, prompt_tokens=500,
+                        sent_now=False) == pytest.approx(0.08)
+    assert predict_ttft(load(rows=4), priority=Priority.STANDARD, prompt_tokens=500) == pytest.approx(0.08)
+    # A report older than one step (steady decoding reports nothing new): the same step's phase.
+    stale = dataclasses.replace(decoding, since_report=0.070)  # 0.070 = 2 x 30 ms + 10 ms
+    assert predict_ttft(stale, priority=Priority.STANDARD, prompt_tokens=500) == pytest.approx(0.10)
+    # An idle worker is in no step.
+    idle = dataclasses.replace(load(), since_report=0.010)
+    assert predict_ttft(idle, priority=Priority.STANDARD, prompt_tokens=500) == pytest.approx(0.06)
+
+
+def test_the_step_in_progress_prefills_the_most_urgent_backlog_first() -> None:
+    # 600 interactive tokens, reported 20 ms ago: that step (10 + 60 ms) prefills them all and has
+    # 50 ms left; an interactive request then has nothing ahead (one step of 10 + 50 ms).
+    urgent = dataclasses.replace(load(backlog=(600, 0, 0)), since_report=0.020)
+    assert predict_ttft(urgent, priority=Priority.INTERACTIVE, prompt_tokens=500) == pytest.approx(0.11)
+    # Without the step's age: 1100 tokens from now, steps of 1000 and 100 (10 + 100 + 10 + 10 ms).
+    assert predict_ttft(load(backlog=(600, 0, 0)), priority=Priority.INTERACTIVE,
+                        prompt_tokens=500) == pytest.approx(0.13)
+    # A batch backlog in that step is not ahead of an interactive request: it waits out the step only.
+    batch = dataclasses.replace(load(backlog=(0, 0, 600)), since_report=0.020)
+    assert predict_ttft(batch, priority=Priority.INTERACTIVE, prompt_tokens=500) == pytest.approx(0.11)
+
+
+def test_jobs_sent_since_the_last_report_are_ahead_by_the_class_they_were_sent_as() -> None:
+    worker = RecordingLink()
+    urgent, batch = job("u").request, job("b").request
+    urgent = msgspec.structs.replace(urgent, priority=Priority.INTERACTIVE)
+    batch = msgspec.structs.replace(batch, priority=Priority.BATCH)
+    for request in (urgent, batch):
+        worker.inflight[request.request_id] = job(request.request_id)
+        worker.send(request)
+    loaded = worker.ttft_load
+    assert loaded is not None and loaded.unreported == (500, 0, 500)
+    assert loaded.ahead(Priority.INTERACTIVE) == 500 and loaded.ahead(Priority.BATCH) == 1000
+    worker.inflight["b"].started = True  # it left the worker's queue: not ahead any more
+    assert worker.ttft_load is not None and worker.ttft_load.unreported == (500, 0, 0)
+    worker.take_report(msgspec.structs.replace(worker.capacity, num_received=1))  # u is reported now
+    assert worker.ttft_load is not None and worker.ttft_load.unreported == (0, 0, 0)
+
+
+def test_a_link_dates_each_report_it_takes() -> None:
+    worker = RecordingLink()
+    first = worker.capacity
+    newer = msgspec.structs.replace(first, num_running=3)
+    before = time.monotonic()
+    assert worker.take_report(newer) is first
+    assert worker.capacity is newer and before <= worker.reported_at <= time.monotonic()
+    loaded = worker.ttft_load
+    assert loaded is not None and loaded.decode_rows == 3
+    assert loaded.since_report is not None and 0.0 <= loaded.since_report < 60.0
+
+
 def test_a_worker_without_a_warm_cost_model_is_not_predicted() -> None:
     base = dict(worker_id="w", num_running=0, num_waiting=0, free_kv_blocks=1, total_kv_blocks=1,
                 max_num_seqs=4, sent_at=0.0)
@@ -151,13 +211,18 @@ def test_a_request_no_worker_has_room_for_waits_a_room_gap_per_job_held_ahead_an
         dispatcher.enqueue(job(rid))
     assert dispatcher.dispatch_ready() == 1  # the worker's queue holds one: b and c stay held
     assert [r.request_id for r in worker.requests] == ["a"]
-    # No room gap measured yet: the held prompts count as prefill ahead (2 x 500 + 500: 2 steps).
-    assert dispatcher.predicted_ttft(new) == pytest.approx(0.17)
+    # No room gap measured yet: the held prompts count as prefill ahead, and so does a, sent and not
+    # reported by the worker yet (3 x 500 + 500: 2 steps of 1000).
+    assert dispatcher.predicted_ttft(new) == pytest.approx(0.22)
     dispatcher.pace = RoomPace()  # measured: room for one job every 2 s
     dispatcher.pace.sent("m", 0.0, left_held=True)
     dispatcher.pace.sent("m", 2.0, left_held=True)
-    # b, c, then itself: 3 gaps, then its own prefill on the worker as it is now.
-    assert dispatcher.predicted_ttft(new) == pytest.approx(3 * 2.0 + 0.06)
+    # b, c, then itself: 3 gaps, then its own prefill on the worker as it is now (behind a's 500).
+    assert dispatcher.predicted_ttft(new) == pytest.approx(3 * 2.0 + 0.11)
+    # The worker reports having received a, with nothing waiting (a's backlog is its to report,
+    # none here): room again, so b and c count as prefill ahead, a no more (1500 tokens: 2 steps).
+    worker.take_report(msgspec.structs.replace(worker.capacity, num_received=1))
+    assert dispatcher.predicted_ttft(new) == pytest.approx(0.17)
 
 
 def test_the_dispatcher_measures_the_pace_of_room_as_it_sends() -> None:
@@ -193,5 +258,6 @@ def test_an_urgent_request_that_may_overtake_held_work_waits_for_no_room(priorit
         # The room rule lets it overtake the unstarted standard job: no wait for room, nothing ahead.
         assert dispatcher.predicted_ttft(urgent) == pytest.approx(0.06)
     else:
-        # One class: the worker's queue is full, so it waits behind b like any job.
-        assert dispatcher.predicted_ttft(urgent) == pytest.approx(2 * 2.0 + 0.06)
+        # One class: the worker's queue is full, so it waits behind b like any job, and a, sent as
+        # standard and not reported yet, is ahead of it on the worker (1000 tokens: 10 + 100 ms).
+        assert dispatcher.predicted_ttft(urgent) == pytest.approx(2 * 2.0 + 0.11)

@@ -334,7 +334,7 @@ class Dispatcher:
         if pace is not None and not any(room_for(w, request.priority, limit, by_class) for w in serving):
             # No room: it goes out after the jobs held ahead of it, one room gap each, then its own.
             # By then the worker's backlog is what it is now (its queue is kept this short).
-            best = self.router.best_prediction(serving, blocks)
+            best = self.router.best_prediction(serving, blocks, sent_now=False)
             return None if best is None else (len(ahead) + 1) * pace + best
         return self.router.best_prediction(serving, blocks, queued_ahead=sum(ahead) // len(serving))
 
@@ -539,8 +539,7 @@ class Dispatcher:
 
     def report(self, worker: EngineLink, capacity: WorkerCapacity) -> None:
         """An engine host's capacity report (on every change and as a heartbeat)."""
-        worker.last_seen = time.monotonic()
-        before, worker.capacity = worker.capacity, capacity
+        before = worker.take_report(capacity)
         telemetry.observe_worker(capacity)
         telemetry.count_engine_events(before, capacity)
         self._wake.set()

@@ -194,9 +194,10 @@ class Router:
         return reordered
 
     def best_prediction(self, candidates: Sequence[WorkerLink], blocks: PromptBlocks, *,
-                        queued_ahead: int = 0) -> float | None:
+                        queued_ahead: int = 0, sent_now: bool = True) -> float | None:
         """The lowest predicted TTFT of the request over `candidates` (None: none predictable):
-        what admission compares with its target (gateway/generation/service.py)."""
+        what admission compares with its target (gateway/generation/service.py); `sent_now` as
+        in `predict_ttft`."""
         request = blocks.request
         num_tokens = len(request.prompt_token_ids) + len(request.resume_token_ids)
         best: float | None = None
@@ -206,7 +207,7 @@ class Router:
                 return None  # a worker nothing is known about may serve it in time
             cached = cached_tokens(worker, blocks) if self.settings.policy == "cache_aware" else 0
             seconds = predict_ttft(load, priority=request.priority, prompt_tokens=num_tokens,
-                                   cached_tokens=cached, queued_ahead=queued_ahead)
+                                   cached_tokens=cached, queued_ahead=queued_ahead, sent_now=sent_now)
             best = seconds if best is None else min(best, seconds)
         return best
 

@@ -15,10 +15,23 @@ itself, before the worker-side prediction. Without it, an overloaded worker's pr
 the TTFT observed (docs/lab/notebook.md, 2026-12-06): the wait for room dominated.
 
 Each step also reads the decoding streams' KV (`decode_context_tokens`, as the worker last
-reported it, held constant though the streams grow and finish). Left out: the rest of the step a
-busy engine is in when the request arrives, the jobs on the wire since the last report and a wait
-for a free sequence slot (optimistic), the backlog's own prefix-cache hits (pessimistic).
-Torch-free and pure: the gateway asks it per candidate worker per request.
+reported it, held constant though the streams grow and finish).
+
+A request sent to a busy engine waits for the step it is in to end. An engine host reports between
+two steps (after each step that changed its load), so the step in progress began about when its
+last report came: `WorkerLoad.since_report` seconds ago. That step, predicted from the report (the
+decoding streams and a budget's chunk of the backlog, most urgent first), has its rest still to
+run, and the part of the backlog it prefills is no longer ahead. A report older than that step
+(no change to report, as in steady decoding) leaves the phase of the same step repeated: the rest
+of the step is `step - since_report % step`, nothing taken off the backlog.
+
+The jobs sent to the worker since its last report (on the wire, or received and not reported yet:
+`sent - num_received` of them, the link's latest) are ahead too, by their class
+(`WorkerLoad.unreported`): a request sent right after another long prompt waits for its prefill.
+
+Left out: a wait for a free sequence slot (optimistic), the backlog's own prefix-cache hits
+(pessimistic). Torch-free and pure: the gateway
+asks it per candidate worker per request.
 """
 
 from __future__ import annotations
@@ -38,18 +51,38 @@ class WorkerLoad:
     decode_rows: int  # streams decoding in every step
     step_tokens: int  # the engine's token budget per step
     decode_context: int = 0  # KV tokens those streams read in every step
+    since_report: float | None = None  # seconds since this report came (None: the step in progress is not counted)
+    unreported: tuple[int, ...] = ()  # prompt tokens of the jobs sent since, not in the report yet, by Priority value
 
     @classmethod
-    def of(cls, capacity: WorkerCapacity) -> WorkerLoad | None:
+    def of(cls, capacity: WorkerCapacity, since_report: float | None = None,
+           unreported: tuple[int, ...] = ()) -> WorkerLoad | None:
         """None when the worker cannot be predicted (cold cost model, or an older worker)."""
         if len(capacity.step_cost) != len(STEP_COST_FEATURES) or capacity.max_num_batched_tokens < 1:
             return None
         return cls(capacity.step_cost, capacity.prefill_backlog, capacity.num_running,
-                   capacity.max_num_batched_tokens, capacity.decode_context_tokens)
+                   capacity.max_num_batched_tokens, capacity.decode_context_tokens, since_report, unreported)
 
     def ahead(self, priority: Priority) -> int:
-        """Backlog tokens served before a new request of `priority` (its class and more urgent)."""
-        return sum(self.prefill_backlog[: int(priority) + 1])
+        """Backlog tokens served before a new request of `priority` (its class and more urgent):
+        the reported ones and those of the jobs sent since."""
+        classes = int(priority) + 1
+        return sum(self.prefill_backlog[:classes]) + sum(self.unreported[:classes])
+
+    def step_in_progress(self, priority: Priority) -> tuple[float, int]:
+        """(seconds left of the step the worker is in, the tokens ahead of a new request of
+        `priority` that step prefills); (0, 0) when it is idle or the report's age is not known."""
+        backlog = sum(self.prefill_backlog)
+        if self.since_report is None or (backlog == 0 and self.decode_rows == 0):
+            return 0.0, 0
+        chunk = min(backlog, self.step_tokens)
+        step = step_seconds(self.step_cost, prefill_tokens=chunk, start=0, decode_rows=self.decode_rows,
+                            decode_context=self.decode_context)
+        if step <= 0.0:
+            return 0.0, 0
+        if self.since_report < step:  # the step the report was sent before
+            return step - self.since_report, min(sum(self.prefill_backlog[: int(priority) + 1]), chunk)
+        return step - self.since_report % step, 0  # a later one, of the same shape as far as is known
 
 
 def step_seconds(step_cost: tuple[float, ...], *, prefill_tokens: int, start: int, decode_rows: int,
@@ -64,18 +97,20 @@ def step_seconds(step_cost: tuple[float, ...], *, prefill_tokens: int, start: in
 
 
 def predict_ttft(load: WorkerLoad, *, priority: Priority, prompt_tokens: int, cached_tokens: int = 0,
-                 queued_ahead: int = 0) -> float:
+                 queued_ahead: int = 0, sent_now: bool = True) -> float:
     """Seconds until the first token of a request of `priority` with `prompt_tokens` tokens, of which
-    the worker holds `cached_tokens` in its prefix cache, sent now; `queued_ahead`: tokens of
-    requests the gateway holds that will reach this worker before it.
+    the worker holds `cached_tokens` in its prefix cache; `queued_ahead`: tokens of requests the
+    gateway holds that will reach this worker before it. `sent_now`: it reaches the worker now,
+    and waits for the rest of the step in progress there (False: at some later instant, whose
+    step is not known).
 
     The backlog ahead is prefilled as one prompt from position 0, then this prompt from
     `cached_tokens`, in chunks of the step budget. At least one step (a fully cached prompt still
     computes its last token)."""
     budget = load.step_tokens
     cached = max(0, min(cached_tokens, prompt_tokens - 1))
-    segments = ((load.ahead(priority) + queued_ahead, 0), (max(1, prompt_tokens - cached), cached))
-    seconds = 0.0
+    seconds, done = load.step_in_progress(priority) if sent_now else (0.0, 0)
+    segments = ((load.ahead(priority) - done + queued_ahead, 0), (max(1, prompt_tokens - cached), cached))
     room = budget  # left in the current step
     chunk = 0  # tokens already in the current step
     for tokens, start in segments:

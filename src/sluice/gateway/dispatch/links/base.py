@@ -16,8 +16,10 @@ A link reports back through its `LinkHost` (the dispatcher): each delta of a job
 
 from __future__ import annotations
 
+import itertools
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sluice.gateway.dispatch.cache_index import CacheIndex
@@ -33,6 +35,8 @@ from sluice.protocol import (
 
 if TYPE_CHECKING:
     from sluice.gateway.dispatch.jobs import Job
+
+RECENT_SENDS = 64  # sends a link remembers for the TTFT prediction (its worker's queue is kept far shorter)
 
 
 class WorkerLink(Protocol):
@@ -117,9 +121,12 @@ class EngineLink(ABC):
         self.worker_id = worker_id
         self.models = models
         self.capacity = capacity
+        self.reported_at = time.monotonic()  # when `capacity` came
         self.device = device
         self.pid = pid
         self.sent = 0  # GenerateRequests sent on this link
+        # The latest sends (id, class as sent, prompt tokens): those the worker has not reported yet.
+        self._recent_sends: deque[tuple[str, int, int]] = deque(maxlen=RECENT_SENDS)
         self.inflight: dict[str, Job] = {}
         self.last_seen = time.monotonic()
         self.connected_at = time.time()
@@ -148,12 +155,33 @@ class EngineLink(ABC):
     def accepting(self) -> bool:
         return True  # its engine queues what it cannot run yet; the room rule bounds that queue
 
+    def take_report(self, capacity: WorkerCapacity) -> WorkerCapacity:
+        """Its engine host's new report (sent between two steps); returns the one before."""
+        before, self.capacity, self.reported_at = self.capacity, capacity, time.monotonic()
+        self.last_seen = self.reported_at
+        return before
+
     @property
     def ttft_load(self) -> WorkerLoad | None:
-        return WorkerLoad.of(self.capacity)
+        return WorkerLoad.of(self.capacity, since_report=time.monotonic() - self.reported_at,
+                             unreported=self._unreported_backlog())
+
+    def _unreported_backlog(self) -> tuple[int, ...]:
+        """Prompt tokens, by the class they were sent as, of the jobs sent since the worker's report
+        counted what it had received: the latest `sent - num_received` sends, those still in flight
+        here that have not started."""
+        backlog = [0] * len(Priority)
+        for request_id, priority, tokens in itertools.islice(
+                reversed(self._recent_sends), max(0, self.sent - self.capacity.num_received)):
+            job = self.inflight.get(request_id)
+            if job is not None and not job.started:
+                backlog[priority] += tokens
+        return tuple(backlog)
 
     def send(self, request: GenerateRequest) -> None:
         self.sent += 1
+        tokens = len(request.prompt_token_ids) + len(request.resume_token_ids)
+        self._recent_sends.append((request.request_id, int(request.priority), tokens))
         self._send(request)
 
     def abort(self, request_id: str) -> None:
