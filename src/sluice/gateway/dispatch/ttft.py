@@ -30,8 +30,7 @@ The jobs sent to the worker since its last report (on the wire, or received and 
 (`WorkerLoad.unreported`): a request sent right after another long prompt waits for its prefill.
 
 Left out: a wait for a free sequence slot (optimistic), the backlog's own prefix-cache hits
-(pessimistic). Torch-free and pure: the gateway
-asks it per candidate worker per request.
+(pessimistic). Torch-free and pure: the gateway asks it per candidate worker per request.
 """
 
 from __future__ import annotations
