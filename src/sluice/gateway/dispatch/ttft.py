@@ -65,8 +65,11 @@ class WorkerLoad:
     def ahead(self, priority: Priority) -> int:
         """Backlog tokens served before a new request of `priority` (its class and more urgent):
         the reported ones and those of the jobs sent since."""
-        classes = int(priority) + 1
-        return sum(self.prefill_backlog[:classes]) + sum(self.unreported[:classes])
+        return self.reported_ahead(priority) + sum(self.unreported[: int(priority) + 1])
+
+    def reported_ahead(self, priority: Priority) -> int:
+        """The part of `ahead` the worker's report holds."""
+        return sum(self.prefill_backlog[: int(priority) + 1])
 
     def step_in_progress(self, priority: Priority) -> tuple[float, int]:
         """(seconds left of the step the worker is in, the tokens ahead of a new request of
@@ -80,7 +83,7 @@ class WorkerLoad:
         if step <= 0.0:
             return 0.0, 0
         if self.since_report < step:  # the step the report was sent before
-            return step - self.since_report, min(sum(self.prefill_backlog[: int(priority) + 1]), chunk)
+            return step - self.since_report, min(self.reported_ahead(priority), chunk)
         return step - self.since_report % step, 0  # a later one, of the same shape as far as is known
 
 
