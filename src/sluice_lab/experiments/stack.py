@@ -12,7 +12,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,10 @@ from typing import Any
 
 import httpx
 
+from sluice.broker import free_port
 from sluice.errors import CLIError
 
 STARTUP_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sluice_testing import serve_app
+from sluice_testing import free_socket, serve_app
 
 from sluice.client import _events, stream_chat
 from sluice.gateway.app import create_app
@@ -48,13 +48,6 @@ def record_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def gateway_options(record_log: Path) -> dict[str, Any]:
     return {"disconnect_grace_s": GRACE_S, "stream_retention_s": 120.0, "record_log_path": str(record_log)}
-
-
-def _free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
 
 
 def wait_for(predicate: Any, what: str, timeout: float = 60.0) -> Any:
@@ -345,7 +338,7 @@ class CuttingProxy:
         self.target = (host, int(port))
         self.cuts = cuts
         self.after_bytes = after_bytes
-        self.sock = _free_socket()
+        self.sock = free_socket()
         self.sock.listen(16)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.connections = 0
