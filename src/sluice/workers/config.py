@@ -89,7 +89,8 @@ class EngineConfig:
     policy: str = "chunked"
     """`chunked` (decode-first: running decodes first, prompt chunks fill the rest of the budget),
     `prefill_first` (a new prompt is prefilled whole before decodes continue) or `static` (classic
-    static batching)."""
+    static batching, a baseline: a batch holds what waits at the worker when it starts, and the
+    gateway keeps that queue `dispatch.max_worker_waiting` short, so raise that to the batch wanted)."""
     max_prefill_chunk: int | None = None
     """Cap on one request's prefill chunk per step, in tokens; unset = the step budget."""
     chunk_policy: str = "fixed"

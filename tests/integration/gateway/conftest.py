@@ -24,7 +24,7 @@ from sluice_testing import serve_app
 
 from sluice.gateway.app import create_app
 from sluice.gateway.queueing.local import LocalEngineBackend
-from sluice.settings import AdminSettings, DatabaseSettings, GatewaySettings, Settings, SharedSettings
+from sluice.settings import AdminSettings, DatabaseSettings, DispatchSettings, GatewaySettings, Settings, SharedSettings
 
 ENGINE_OPTIONS = {"max_num_seqs": 32, "kv_cache_bytes": 32 * 2**20, "max_num_batched_tokens": 512}
 
@@ -94,9 +94,11 @@ def _shared_settings(mode: str) -> SharedSettings:
 
 @contextlib.contextmanager
 def start_gateway(directory: Path, models: dict[str, Path], engine_options: dict[str, Any], *,
-                  shared_mode: str = "in-process", gateway_options: dict[str, Any] | None = None) -> Iterator[Gateway]:
+                  shared_mode: str = "in-process", gateway_options: dict[str, Any] | None = None,
+                  dispatch_options: dict[str, Any] | None = None) -> Iterator[Gateway]:
     """A gateway over HTTP serving `models` (name -> directory) with a local engine each, its own
-    SQLite database in `directory`; stopped on exit."""
+    SQLite database in `directory`; stopped on exit. `dispatch_options`: the local engines'
+    dispatcher settings (`[dispatch]`)."""
     database_url = f"sqlite+aiosqlite:///{directory / 'sluice.db'}"
     admin_token = "slc-admin-" + secrets.token_urlsafe(32)
     metrics_token = "metrics-" + secrets.token_urlsafe(24)
@@ -109,7 +111,8 @@ def start_gateway(directory: Path, models: dict[str, Path], engine_options: dict
         database=DatabaseSettings(url=database_url),
         shared=_shared_settings(shared_mode),
     )
-    backend = LocalEngineBackend(models, engine_options)
+    dispatch = DispatchSettings(**(dispatch_options or {}))
+    backend = LocalEngineBackend(models, engine_options, settings=Settings(dispatch=dispatch))
     app = create_app(settings, backend)
     with serve_app(app) as base_url:
         yield Gateway(base_url, admin_token, database_url, app, metrics_token)

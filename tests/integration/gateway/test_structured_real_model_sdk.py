@@ -64,8 +64,11 @@ def client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     options = {**ENGINE, "policy": policy, "num_speculative_tokens": speculation}
     # No request deadline to speak of: on a loaded 2-core machine 40 constrained requests under
     # `static` batching took over the default 600 s; the test is about the answers, not the time.
+    # The engine gets every request of the configuration at once: with the dispatcher's default
+    # (2 queued at a worker) a `static` batch held 2-3 of them and ran a dozen batches in a row.
     with open_gateway(tmp_path_factory.mktemp("real-structured"), {"smollm2": real_model_dir}, options,
-                      gateway_options={"request_timeout_s": 7200.0}) as gateway:
+                      gateway_options={"request_timeout_s": 7200.0},
+                      dispatch_options={"max_worker_waiting": ENGINE["max_num_seqs"]}) as gateway:
         _, key = gateway.tenant(priority_ceiling="interactive", default_class="standard")
         yield openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, timeout=7200)
 
