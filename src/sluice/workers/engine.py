@@ -34,6 +34,7 @@ from sluice.protocol import (
 from sluice.workers.config import EngineConfig, SchedulerConfig
 from sluice.workers.detokenizer import IncrementalDetokenizer
 from sluice.workers.model.config import ModelConfig, ModelLoadError
+from sluice.workers.model.tokenizer import load_tokenizer
 from sluice.workers.request import Request, RequestStatus
 from sluice.workers.runner import ModelRunner
 from sluice.workers.scheduler import Scheduler
@@ -66,19 +67,6 @@ class GenerationResult:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-
-
-def load_tokenizer(model_dir: Path):  # -> transformers PreTrainedTokenizerBase
-    from transformers import AutoTokenizer
-
-    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer.model").is_file():
-        raise ModelLoadError(f"{model_dir}: missing tokenizer.json")
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as exc:  # transformers raises many types for a broken tokenizer directory
-        raise ModelLoadError(
-            f"{model_dir}: cannot load the tokenizer ({type(exc).__name__}: {exc})"
-        ) from None
 
 
 def _eos_token_ids(model_dir: Path, model_config: ModelConfig, tokenizer) -> frozenset[int]:

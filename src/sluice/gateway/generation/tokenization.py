@@ -67,10 +67,10 @@ class ModelTokenizer:
     @classmethod
     def load(cls, name: str, path: str | Path, max_model_len: int | None = None, *,
              tool_parser: str | None = None) -> ModelTokenizer:
-        from transformers import AutoTokenizer
+        from sluice.workers.model.tokenizer import load_tokenizer
 
         directory = Path(path)
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        tokenizer = load_tokenizer(directory)
         if max_model_len is None:
             config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
             max_model_len = int(config.get("max_position_embeddings") or tokenizer.model_max_length)
