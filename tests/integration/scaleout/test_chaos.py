@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.postgres]
 
 # Streams over both replicas, so a SIGKILLed replica cuts streams in flight: replica takeover
 # continues their generations elsewhere and the clients re-attach through the other replica.
-CONFIG = ChaosConfig(duration_s=45.0, kill_every_s=6.0, kinds=("replica", "worker"), streams=4, batches=1,
+CONFIG = ChaosConfig(duration_s=30.0, kill_every_s=6.0, kinds=("replica", "worker"), streams=4, batches=1,
                      batch_lines=40, prompts=4, max_tokens=24, seed=16, batch_timeout_s=300.0)
 
 
