@@ -12,6 +12,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,10 @@ def find_broker_binary() -> Path:
 # Ports below the kernel's ephemeral range are never the local end of an outgoing connection.
 LISTEN_PORTS_FROM = 10_000
 _EPHEMERAL_DEFAULT = (32_768, 60_999)
+# A picked port is claimed for this long (a file per port): a server may take seconds to bind the
+# port it was given, and meanwhile no other process on the machine picks it.
+CLAIM_S = 300.0
+CLAIMS_DIR = Path(tempfile.gettempdir()) / "sluice-ports"
 
 
 def ephemeral_ports() -> tuple[int, int]:
@@ -56,17 +61,38 @@ def ephemeral_ports() -> tuple[int, int]:
     return low, high
 
 
+def claim_port(port: int) -> bool:
+    """Claims `port` for a server about to start; False when another pick on this machine claimed
+    it less than CLAIM_S ago. Where the claims directory cannot be written, every claim succeeds."""
+    path = CLAIMS_DIR / str(port)
+    try:
+        CLAIMS_DIR.mkdir(exist_ok=True)
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        try:
+            if time.time() - path.stat().st_mtime < CLAIM_S:
+                return False
+            os.utime(path)  # an old claim: its server has bound the port or never will
+            return True
+        except OSError:
+            return False
+    except OSError:
+        return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, for a server started next to listen on.
 
     Chosen at random below the ephemeral range: a port the kernel hands out for bind(0) lies inside
     that range, where any outgoing connection (a Kafka client, an HTTP client) may take it as its
-    local end before the server binds it (seen as "address already in use" on a busy test machine).
-    Falls back to bind(0) when the range leaves no room below it."""
+    local end before the server binds it. Claimed (`claim_port`), so that two processes picking
+    ports at once do not both get it before either server binds it. Both were seen as "address
+    already in use" on a busy test machine. Falls back to bind(0) when the range leaves no room."""
     low, _ = ephemeral_ports()
     for _ in range(64 if low - LISTEN_PORTS_FROM >= 1_000 else 0):
         port = secrets.randbelow(low - LISTEN_PORTS_FROM) + LISTEN_PORTS_FROM
-        if not port_in_use(host, port):
+        if not port_in_use(host, port) and claim_port(port):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -88,7 +114,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
     HTTP ports and for its worker ports)."""
     while True:
         port = free_port(host)
-        if port + count <= 65536 and not any(port_in_use(host, port + i) for i in range(1, count)):
+        rest = range(port + 1, port + count)
+        if port + count <= 65536 and not any(port_in_use(host, p) for p in rest) and all(map(claim_port, rest)):
             return port
 
 
