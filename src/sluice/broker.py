@@ -11,6 +11,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -49,7 +50,7 @@ _EPHEMERAL_DEFAULT = (32_768, 60_999)
 # A picked port is claimed for this long (a file per port): a server may take seconds to bind the
 # port it was given, and meanwhile no other process on the machine picks it.
 CLAIM_S = 300.0
-CLAIMS_DIR = Path(tempfile.gettempdir()) / "sluice-ports"
+CLAIMS_DIR = Path(tempfile.gettempdir()) / f"sluice-ports-{os.getuid()}"
 
 
 def ephemeral_ports() -> tuple[int, int]:
@@ -62,11 +63,15 @@ def ephemeral_ports() -> tuple[int, int]:
 
 
 def claim_port(port: int) -> bool:
-    """Claims `port` for a server about to start; False when another pick on this machine claimed
-    it less than CLAIM_S ago. Where the claims directory cannot be written, every claim succeeds."""
+    """Claims `port` for a server about to start; False when another pick by this user claimed it
+    less than CLAIM_S ago. Where the claims directory is not this user's own directory (a link, or
+    another user's) or cannot be written, every claim succeeds."""
     path = CLAIMS_DIR / str(port)
     try:
-        CLAIMS_DIR.mkdir(exist_ok=True)
+        CLAIMS_DIR.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(CLAIMS_DIR)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return True
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         return True
     except FileExistsError:

@@ -45,3 +45,12 @@ def test_a_claimed_port_is_not_picked_again_until_its_claim_is_old(tmp_path: Pat
     old = time.time() - broker.CLAIM_S - 1
     os.utime(tmp_path / "claims" / str(port), (old, old))
     assert claim_port(port) and not claim_port(port)
+
+
+def test_claims_are_skipped_where_the_directory_is_a_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "claims").symlink_to(elsewhere)
+    monkeypatch.setattr(broker, "CLAIMS_DIR", tmp_path / "claims")
+    assert claim_port(20_000) and claim_port(20_000)
+    assert list(elsewhere.iterdir()) == []
