@@ -64,7 +64,21 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand `argv` names (None: none, as for --help or --version)."""
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--log-level":
+            next(tokens, None)
+        elif not token.startswith("-"):
+            return token
+    return None
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; given the command line about to be parsed, the lab's `bench`
+    commands are registered only when it names `bench` or no command (--help): importing them costs
+    a worker or a gateway process most of a second of CPU at every start."""
     parser = _Parser(prog="sluice", description="Multi-tenant LLM serving: gateway, queues, workers.")
     parser.add_argument("--version", action="version", version=f"sluice {_version()}")
     parser.add_argument("--log-level", default="INFO", type=_log_level, metavar="LEVEL",
@@ -76,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks and experiments (print numbers, write JSON)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", parser_class=_Parser)
     bench_sub.required = True
+    if argv is not None and _command(argv) not in (None, "bench"):
+        return parser
     try:
         _call(*_BENCH_REGISTRAR, bench_sub)
     except ModuleNotFoundError as exc:  # a gateway- or worker-only install: the lab's group is missing
@@ -159,8 +175,8 @@ def _run_broker(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -83,3 +83,14 @@ def test_foreground_broker_ends_when_the_broker_dies(tmp_path: Path) -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize(("argv", "lab"), [(["--log-level", "DEBUG", "worker", "--model", "m"], False),
+                                           (["gateway"], False), (["--log-level", "bench", "bench"], True),
+                                           (["bench", "engine", "--help"], True), (["--help"], True), ([], True)])
+def test_the_lab_is_imported_only_for_bench_and_help(argv: list[str], lab: bool) -> None:
+    code = ("import sys; from sluice.cli import build_parser; build_parser(sys.argv[1:]); "
+            "print('sluice_lab.cli' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(lab)

@@ -78,7 +78,7 @@ def test_httpx_request_lines_only_at_debug(level: str, shown: bool, monkeypatch:
     parser = argparse.ArgumentParser()
     parser.add_argument("--log-level", type=str.upper, default="INFO")
     parser.set_defaults(handler=lambda _args: 0, command="test")
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(cli, "build_parser", lambda _argv=None: parser)
     previous = logging.getLogger("httpx").level
     try:
         assert cli.main(["--log-level", level]) == 0
