@@ -110,9 +110,10 @@ def start_gateway(directory: Path, models: dict[str, Path], engine_options: dict
         admin=AdminSettings(token=admin_token),
         database=DatabaseSettings(url=database_url),
         shared=_shared_settings(shared_mode),
+        dispatch=DispatchSettings(**(dispatch_options or {})),
     )
-    dispatch = DispatchSettings(**(dispatch_options or {}))
-    backend = LocalEngineBackend(models, engine_options, settings=Settings(dispatch=dispatch))
+    # The backend's dispatcher takes the gateway's [dispatch] (its other sections are the app's).
+    backend = LocalEngineBackend(models, engine_options, settings=Settings(dispatch=settings.dispatch))
     app = create_app(settings, backend)
     with serve_app(app) as base_url:
         yield Gateway(base_url, admin_token, database_url, app, metrics_token)
