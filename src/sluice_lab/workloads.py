@@ -153,3 +153,71 @@ def chat_prompt_pool(model_dir: str | Path, seed: int) -> list[list[int]]:
     rendered = [_render(tokenizer, c) for c in conversations]
     random.Random(seed + 1).shuffle(rendered)
     return rendered
+
+
+class RandomPrompts:
+    """Random token ids of a drawn length, greedy: `bench slo`'s original load, kept beside `chat`."""
+
+    name = "random"
+    temperature = 0.0
+    top_p = 1.0
+
+    def __init__(self, vocab: int) -> None:
+        self._vocab = vocab
+
+    def prompts(self, rng: random.Random, bounds: tuple[int, int], num: int) -> list[list[int]]:
+        return [[rng.randrange(16, self._vocab) for _ in range(rng.randint(*bounds))] for _ in range(num)]
+
+
+class ChatPrompts:
+    """Natural chat prompts of a drawn length, sampled like `chat`: loads shaped in token lengths.
+
+    Each shipped conversation whose rendered length lies within the bounds is used once per draw
+    (shuffled). The rest are retrieval-style prompts: a shorter shipped conversation whose system
+    message carries reference text (the shipped turns, from a random place, cycled) cut to a length
+    drawn within the bounds. A bound below every conversation gets the shortest one.
+    """
+
+    name = "chat"
+    temperature = CHAT_TEMPERATURE
+    top_p = CHAT_TOP_P
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self._tokenizer = _chat_tokenizer(model_dir)
+        self._conversations, _ = load_conversations()
+        self._rendered = [_render(self._tokenizer, c) for c in self._conversations]
+        # The turns' text, encoded one turn at a time (the whole is longer than some models' context).
+        turns = [m["content"] + "\n\n" for c in self._conversations for m in c if m["role"] != "system"]
+        self._corpus = [i for ids in self._tokenizer(turns, add_special_tokens=False)["input_ids"] for i in ids]
+
+    def prompts(self, rng: random.Random, bounds: tuple[int, int], num: int) -> list[list[int]]:
+        low, high = bounds
+        fitting = [ids for ids in self._rendered if low <= len(ids) <= high]
+        rng.shuffle(fitting)
+        shorter = [c for c, ids in zip(self._conversations, self._rendered, strict=True) if len(ids) < low]
+        out = [list(ids) for ids in fitting[:num]]
+        while len(out) < num:
+            if not shorter:
+                out.append(min(self._rendered, key=lambda ids: len(ids)).copy())
+                continue
+            out.append(self._with_reference(rng.choice(shorter), rng.randint(low, high), rng, high))
+        rng.shuffle(out)
+        return out
+
+    def _with_reference(self, conversation: list[dict[str, str]], length: int, rng: random.Random,
+                        high: int) -> list[int]:
+        system = conversation[0]["content"] if conversation[0]["role"] == "system" else "You are a helpful assistant."
+        turns = [m for m in conversation if m["role"] != "system"]
+
+        def render(reference: list[int]) -> list[int]:
+            text = f"{system}\n\nReference material:\n{self._tokenizer.decode(reference)}"
+            return _render(self._tokenizer, [{"role": "system", "content": text}, *turns])
+
+        need = max(0, length - len(render([])))
+        start = rng.randrange(len(self._corpus))
+        reference = [self._corpus[(start + i) % len(self._corpus)] for i in range(need)]
+        ids = render(reference)
+        while len(ids) > high and reference:  # decoding and encoding again may merge or split a few
+            reference = reference[: len(reference) - (len(ids) - high)]
+            ids = render(reference)
+        return ids

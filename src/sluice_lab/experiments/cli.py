@@ -69,6 +69,9 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     slo.add_argument("--phases", nargs="+", help="steady long_while_decoding batch_flood burst (default: all)")
     slo.add_argument("--load", choices=("cpu", "gpu"), default="cpu",
                      help="the phases' sizes: cpu (a small model on a CPU) or gpu (an 8B shape on an H200)")
+    slo.add_argument("--workload", choices=("chat", "random"), default="chat",
+                     help="chat: the shipped conversations (retrieval-style where a phase wants longer prompts), "
+                          "sampled (temperature 0.8, top_p 0.95); random: random token ids, greedy (the original)")
     _common(slo, "slo")
     slo.set_defaults(handler=_slo)
 

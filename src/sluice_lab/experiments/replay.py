@@ -35,6 +35,15 @@ class TimedRequest:
     after: tuple[str, int] | None = None
     itl_target_s: float | None = None  # the engine's adaptive chunk policy holds its steps within it
     ttft_target_s: float | None = None  # ... and raises its prefill budget for this one's first token
+    temperature: float = 0.0  # 0: greedy; otherwise sampled with top_p and a seed of its own
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        """Every request runs to `max_tokens` (ignore_eos), so a phase's shape does not depend on
+        where a sampled answer would have stopped."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              seed=self.seed, ignore_eos=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +97,9 @@ def replay(engine: LLMEngine, requests: Sequence[TimedRequest], *, model: str = 
             raise RuntimeError(f"the replay did not finish within {time_limit_s:.0f} s")
         for req in [r for r in pending if due(r, now)]:
             pending.remove(req)
-            sampling = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
             # A timed arrival is charged from its scheduled time; a triggered one from now.
             arrival = now if req.after is not None else start + req.offset_s
-            engine.add_request(req.request_id, list(req.prompt_token_ids), sampling,
+            engine.add_request(req.request_id, list(req.prompt_token_ids), req.sampling_params(),
                                priority=req.priority, arrival_time=arrival,
                                itl_target_s=req.itl_target_s, ttft_target_s=req.ttft_target_s)
             results[req.request_id] = GenerationResult(req.request_id, list(req.prompt_token_ids),

@@ -11,6 +11,12 @@ neighbour on a shared machine hits every arm of a phase alike):
 - batch_flood: batch requests only (no targets): throughput;
 - burst: a burst of interactive arrivals while a few streams decode.
 
+The prompts (`--workload`): `chat` (the default) takes the shipped conversations, retrieval-style
+where a phase wants longer prompts than any conversation, and samples (temperature 0.8, top_p
+0.95, a seed per request), as applications send; `random` is the original load, random token ids
+decoded greedily, kept to compare with the earlier runs. Either way every request runs to its
+phase's output length (ignore_eos), so both workloads have the same shape.
+
 Arms: the `fixed` chunk policy with each chunk size (step budget = chunk + a decode slot per
 sequence, as `bench chunk-sweep`), `adaptive` (step budget = the largest chunk + the slots; every
 step holds the ITL target) and `adaptive-p95` (the same, with whole-budget steps while each stream
@@ -24,15 +30,17 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sluice.protocol import Priority
 from sluice.telemetry import percentile
 from sluice_lab.experiments.common import resolve_model
 from sluice_lab.experiments.replay import ReplayResult, TimedRequest, build_engine, replay, token_gaps
 from sluice_lab.loadgen.scenario import Slo
+from sluice_lab.workloads import ChatPrompts, RandomPrompts
 
 PHASES = ("steady", "long_while_decoding", "batch_flood", "burst")
 STANDARD_LOOSER = 10.0 / 3.0  # standard's targets / interactive's (the [objectives] defaults: 10 s / 3 s)
@@ -75,36 +83,46 @@ class Sizes:
 LOADS = {"cpu": Sizes, "gpu": Sizes.gpu, "quick": Sizes.quick}
 
 
-def phase_requests(phase: str, sizes: Sizes, slo: Slo, vocab: int, seed: int) -> list[TimedRequest]:
+class PromptSource(Protocol):
+    """Where a phase's prompts come from, and how its requests are decoded (sluice_lab.workloads)."""
+
+    name: str
+    temperature: float
+    top_p: float
+
+    def prompts(self, rng: random.Random, bounds: tuple[int, int], num: int) -> list[list[int]]: ...
+
+
+def phase_requests(phase: str, sizes: Sizes, slo: Slo, source: PromptSource, seed: int) -> list[TimedRequest]:
     rng = random.Random(f"{seed}-{phase}")
+    requests: list[TimedRequest] = []
 
-    def prompt(bounds: tuple[int, int]) -> tuple[int, ...]:
-        return tuple(rng.randrange(16, vocab) for _ in range(rng.randint(*bounds)))
-
-    def stream(i: int, offset: float, role: str = "interactive", output: int | None = None,
-               bounds: tuple[int, int] | None = None, after: tuple[str, int] | None = None) -> TimedRequest:
-        return TimedRequest(f"{phase}-{role}-{i}", offset, prompt(bounds or sizes.stream_prompt),
-                            output or sizes.stream_output, role=role, priority=Priority.INTERACTIVE,
-                            after=after, itl_target_s=slo.itl_s, ttft_target_s=slo.ttft_s)
+    def add(role: str, bounds: tuple[int, int], num: int, output: int, *, priority: Priority = Priority.INTERACTIVE,
+            targets: tuple[float | None, float | None] = (slo.ttft_s, slo.itl_s),
+            after: Callable[[int], tuple[str, int] | None] = lambda i: None) -> None:
+        for i, prompt in enumerate(source.prompts(rng, bounds, num)):
+            sampled = source.temperature > 0
+            requests.append(TimedRequest(
+                f"{phase}-{role}-{i}", sizes.stream_gap_s * i if phase == "steady" else 0.0, tuple(prompt), output,
+                role=role, priority=priority, after=after(i), ttft_target_s=targets[0], itl_target_s=targets[1],
+                temperature=source.temperature, top_p=source.top_p,
+                seed=seed * 1_000_003 + len(requests) if sampled else None))
 
     if phase == "steady":
-        return [stream(i, sizes.stream_gap_s * i) for i in range(sizes.streams)]
-    if phase == "long_while_decoding":
-        streams = [stream(i, 0.0, output=2 * sizes.stream_output) for i in range(sizes.streams)]
-        longs = [TimedRequest(f"{phase}-long-{i}", 0.0, prompt(sizes.long_prompt), 8, role="long",
-                              priority=Priority.STANDARD, after=("interactive", 2 + 4 * i),
-                              itl_target_s=slo.itl_s * STANDARD_LOOSER, ttft_target_s=slo.ttft_s * STANDARD_LOOSER)
-                 for i in range(sizes.long_prompts)]
-        return streams + longs
-    if phase == "batch_flood":
-        return [TimedRequest(f"{phase}-batch-{i}", 0.0, prompt(sizes.batch_prompt), sizes.batch_output,
-                             role="batch", priority=Priority.BATCH) for i in range(sizes.batch_requests)]
-    if phase == "burst":
-        streams = [stream(i, 0.0, output=2 * sizes.stream_output) for i in range(max(1, sizes.streams // 2))]
-        burst = [stream(i, 0.0, role="burst", bounds=sizes.burst_prompt, after=("interactive", 2))
-                 for i in range(sizes.burst)]
-        return streams + burst
-    raise ValueError(f"unknown phase {phase!r}")
+        add("interactive", sizes.stream_prompt, sizes.streams, sizes.stream_output)
+    elif phase == "long_while_decoding":
+        add("interactive", sizes.stream_prompt, sizes.streams, 2 * sizes.stream_output)
+        add("long", sizes.long_prompt, sizes.long_prompts, 8, priority=Priority.STANDARD,
+            targets=_targets("long", slo), after=lambda i: ("interactive", 2 + 4 * i))
+    elif phase == "batch_flood":
+        add("batch", sizes.batch_prompt, sizes.batch_requests, sizes.batch_output, priority=Priority.BATCH,
+            targets=_targets("batch", slo))
+    elif phase == "burst":
+        add("interactive", sizes.stream_prompt, max(1, sizes.streams // 2), 2 * sizes.stream_output)
+        add("burst", sizes.burst_prompt, sizes.burst, sizes.stream_output, after=lambda i: ("interactive", 2))
+    else:
+        raise ValueError(f"unknown phase {phase!r}")
+    return requests
 
 
 def _targets(role: str, slo: Slo) -> tuple[float | None, float | None]:
@@ -142,7 +160,7 @@ def measure(result: ReplayResult, slo: Slo) -> dict[str, Any]:
 
 def run_slo_bench(model_dir: Path, chunks: list[int], sizes: Sizes, slo: Slo, *, seed: int = 0,
                   device: str = "cpu", cpu_threads: int = 1, phases: tuple[str, ...] = PHASES,
-                  warm_steps: int = 24) -> dict[str, Any]:
+                  workload: str = "chat", warm_steps: int = 24) -> dict[str, Any]:
     arms = [f"fixed-{c}" for c in chunks] + ["adaptive", "adaptive-p95"]
     largest = max(chunks)
     results: dict[str, dict[str, Any]] = {arm: {} for arm in arms}
@@ -152,6 +170,8 @@ def run_slo_bench(model_dir: Path, chunks: list[int], sizes: Sizes, slo: Slo, *,
     engine = build_engine(model_dir, device=device, cpu_threads=cpu_threads, policy="chunked",
                           max_num_seqs=sizes.max_num_seqs, max_num_batched_tokens=largest + sizes.max_num_seqs,
                           **model_len)
+    source: PromptSource = (ChatPrompts(model_dir) if workload == "chat"
+                            else RandomPrompts(engine.model_config.vocab_size))
     defaults = {"chunk_policy": engine.config.chunk_policy, "max_prefill_chunk": engine.config.max_prefill_chunk,
                 "min_prefill_chunk": engine.config.min_prefill_chunk, "itl_slow_share": engine.config.itl_slow_share}
     for phase in phases:
@@ -166,8 +186,7 @@ def run_slo_bench(model_dir: Path, chunks: list[int], sizes: Sizes, slo: Slo, *,
                 options.update(max_prefill_chunk=chunk, max_num_batched_tokens=chunk + sizes.max_num_seqs)
             engine.reschedule(**options)
             _warm(engine, warm_steps, min(chunks), seed)
-            vocab = engine.model_config.vocab_size
-            result = replay(engine, phase_requests(phase, sizes, slo, vocab, seed))
+            result = replay(engine, phase_requests(phase, sizes, slo, source, seed))
             point = measure(result, slo)
             point["cost_model_error"] = engine.scheduler.cost_model.prediction_error()
             point["itl_capped_steps"] = engine.scheduler.stats.num_itl_capped_steps
@@ -178,6 +197,7 @@ def run_slo_bench(model_dir: Path, chunks: list[int], sizes: Sizes, slo: Slo, *,
     return {"slo": {"interactive_ttft_s": slo.ttft_s, "interactive_itl_s": slo.itl_s,
                     "standard_factor": STANDARD_LOOSER},
             "load": {"sizes": {k: getattr(sizes, k) for k in Sizes.__dataclass_fields__}, "seed": seed,
+                     "workload": {"name": source.name, "temperature": source.temperature, "top_p": source.top_p},
                      "model": str(model_dir), "device": device, "cpu_threads": cpu_threads},
             "arms": results, "verdict": verdict(results, phases)}
 
@@ -277,7 +297,8 @@ def run_slo_command(args: argparse.Namespace) -> int:
     if unknown:
         raise CLIError(f"--phases: unknown phase(s) {sorted(unknown)}; known: {', '.join(PHASES)}")
     summary = run_slo_bench(resolve_model(args.model), args.chunks, LOADS["quick" if args.quick else args.load](), slo,
-                            seed=args.seed, device=args.device, cpu_threads=args.cpu_threads, phases=phases)
+                            seed=args.seed, device=args.device, cpu_threads=args.cpu_threads, phases=phases,
+                            workload=args.workload)
     write_json(args.json_out, summary)
     plot_slo(summary, args.plot)
     v = summary["verdict"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,43 @@ def test_slo_quick(demo_model_dir: Path, tmp_path: Path) -> None:
     assert verdict["best_single_fixed"] in ("fixed-16", "fixed-64") and verdict["adaptive_goodput_rps"] >= 0
     assert png.stat().st_size > 10_000
     assert "adaptive / best single fixed" in proc.stdout
+    assert summary["load"]["workload"] == {"name": "chat", "temperature": 0.8, "top_p": 0.95}
+
+
+def test_slo_phases_from_chat_prompts(demo_model_dir: Path) -> None:
+    """`bench slo`'s default prompts: shipped conversations rendered by the chat template, made
+    retrieval-style where a phase wants them longer, sampled with a seed per request; the
+    `random` source keeps the original load's shape."""
+    from sluice_lab.experiments.slo_bench import PHASES, Sizes, phase_requests
+    from sluice_lab.loadgen.scenario import Slo
+    from sluice_lab.workloads import ChatPrompts, RandomPrompts, chat_prompt_pool
+
+    source, sizes, slo = ChatPrompts(demo_model_dir), Sizes(), Slo.parse("ttft=3s,itl=300ms")
+    shipped = {tuple(ids) for ids in chat_prompt_pool(demo_model_dir, 0)}
+    bounds = {"interactive": sizes.stream_prompt, "long": sizes.long_prompt, "batch": sizes.batch_prompt,
+              "burst": sizes.burst_prompt}
+    for phase in PHASES:
+        requests = phase_requests(phase, sizes, slo, source, seed=1)
+        shape = phase_requests(phase, sizes, slo, RandomPrompts(100), seed=1)
+        assert [(r.request_id, r.max_tokens, r.after, r.ttft_target_s) for r in requests] == [
+            (r.request_id, r.max_tokens, r.after, r.ttft_target_s) for r in shape]
+        assert phase_requests(phase, sizes, slo, source, seed=1) == requests  # a function of the seed
+        assert {(r.temperature, r.top_p) for r in requests} == {(0.8, 0.95)}
+        assert len({r.seed for r in requests}) == len(requests)
+        assert {(r.temperature, r.seed) for r in shape} == {(0.0, None)}
+        for role in {r.role for r in requests}:
+            prompts = [r.prompt_token_ids for r in requests if r.role == role]
+            low, high = bounds[role]
+            assert all(low <= len(p) <= high for p in prompts), (phase, role, [len(p) for p in prompts])
+            assert len(set(prompts)) == len(prompts)  # no two requests of a role send the same prompt
+    # Longer than any shipped conversation: a shipped one with reference text in its system message.
+    long = phase_requests("long_while_decoding", sizes, slo, source, seed=1)[-1].prompt_token_ids
+    assert long not in shipped
+    text = source._tokenizer.decode(long)
+    assert "Reference material:" in text and text.rstrip().endswith("assistant")
+    # Shorter than any: the shortest conversation, whole.
+    tiny = source.prompts(random.Random(0), (1, 2), 2)
+    assert [tuple(p) for p in tiny] == [min(shipped, key=len)] * 2
 
 
 def test_experiment_flags_are_validated() -> None:
