@@ -74,6 +74,24 @@ class BlockManager:
             hit.append(block_id)
         return hit
 
+    def pending_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the full blocks of `request`'s tokens that it has yet to compute: what its
+        prefill will publish to the cache (empty without prefix caching)."""
+        if not self.enable_prefix_caching:
+            return []
+        return [self._request_block_hash(request, i)
+                for i in range(request.num_computed_tokens // self.block_size, request.num_tokens // self.block_size)]
+
+    def num_shared_with(self, request: Request, first_block: int, hashes: set[bytes]) -> int:
+        """How many of `request`'s blocks from `first_block` on, in a row, are in `hashes` (at most
+        the blocks a prefix hit may cover: the last token is always computed)."""
+        num = 0
+        for i in range(first_block, (request.num_tokens - 1) // self.block_size):
+            if self._request_block_hash(request, i) not in hashes:
+                break
+            num += 1
+        return num
+
     def num_allocatable(self, hit_block_ids: Sequence[int] = ()) -> int:
         """Free blocks left for new allocations once `hit_block_ids` are taken."""
         reused_free = sum(1 for b in hit_block_ids if self._ref_counts[b] == 0)

@@ -108,7 +108,9 @@ class EngineConfig:
     0 = every step holds the target."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of a prompt prefix computed before (salted per tenant: tenants never share
-    blocks)."""
+    blocks). Under the `chunked` policy a request whose next 64 or more tokens another request is
+    still prefilling (one system prompt, arriving together) waits for them to be cached rather than
+    compute them beside it."""
     num_speculative_tokens: int | None = None
     """Prompt-lookup speculation (workers/speculative.py): up to this many draft tokens per decode,
     copied from where the request's last n tokens (n from `prompt_lookup_max` down to

@@ -21,6 +21,12 @@ its last token also gets prompt-lookup draft tokens (workers/speculative.py) wit
 the blocks already free (never preempting for a guess); `update` keeps the drafts that equal the
 tokens sampled before them.
 
+Shared prefixes (chunked, prefix caching on): a waiting request whose next blocks a running
+request is still prefilling (the same tokens under the same cache salt: a tenant's requests with
+one system prompt arriving together) is not admitted beside it, where it would compute them again;
+it waits, at the head of the queue, until they are cached and are a hit. Only a run of at least
+MIN_SHARED_PREFILL_TOKENS makes it wait: a few shared tokens are not worth a step.
+
 Ranks: a request's rank is (priority, arrival_time, arrival_seq); smaller is served first and
 preempted last. Running requests are kept sorted by rank, so the preemption victim is always the
 tail of the list (lowest priority, latest arrival). Preemption is by recompute: the victim's blocks
@@ -52,6 +58,8 @@ from sluice.workers.step_budget import StepCostModel, StepShape
 from sluice.workers.waiting_queue import WaitingQueue
 
 log = logging.getLogger(__name__)
+
+MIN_SHARED_PREFILL_TOKENS = 64
 
 __all__ = ["RunnerOutput", "ScheduledChunk", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -353,11 +361,19 @@ class Scheduler:
         cfg = self.config
         bm = self.block_manager
         admitted = 0
+        in_flight: set[bytes] | None = None  # blocks running prefills will publish (module docstring)
         while step.budget > 0:
             request = self._waiting.peek()
             if request is None or request.request_id in step.preempted:
                 break
             hits = bm.find_cached_prefix(request)
+            if not whole and cfg.enable_prefix_caching:
+                if in_flight is None:
+                    in_flight = {h for r in self._running if r.num_tokens - r.num_computed_tokens > 1
+                                 for h in bm.pending_hashes(r)}
+                if bm.num_shared_with(request, len(hits), in_flight) * cfg.block_size >= MIN_SHARED_PREFILL_TOKENS:
+                    self.stats.num_shared_prefix_waits += 1
+                    break
             num_cached = len(hits) * cfg.block_size
             left = request.num_tokens - num_cached
             if whole:
@@ -386,6 +402,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             insort(self._running, request, key=_rank)
             step.add(request, n, now)
+            if in_flight is not None:
+                in_flight.update(bm.pending_hashes(request))
             admitted += 1
         return admitted
 

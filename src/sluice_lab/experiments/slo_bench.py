@@ -186,8 +186,10 @@ def run_slo_bench(model_dir: Path, chunks: list[int], sizes: Sizes, slo: Slo, *,
                 options.update(max_prefill_chunk=chunk, max_num_batched_tokens=chunk + sizes.max_num_seqs)
             engine.reschedule(**options)
             _warm(engine, warm_steps, min(chunks), seed)
+            hits_before = engine.scheduler.stats.prefix_hit_tokens
             result = replay(engine, phase_requests(phase, sizes, slo, source, seed))
             point = measure(result, slo)
+            point["prefix_hit_tokens"] = engine.scheduler.stats.prefix_hit_tokens - hits_before
             point["cost_model_error"] = engine.scheduler.cost_model.prediction_error()
             point["itl_capped_steps"] = engine.scheduler.stats.num_itl_capped_steps
             results[arm][phase] = point

@@ -1,9 +1,9 @@
 """Greedy token ids from our engine equal HF `generate` (each prompt alone, no padding).
 
-float32 on the CPU, 16 prompts of mixed lengths (some longer than the prefill chunk, some
-sharing a prefix, one repeated), under every scheduling policy, with chunks that split
-prompts inside a block, with a KV pool small enough to force preemptions, and with
-prefix-cache hits (the same prompts run twice on one engine).
+float32 on the CPU, 18 prompts of mixed lengths (some longer than the prefill chunk, some
+sharing a prefix, two repeated, two sharing one long enough to wait for), under every
+scheduling policy, with chunks that split prompts inside a block, with a KV pool small enough
+to force preemptions, and with prefix-cache hits (the same prompts run twice on one engine).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def _prompts() -> list[list[int]]:
     prompts += [shared + rand(n) for n in (1, 9, 30)]
     prompts += [shared[:20] + rand(12)]
     prompts += [prompts[7], prompts[0]]  # exact repeats
+    system = rand(80)  # long enough that the second waits for the first's prefill (scheduler.py)
+    prompts += [system + rand(n) for n in (5, 20)]
     return prompts
 
 
@@ -62,6 +64,8 @@ def test_greedy_matches_hf_with_chunks_and_prefix_hits(
         max_num_batched_tokens=96, max_num_seqs=8, num_kv_blocks=96, max_model_len=128,
     ))
     assert _run(engine) == expected
+    if policy == "chunked":
+        assert engine.scheduler.stats.num_shared_prefix_waits > 0
     hits_before = engine.scheduler.stats.prefix_hit_tokens
     assert _run(engine) == expected  # second pass: served largely from the prefix cache
     assert engine.scheduler.stats.prefix_hit_tokens > hits_before
@@ -73,7 +77,7 @@ def test_greedy_matches_hf_under_preemption(
     model_fixture: str, policy: str, request: pytest.FixtureRequest, hf_reference
 ) -> None:
     model_dir: Path = request.getfixturevalue(model_fixture)
-    # 9 blocks of 16 = 144 tokens for 16 requests of up to 102 tokens each: constant preemption.
+    # 9 blocks of 16 = 144 tokens for 18 requests of up to 102 tokens each: constant preemption.
     engine = LLMEngine(EngineConfig(
         model=str(model_dir), policy=policy, block_size=16, max_prefill_chunk=24,
         max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=9, max_model_len=128,

@@ -536,6 +536,58 @@ def test_prefix_cache_hit_between_concurrent_requests() -> None:
     drain(s)
 
 
+def test_a_request_waits_for_the_prefix_a_running_request_is_prefilling() -> None:
+    """Two requests with one long system prompt arriving together: the second is not admitted
+    beside the first (it would compute the same blocks again) but waits for them to be cached;
+    nobody behind it overtakes it meanwhile."""
+    s = make(block_size=4, budget=200, max_num_seqs=8)
+    system = list(range(2000, 2064))  # 16 blocks: MIN_SHARED_PREFILL_TOKENS
+    a, b = req("a", 0, tokens=[*system, 1]), req("b", 0, tokens=[*system, 2, 3], arrival=1.0)
+    c = req("c", 10, arrival=2.0)
+    for r in (a, b, c):
+        s.add_request(r)
+    out, _ = step(s)
+    assert shape(out) == [("a", 0, 65)] and s.stats.num_shared_prefix_waits == 1
+    out, _ = step(s)
+    assert shape(out) == [("a", 65, 1), ("b", 64, 2), ("c", 0, 10)]
+    assert b.num_cached_tokens == 64 and s.stats.prefix_hit_tokens == 64
+    drain(s)
+
+
+def test_a_request_waits_across_chunks_until_the_shared_run_is_short() -> None:
+    """The first request prefills its prompt in chunks: the second waits while 64 or more of its
+    tokens are still to be computed by the first, then is admitted with what is cached."""
+    s = make(block_size=4, budget=100, chunk=24)
+    system = list(range(3000, 3096))  # 24 blocks
+    a, b = req("a", 0, tokens=[*system, 1]), req("b", 0, tokens=[*system, 2], arrival=1.0)
+    s.add_request(a)
+    s.add_request(b)
+    starts = []
+    while b.status == RequestStatus.WAITING:
+        out, _ = step(s)
+        starts.append(shape(out))
+    # a's chunks of 24 publish 6 blocks a step; b goes in once under 64 of its tokens are pending.
+    assert starts[:2] == [[("a", 0, 24)], [("a", 24, 24)]] and starts[2] == [("a", 48, 24), ("b", 48, 24)]
+    assert b.num_cached_tokens == 48 and s.stats.num_shared_prefix_waits == 2
+    drain(s)
+
+
+@pytest.mark.parametrize(("policy", "system", "salt"), [
+    ("chunked", list(range(4000, 4060)), ""),  # 15 shared blocks: under MIN_SHARED_PREFILL_TOKENS
+    ("chunked", list(range(4000, 4064)), "other-tenant"),  # another tenant's: no hit to wait for
+    ("prefill_first", list(range(4000, 4064)), ""),  # whole prompts only: both in one step
+    ("static", list(range(4000, 4064)), ""),  # one batch: waiting would hold b out of it
+])
+def test_no_wait_for_a_short_prefix_another_tenant_or_whole_prompt_policies(
+        policy: str, system: list[int], salt: str) -> None:
+    s = make(policy, block_size=4, budget=200)
+    s.add_request(req("a", 0, tokens=[*system, 1]))
+    s.add_request(req("b", 0, tokens=[*system, 2], salt=salt, arrival=1.0))
+    out, _ = step(s)
+    assert [c.request.request_id for c in out.chunks] == ["a", "b"] and s.stats.num_shared_prefix_waits == 0
+    drain(s)
+
+
 def test_tenant_salt_isolation() -> None:
     s = make(block_size=4)
     prompt = list(range(300, 317))
