@@ -24,8 +24,9 @@ tokens sampled before them.
 Shared prefixes (chunked, prefix caching on): a waiting request whose next blocks a running
 request is still prefilling (the same tokens under the same cache salt: a tenant's requests with
 one system prompt arriving together) is not admitted beside it, where it would compute them again;
-it waits, at the head of the queue, until they are cached and are a hit. Only a run of at least
-MIN_SHARED_PREFILL_TOKENS makes it wait: a few shared tokens are not worth a step.
+it keeps its place in the queue until they are cached and are a hit, and the requests behind it
+are admitted meanwhile (its wait holds back nobody else, another tenant least of all). Only a run
+of at least MIN_SHARED_PREFILL_TOKENS makes it wait: a few shared tokens are not worth a step.
 
 Ranks: a request's rank is (priority, arrival_time, arrival_seq); smaller is served first and
 preempted last. Running requests are kept sorted by rank, so the preemption victim is always the
@@ -362,6 +363,7 @@ class Scheduler:
         bm = self.block_manager
         admitted = 0
         in_flight: set[bytes] | None = None  # blocks running prefills will publish (module docstring)
+        held: list[Request] = []  # passed over for this step, for a prefix being computed
         while step.budget > 0:
             request = self._waiting.peek()
             if request is None or request.request_id in step.preempted:
@@ -373,7 +375,8 @@ class Scheduler:
                                  for h in bm.pending_hashes(r)}
                 if bm.num_shared_with(request, len(hits), in_flight) * cfg.block_size >= MIN_SHARED_PREFILL_TOKENS:
                     self.stats.num_shared_prefix_waits += 1
-                    break
+                    held.append(self._waiting.pop())
+                    continue
             num_cached = len(hits) * cfg.block_size
             left = request.num_tokens - num_cached
             if whole:
@@ -405,6 +408,8 @@ class Scheduler:
             if in_flight is not None:
                 in_flight.update(bm.pending_hashes(request))
             admitted += 1
+        for request in held:  # back in their places, ahead of everyone they let by
+            self._waiting.push(request)
         return admitted
 
     def _make_room(self, step: StepBuilder, request: Request, needed: int, hits: list[int]) -> bool:

@@ -65,7 +65,7 @@ class SchedulerStats:
     num_draft_tokens: int = 0  # speculative tokens computed
     num_accepted_draft_tokens: int = 0  # of those, kept (each saved a step of its request)
     num_itl_capped_steps: int = 0  # adaptive chunk policy: steps whose prefill was cut to hold an ITL target
-    num_shared_prefix_waits: int = 0  # steps whose admission waited for a prefix a running prefill computes
+    num_shared_prefix_waits: int = 0  # a waiting request passed over for a step: a running prefill computes its prefix
 
 
 class StepBuilder:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from sluice.protocol import FinishReason, GenerateRequest, Priority, SamplingParams
+from sluice.workers import scheduler as scheduler_module
 from sluice.workers.config import EngineConfig, SchedulerConfig
 from sluice.workers.request import Request, RequestStatus
 from sluice.workers.scheduler import RunnerOutput, Scheduler, SchedulerOutput
@@ -538,8 +539,8 @@ def test_prefix_cache_hit_between_concurrent_requests() -> None:
 
 def test_a_request_waits_for_the_prefix_a_running_request_is_prefilling() -> None:
     """Two requests with one long system prompt arriving together: the second is not admitted
-    beside the first (it would compute the same blocks again) but waits for them to be cached;
-    nobody behind it overtakes it meanwhile."""
+    beside the first (it would compute the same blocks again) but waits for them to be cached,
+    keeping its place; a request behind it is not held back meanwhile."""
     s = make(block_size=4, budget=200, max_num_seqs=8)
     system = list(range(2000, 2064))  # 16 blocks: MIN_SHARED_PREFILL_TOKENS
     a, b = req("a", 0, tokens=[*system, 1]), req("b", 0, tokens=[*system, 2, 3], arrival=1.0)
@@ -547,9 +548,9 @@ def test_a_request_waits_for_the_prefix_a_running_request_is_prefilling() -> Non
     for r in (a, b, c):
         s.add_request(r)
     out, _ = step(s)
-    assert shape(out) == [("a", 0, 65)] and s.stats.num_shared_prefix_waits == 1
+    assert shape(out) == [("a", 0, 65), ("c", 0, 10)] and s.stats.num_shared_prefix_waits == 1
     out, _ = step(s)
-    assert shape(out) == [("a", 65, 1), ("b", 64, 2), ("c", 0, 10)]
+    assert shape(out) == [("a", 65, 1), ("c", 10, 1), ("b", 64, 2)]
     assert b.num_cached_tokens == 64 and s.stats.prefix_hit_tokens == 64
     drain(s)
 
@@ -619,8 +620,12 @@ def test_prefix_caching_off_never_hits() -> None:
 @pytest.mark.parametrize("speculative", [0, 3])
 @pytest.mark.parametrize("policy", ["chunked", "prefill_first", "static"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_workload_keeps_invariants_and_finishes(policy: str, seed: int, speculative: int) -> None:
+def test_random_workload_keeps_invariants_and_finishes(policy: str, seed: int, speculative: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
+    # The shared prefixes here are 4-12 tokens: let one shared block hold a request back (64 in
+    # service), so requests passed over for a running prefill's blocks meet every other path.
+    monkeypatch.setattr(scheduler_module, "MIN_SHARED_PREFILL_TOKENS", 4)
     # A pool of 64 tokens under a 96-token context: preemption, prefix hits and requests that
     # outgrow the pool all happen; with speculation, drafts are kept and rejected at random.
     s = make(policy, block_size=4, num_kv_blocks=16, budget=24, max_num_seqs=6, max_model_len=96,
@@ -687,6 +692,8 @@ def test_random_workload_keeps_invariants_and_finishes(policy: str, seed: int, s
             assert r.num_output_tokens >= 1
     # The workload is tight enough to exercise the hard paths (seeded, so this is deterministic).
     assert s.stats.prefix_hit_tokens > 0
+    if policy == "chunked":
+        assert s.stats.num_shared_prefix_waits > 0
     if policy != "static":
         assert s.stats.num_preemptions > 0 and s.stats.num_priority_preemptions > 0
     if speculative:
