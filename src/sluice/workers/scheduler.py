@@ -391,8 +391,11 @@ class Scheduler:
                 # again. End it ("length") instead of blocking the queue; update() reports it.
                 self._end_in_schedule(request)  # its heap entry goes stale and is skipped
                 continue
+            num_preempted = len(step.preempted)
             if not self._make_room(step, request, needed, hits):
                 break
+            if len(step.preempted) != num_preempted:
+                in_flight = None  # the preempted compute nothing more: gather again
             self._waiting.pop()
             if not bm.allocate(request, num_cached + n, hits):
                 raise RuntimeError("block accounting error: admission checked room it did not get")

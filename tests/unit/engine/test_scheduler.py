@@ -573,6 +573,25 @@ def test_a_request_waits_across_chunks_until_the_shared_run_is_short() -> None:
     drain(s)
 
 
+def test_no_wait_for_a_prefill_preempted_in_the_same_step() -> None:
+    """A batch request prefilling a long prompt in chunks is preempted for an interactive arrival:
+    a standard request sharing that prompt is not held back for blocks nobody will compute now."""
+    s = make(block_size=4, num_kv_blocks=26, budget=64, chunk=16, max_model_len=160)
+    system = list(range(5000, 5096))  # 24 blocks
+    s.add_request(req("filler", 60, max_tokens=60, priority=Priority.BATCH))
+    for _ in range(4):
+        step(s)
+    s.add_request(req("a", 0, tokens=[*system, 1], priority=Priority.BATCH, arrival=1.0))
+    step(s)
+    s.add_request(req("x", 40, priority=Priority.INTERACTIVE, arrival=2.0))
+    s.add_request(req("b", 0, tokens=[*system, 2], priority=Priority.STANDARD, arrival=3.0))
+    out, _ = step(s)
+    # x preempts a; b, not held, takes a's cached first chunk and preempts the batch filler for room.
+    assert out.preempted_ids == ("a", "filler") and shape(out) == [("x", 0, 16), ("b", 16, 16)]
+    assert s.stats.num_shared_prefix_waits == 0
+    drain(s)
+
+
 @pytest.mark.parametrize(("policy", "system", "salt"), [
     ("chunked", list(range(4000, 4060)), ""),  # 15 shared blocks: under MIN_SHARED_PREFILL_TOKENS
     ("chunked", list(range(4000, 4064)), "other-tenant"),  # another tenant's: no hit to wait for
