@@ -82,15 +82,13 @@ class BlockManager:
         return [self._request_block_hash(request, i)
                 for i in range(request.num_computed_tokens // self.block_size, request.num_tokens // self.block_size)]
 
-    def num_shared_with(self, request: Request, first_block: int, hashes: set[bytes]) -> int:
-        """How many of `request`'s blocks from `first_block` on, in a row, are in `hashes` (at most
-        the blocks a prefix hit may cover: the last token is always computed)."""
-        num = 0
-        for i in range(first_block, (request.num_tokens - 1) // self.block_size):
-            if self._request_block_hash(request, i) not in hashes:
-                break
-            num += 1
-        return num
+    def shares_blocks(self, request: Request, first_block: int, hashes: set[bytes], num: int) -> bool:
+        """Whether `request`'s `num` blocks from `first_block` on are all in `hashes` (blocks a
+        prefix hit may cover: never the one holding the last token, which is always computed)."""
+        last = first_block + num
+        if num <= 0 or last > (request.num_tokens - 1) // self.block_size:
+            return False
+        return all(self._request_block_hash(request, i) in hashes for i in range(first_block, last))
 
     def num_allocatable(self, hit_block_ids: Sequence[int] = ()) -> int:
         """Free blocks left for new allocations once `hit_block_ids` are taken."""

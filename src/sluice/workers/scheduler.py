@@ -25,8 +25,9 @@ Shared prefixes (chunked, prefix caching on): a waiting request whose next block
 request is still prefilling (the same tokens under the same cache salt: a tenant's requests with
 one system prompt arriving together) is not admitted beside it, where it would compute them again;
 it keeps its place in the queue until they are cached and are a hit, and the requests behind it
-are admitted meanwhile (its wait holds back nobody else, another tenant least of all). Only a run
-of at least MIN_SHARED_PREFILL_TOKENS makes it wait: a few shared tokens are not worth a step.
+are admitted meanwhile (its wait holds back nobody else, another tenant least of all; past
+max_num_seqs such requests in one step, admission stops looking). Only a run of at least
+MIN_SHARED_PREFILL_TOKENS makes it wait: a few shared tokens are not worth a step.
 
 Ranks: a request's rank is (priority, arrival_time, arrival_seq); smaller is served first and
 preempted last. Running requests are kept sorted by rank, so the preemption victim is always the
@@ -373,9 +374,11 @@ class Scheduler:
                 if in_flight is None:
                     in_flight = {h for r in self._running if r.num_tokens - r.num_computed_tokens > 1
                                  for h in bm.pending_hashes(r)}
-                if bm.num_shared_with(request, len(hits), in_flight) * cfg.block_size >= MIN_SHARED_PREFILL_TOKENS:
+                if bm.shares_blocks(request, len(hits), in_flight, -(-MIN_SHARED_PREFILL_TOKENS // cfg.block_size)):
                     self.stats.num_shared_prefix_waits += 1
                     held.append(self._waiting.pop())
+                    if len(held) >= cfg.max_num_seqs:  # a step runs no more: stop looking past them
+                        break
                     continue
             num_cached = len(hits) * cfg.block_size
             left = request.num_tokens - num_cached

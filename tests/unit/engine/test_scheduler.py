@@ -573,6 +573,21 @@ def test_a_request_waits_across_chunks_until_the_shared_run_is_short() -> None:
     drain(s)
 
 
+def test_admission_stops_looking_past_max_num_seqs_held_requests() -> None:
+    """A thousand requests of one job behind its first: each step passes over at most max_num_seqs
+    of them, not the whole queue."""
+    s = make(block_size=4, budget=200, max_num_seqs=3, num_kv_blocks=128)
+    system = list(range(6000, 6064))
+    for i in range(6):
+        s.add_request(req(f"j{i}", 0, tokens=[*system, i], arrival=float(i)))
+    s.add_request(req("other", 8, arrival=9.0))
+    out, _ = step(s)
+    assert shape(out) == [("j0", 0, 65)] and s.stats.num_shared_prefix_waits == 3
+    out, _ = step(s)  # j0's prompt is cached: j1 and j2 take the two free slots with a hit
+    assert shape(out) == [("j0", 65, 1), ("j1", 64, 1), ("j2", 64, 1)]
+    drain(s)
+
+
 def test_no_wait_for_a_prefill_preempted_in_the_same_step() -> None:
     """A batch request prefilling a long prompt in chunks is preempted for an interactive arrival:
     a standard request sharing that prompt is not held back for blocks nobody will compute now."""
