@@ -372,8 +372,7 @@ class Scheduler:
             hits = bm.find_cached_prefix(request)
             if not whole and cfg.enable_prefix_caching:
                 if in_flight is None:
-                    in_flight = {h for r in self._running if r.num_tokens - r.num_computed_tokens > 1
-                                 for h in bm.pending_hashes(r)}
+                    in_flight = {h for r in self._running if not r.is_decoding for h in bm.pending_hashes(r)}
                 if bm.shares_blocks(request, len(hits), in_flight, -(-MIN_SHARED_PREFILL_TOKENS // cfg.block_size)):
                     self.stats.num_shared_prefix_waits += 1
                     held.append(self._waiting.pop())

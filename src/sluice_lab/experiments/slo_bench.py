@@ -96,12 +96,12 @@ class PromptSource(Protocol):
 def phase_requests(phase: str, sizes: Sizes, slo: Slo, source: PromptSource, seed: int) -> list[TimedRequest]:
     rng = random.Random(f"{seed}-{phase}")
     requests: list[TimedRequest] = []
+    sampled = source.temperature > 0
 
     def add(role: str, bounds: tuple[int, int], num: int, output: int, *, priority: Priority = Priority.INTERACTIVE,
             targets: tuple[float | None, float | None] = (slo.ttft_s, slo.itl_s),
             after: Callable[[int], tuple[str, int] | None] = lambda i: None) -> None:
         for i, prompt in enumerate(source.prompts(rng, bounds, num)):
-            sampled = source.temperature > 0
             requests.append(TimedRequest(
                 f"{phase}-{role}-{i}", sizes.stream_gap_s * i if phase == "steady" else 0.0, tuple(prompt), output,
                 role=role, priority=priority, after=after(i), ttft_target_s=targets[0], itl_target_s=targets[1],
