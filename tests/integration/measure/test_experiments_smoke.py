@@ -118,3 +118,5 @@ def test_experiment_flags_are_validated() -> None:
     assert proc.returncode == 2 and "comma-separated integers" in proc.stderr
     proc = _run("slo", "--phases", "lunch")
     assert proc.returncode != 0 and "unknown phase" in proc.stderr
+    proc = _run("slo", "--workload", "lunch")
+    assert proc.returncode == 2 and "invalid choice: 'lunch'" in proc.stderr
